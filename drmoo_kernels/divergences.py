@@ -1,0 +1,190 @@
+"""f-divergences for the DRO dual: the conjugate f* and its derivative f*' in one place.
+
+The regularized f-divergence DRO objective of a task, in its dual form (paper eq. 4-5), is
+
+    L(theta, eta) = lam * E[ f*((loss - s*eta) / lam) ] + s*eta
+
+so a divergence enters the library only through f* (the objective) and f*' (the per-sample weights
+of the worst-case distribution, and hence every gradient).  The primal f is kept as well: the tests
+check the Fenchel-Young inequality f(t) + f*(u) >= t*u against it.
+
+Every formula here is the pure-torch *reference*; fused kernels must reproduce it.  Kernels select a
+divergence by its integer ``code`` and a single float ``param`` (see ``Divergence.code``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["DIVERGENCE_NAMES", "Divergence", "get_divergence"]
+
+
+def _chi2_conj(u: Tensor, _: float) -> Tensor:
+    return 0.25 * torch.clamp(u + 2.0, min=0.0) ** 2 - 1.0
+
+
+def _chi2_conj_grad(u: Tensor, _: float) -> Tensor:
+    return 0.5 * torch.clamp(u + 2.0, min=0.0)
+
+
+def _chi2_primal(t: Tensor, _: float) -> Tensor:
+    return (t - 1.0) ** 2
+
+
+def _kl_conj(u: Tensor, _: float) -> Tensor:
+    return torch.expm1(u)
+
+
+def _kl_conj_grad(u: Tensor, _: float) -> Tensor:
+    return torch.exp(u)
+
+
+def _kl_primal(t: Tensor, _: float) -> Tensor:
+    return torch.xlogy(t, t) - t + 1.0
+
+
+def _cvar_conj(u: Tensor, alpha: float) -> Tensor:
+    # (1/alpha) * log(1 - alpha + alpha*e^u), evaluated as a log-sum-exp so that large u never
+    # overflows: log((1-alpha) + alpha*e^u) = logaddexp(log(1-alpha), log(alpha) + u).
+    return torch.logaddexp(torch.full_like(u, math.log1p(-alpha)), u + math.log(alpha)) / alpha
+
+
+def _cvar_conj_grad(u: Tensor, alpha: float) -> Tensor:
+    # e^u / (1 - alpha + alpha e^u) = sigmoid(u + log(alpha/(1-alpha))) / alpha, overflow-free.
+    return torch.sigmoid(u + math.log(alpha / (1.0 - alpha))) / alpha
+
+
+def _cvar_primal(t: Tensor, alpha: float) -> Tensor:
+    # Smoothed CVaR (Jin et al. 2021): t log t + (1 - alpha t)/alpha * log((1 - alpha t)/(1 - alpha))
+    # on 0 <= t <= 1/alpha, +inf outside.
+    rest = 1.0 - alpha * t
+    value = torch.xlogy(t, t) + torch.xlogy(rest, rest / (1.0 - alpha)) / alpha
+    outside = (t < 0) | (rest < 0)
+    return torch.where(outside, torch.full_like(t, math.inf), value)
+
+
+def _cressie_conj(u: Tensor, k: float) -> Tensor:
+    base = torch.clamp((k - 1.0) * u + 1.0, min=0.0)
+    return (base ** (k / (k - 1.0)) - 1.0) / k
+
+
+def _cressie_conj_grad(u: Tensor, k: float) -> Tensor:
+    base = torch.clamp((k - 1.0) * u + 1.0, min=0.0)
+    return base ** (1.0 / (k - 1.0))
+
+
+def _cressie_primal(t: Tensor, k: float) -> Tensor:
+    value = (t**k - k * t + k - 1.0) / (k * (k - 1.0))
+    return torch.where(t < 0, torch.full_like(t, math.inf), value)
+
+
+@dataclass(frozen=True)
+class _Family:
+    code: int
+    conj: Callable[[Tensor, float], Tensor]
+    conj_grad: Callable[[Tensor, float], Tensor]
+    primal: Callable[[Tensor, float], Tensor]
+    param_name: str | None
+    default_param: float
+    param_rule: str
+    param_ok: Callable[[float], bool]
+
+
+_FAMILIES: dict[str, _Family] = {
+    "chi2": _Family(0, _chi2_conj, _chi2_conj_grad, _chi2_primal, None, 0.0, "", lambda _: True),
+    "kl": _Family(1, _kl_conj, _kl_conj_grad, _kl_primal, None, 0.0, "", lambda _: True),
+    "cvar_smooth": _Family(
+        2, _cvar_conj, _cvar_conj_grad, _cvar_primal, "alpha", 0.1, "0 < alpha < 1",
+        lambda a: 0.0 < a < 1.0,
+    ),
+    "cressie_read": _Family(
+        3, _cressie_conj, _cressie_conj_grad, _cressie_primal, "k", 2.0, "k > 1",
+        lambda k: k > 1.0 and math.isfinite(k),
+    ),
+}
+
+DIVERGENCE_NAMES: tuple[str, ...] = tuple(_FAMILIES)
+_VALID = "chi2, kl, cvar_smooth(alpha) with 0 < alpha < 1, cressie_read(k) with k > 1"
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """One f-divergence: ``name`` among :data:`DIVERGENCE_NAMES` and its single parameter.
+
+    ``param`` is alpha for ``cvar_smooth``, k for ``cressie_read`` and unused (0.0) otherwise.
+    """
+
+    name: str
+    param: float = 0.0
+
+    def __post_init__(self) -> None:
+        family = _FAMILIES.get(self.name)
+        if family is None:
+            raise ValueError(f"unknown divergence {self.name!r}; valid choices: {_VALID}")
+        if family.param_name is not None and not family.param_ok(float(self.param)):
+            raise ValueError(
+                f"invalid {family.param_name}={self.param!r} for divergence {self.name!r}: "
+                f"need {family.param_rule}"
+            )
+
+    @property
+    def code(self) -> int:
+        """Integer id the compiled kernels switch on (0 chi2, 1 kl, 2 cvar_smooth, 3 cressie_read)."""
+        return _FAMILIES[self.name].code
+
+    def conj(self, u: Tensor) -> Tensor:
+        """f*(u), the convex conjugate."""
+        return _FAMILIES[self.name].conj(u, self.param)
+
+    def conj_grad(self, u: Tensor) -> Tensor:
+        """f*'(u) >= 0: the density ratio of the worst-case distribution at u."""
+        return _FAMILIES[self.name].conj_grad(u, self.param)
+
+    def primal(self, t: Tensor) -> Tensor:
+        """f(t), +inf outside its domain."""
+        return _FAMILIES[self.name].primal(t, self.param)
+
+    def __str__(self) -> str:
+        family = _FAMILIES[self.name]
+        return self.name if family.param_name is None else f"{self.name}({self.param:g})"
+
+
+_CALL_SYNTAX = re.compile(r"^\s*([a-z_0-9]+)\s*(?:\(\s*(?:[a-z_]+\s*=\s*)?([^)]*?)\s*\))?\s*$")
+
+
+def get_divergence(spec: str | Divergence, param: float | None = None) -> Divergence:
+    """Look a divergence up by name.
+
+    Accepts a :class:`Divergence`, a bare name (``"chi2"``, ``"cvar_smooth"`` with its default
+    parameter) or a call-like string (``"cvar_smooth(0.2)"``, ``"cressie_read(k=3)"``); ``param``
+    overrides the parameter.  Unknown names and invalid parameters raise ``ValueError`` listing the
+    valid choices.
+    """
+    if isinstance(spec, Divergence):
+        return spec if param is None else Divergence(spec.name, float(param))
+    if not isinstance(spec, str):
+        raise ValueError(f"divergence must be a name or a Divergence, got {type(spec).__name__}; "
+                         f"valid choices: {_VALID}")
+    match = _CALL_SYNTAX.match(spec.lower())
+    if match is None:
+        raise ValueError(f"cannot parse divergence {spec!r}; valid choices: {_VALID}")
+    name, text_param = match.group(1), match.group(2)
+    family = _FAMILIES.get(name)
+    if family is None:
+        raise ValueError(f"unknown divergence {spec!r}; valid choices: {_VALID}")
+    if param is None and text_param:
+        if family.param_name is None:
+            raise ValueError(f"divergence {name!r} takes no parameter, got {spec!r}")
+        try:
+            param = float(text_param)
+        except ValueError:
+            raise ValueError(f"cannot parse the parameter of divergence {spec!r}") from None
+    if param is None:
+        param = family.default_param
+    return Divergence(name, float(param))

@@ -1,0 +1,174 @@
+"""The pure-torch reference of every drmoo op: the semantics each fused backend must reproduce.
+
+Contracts (DESIGN §4).  m tasks, B samples, n shared parameters, J the [m, n] per-task gradients.
+
+* ``dual_forward(losses[B,m], eta[m], lam, scale, divergence, sample_weight=None)``
+  -> ``objective[m]``, ``grad_eta[m]`` (= z), ``weights[B,m]`` (= omega * f*'(u) / B, the cotangent
+  of the losses), with u = (losses - scale*eta) / lam.
+* ``dual_step(losses, eta, w, lam, scale, divergence, gamma, f1, f2, sample_weight=None)``
+  -> ``z``, ``mu``, ``weights`` at the updated eta; updates ``eta`` in place (Alg. 2 steps 1-3).
+* ``gram(J)`` -> J J^T; ``combine(J, w, params, lr)``: params -= lr * J^T w through views.
+* ``gram_step(J, w, params, gamma, c1, c2, beta, rho, mu, z)`` -> ``gram``, ``d_norm``, ``alpha``;
+  updates ``params`` and ``w`` in place (Alg. 2 steps 4-5).
+
+Conventions: math in float32 whatever the input dtype (m x m work in float64), scalar results as
+0-d tensors on the inputs' device so that no step needs a host synchronisation.  ``J`` is either one
+[m, n] tensor or a sequence of [m, n_k] blocks whose concatenation along dim 1 is J; ``params`` are
+the tensors J's columns belong to, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .divergences import Divergence
+
+__all__ = [
+    "clip_factor",
+    "combine",
+    "dual_forward",
+    "dual_step",
+    "gram",
+    "gram_step",
+    "project_simplex",
+]
+
+JacobianBlocks = Tensor | Sequence[Tensor]
+
+
+def _blocks(jacobian: JacobianBlocks) -> list[Tensor]:
+    return [jacobian] if isinstance(jacobian, Tensor) else list(jacobian)
+
+
+def _dual_terms(
+    losses: Tensor,
+    eta: Tensor,
+    lam: float,
+    scale: float,
+    divergence: Divergence,
+    sample_weight: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """u, f*'(u)*omega and omega (all float32 [B, m])."""
+    u = (losses.float() - scale * eta.float()) / lam
+    omega = (
+        torch.ones_like(u) if sample_weight is None else sample_weight.to(torch.float32)
+    )
+    return u, divergence.conj_grad(u) * omega, omega
+
+
+def dual_forward(
+    losses: Tensor,
+    eta: Tensor,
+    lam: float,
+    scale: float,
+    divergence: Divergence,
+    sample_weight: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-task dual objective, its eta-gradient z and the per-sample loss cotangents."""
+    batch = losses.shape[0]
+    u, weighted_ratio, omega = _dual_terms(losses, eta, lam, scale, divergence, sample_weight)
+    objective = lam * (divergence.conj(u) * omega).mean(dim=0) + scale * eta.float()
+    grad_eta = scale * (1.0 - weighted_ratio.mean(dim=0))
+    return objective, grad_eta, weighted_ratio / batch
+
+
+def clip_factor(cap: float, budget: float, norm: Tensor) -> Tensor:
+    """min(cap, budget / norm), with cap where the norm vanishes (the paper's clipping rule)."""
+    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+    return torch.where(norm > 0, torch.clamp(budget / safe, max=cap), torch.full_like(norm, cap))
+
+
+def dual_step(
+    losses: Tensor,
+    eta: Tensor,
+    w: Tensor,
+    lam: float,
+    scale: float,
+    divergence: Divergence,
+    gamma: float,
+    f1: float,
+    f2: float,
+    sample_weight: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Alg. 2 steps 1-3 on one batch: z at eta_t, mu, eta_{t+1} (in place), weights at eta_{t+1}."""
+    _, z, _ = dual_forward(losses, eta, lam, scale, divergence, sample_weight)
+    direction = z * w.float()
+    mu = clip_factor(f1, f2, torch.linalg.vector_norm(direction))
+    eta.sub_((gamma * mu * direction).to(eta.dtype))
+    _, weighted_ratio, _ = _dual_terms(losses, eta, lam, scale, divergence, sample_weight)
+    return z, mu, weighted_ratio / losses.shape[0]
+
+
+def gram(jacobian: JacobianBlocks) -> Tensor:
+    """J J^T in float32, summed over the column blocks."""
+    blocks = _blocks(jacobian)
+    out = None
+    for block in blocks:
+        flat = block.reshape(block.shape[0], -1).float()
+        part = flat @ flat.T
+        out = part if out is None else out + part
+    assert out is not None, "gram needs at least one block"
+    return out
+
+
+def combine(jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:
+    """params -= lr * J^T w, written through each parameter (float32 math, rounded on store)."""
+    flat = torch.cat([b.reshape(b.shape[0], -1).float() for b in _blocks(jacobian)], dim=1)
+    direction = w.float() @ flat
+    offset = 0
+    for param in params:
+        count = param.numel()
+        update = direction[offset : offset + count].view_as(param)
+        param.copy_((param.float() - lr * update).to(param.dtype))
+        offset += count
+    if offset != flat.shape[1]:
+        raise ValueError(f"J has {flat.shape[1]} columns but the parameters hold {offset} elements")
+
+
+def gram_step(
+    jacobian: JacobianBlocks,
+    w: Tensor,
+    params: Sequence[Tensor],
+    gamma: float,
+    c1: float,
+    c2: float,
+    beta: float,
+    rho: float,
+    mu: Tensor | float,
+    z: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Alg. 2 steps 4-5: theta -= gamma*alpha*J^T w;  w <- Pi(w - beta(alpha G w + mu z^2 w + rho w))."""
+    gram_matrix = gram(jacobian)
+    w64 = w.double()
+    gram_w = gram_matrix.double() @ w64
+    d_norm = torch.sqrt(torch.clamp(w64 @ gram_w, min=0.0))
+    alpha = clip_factor(c1, c2, d_norm)
+    combine(jacobian, w, params, (gamma * alpha).float())
+    mu64 = torch.as_tensor(mu, dtype=torch.float64, device=w.device)
+    pref_grad = alpha * gram_w + mu64 * z.double() ** 2 * w64 + rho * w64
+    w.copy_(project_simplex(w64 - beta * pref_grad).to(w.dtype))
+    return gram_matrix, d_norm.float(), alpha.float()
+
+
+def project_simplex(v: Tensor) -> Tensor:
+    """Euclidean projection of the last dimension onto the probability simplex (exact, sort-based).
+
+    The input is first shifted by its maximum: projection onto {w >= 0, sum w = 1} is invariant to
+    adding a constant to every coordinate, and the shift keeps the cumulative sums small so that
+    huge entries (1e30) do not swallow the "- 1" of the threshold in floating point.
+    """
+    if v.shape[-1] == 0:
+        raise ValueError("cannot project an empty vector onto the simplex")
+    work = v.double()
+    work = work - work.max(dim=-1, keepdim=True).values
+    ordered = torch.sort(work, dim=-1, descending=True).values
+    cumulative = torch.cumsum(ordered, dim=-1)
+    ks = torch.arange(1, v.shape[-1] + 1, dtype=work.dtype, device=v.device)
+    # Largest k with k*u_k - (S_k - 1) > 0; k = 1 always qualifies since u_1 = 0 after the shift.
+    support = (ks * ordered - cumulative + 1.0) > 0
+    k = (support * ks).amax(dim=-1, keepdim=True)
+    threshold = (torch.gather(cumulative, -1, k.long() - 1) - 1.0) / k
+    return torch.clamp(work - threshold, min=0.0).to(v.dtype)

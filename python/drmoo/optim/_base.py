@@ -1,0 +1,265 @@
+"""What every drmoo optimizer shares: the closure protocol, input checks, per-task Jacobians, state.
+
+The closure protocol.  ``optimizer.step(closure)`` calls ``closure()`` as often as its algorithm
+needs; every call must draw a *fresh* batch and return the per-sample losses ``[B, m]`` (one column
+per task) with their autograd graph.  The optimizer, not the user, turns those losses into the DR
+dual objective, its weights and its per-task gradients.
+
+Shared vs task-specific parameters.  The parameters handed to the optimizer are the *shared* ones
+and go through the multi-objective update.  Every other trainable leaf that takes part in the losses
+(e.g. one head per task) receives, in its ``.grad``, the gradient of the sum of the task dual
+objectives from the batch used for the parameter step - head i therefore sees task i only - and is
+stepped by the user's own optimizer (paper: SGD, lr 1e-2) after ``step`` returns.  Zero those grads
+before ``step`` as usual.
+
+State.  The preference vector ``w`` (on the simplex) and the dual variables ``eta`` live in
+``optimizer.state["drmoo"]`` so that ``state_dict()`` / ``load_state_dict()`` round-trip them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
+
+Closure = Callable[[], Tensor]
+ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
+
+STATE_KEY = "drmoo"
+
+
+def check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
+    """Reject non-finite, negative (or zero) hyperparameters with a message naming them."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    bad = not (number >= 0.0 if allow_zero else number > 0.0) or number != number or number == float("inf")
+    if bad:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
+    return number
+
+
+class MultiObjectiveOptimizer(torch.optim.Optimizer):
+    """Base class: validated closure calls, per-task Jacobians into flat buffers, w/eta state.
+
+    Subclasses implement :meth:`step`.  Hyperparameters other than ``lr`` are global to the
+    algorithm and must agree across parameter groups; ``lr`` may differ per group (it scales that
+    group's parameter update only).
+    """
+
+    #: hyperparameters that may differ between parameter groups
+    _PER_GROUP_KEYS: frozenset[str] = frozenset({"lr"})
+
+    def __init__(self, params: ParamsT, num_tasks: int, defaults: dict[str, Any], backend: str | None) -> None:
+        if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
+            raise ValueError(f"num_tasks must be a positive int, got {num_tasks!r}")
+        defaults = dict(defaults)
+        defaults["divergence"] = str(get_divergence(defaults["divergence"]))
+        super().__init__(params, defaults)
+        self.num_tasks = num_tasks
+        shared = self._shared_params()
+        if not shared:
+            raise ValueError("the optimizer got no parameters that require grad")
+        devices = {p.device for p in shared}
+        dtypes = {p.dtype for p in shared}
+        if len(devices) > 1 or len(dtypes) > 1:
+            raise ValueError(
+                "all shared parameters must have one device and dtype (they share one flat gradient "
+                f"buffer); got devices {sorted(map(str, devices))} and dtypes {sorted(map(str, dtypes))}"
+            )
+        self.device = shared[0].device
+        self.backend = resolve_backend(backend, self.device)
+        self._ops = backend_module(self.backend)
+        self._buffers: dict[str, Tensor] = {}
+        self.stats: dict[str, Tensor] = {}
+        self.state[STATE_KEY] = {
+            "w": torch.full((num_tasks,), 1.0 / num_tasks, device=self.device),
+            "eta": torch.zeros(num_tasks, device=self.device),
+            "step": 0,
+        }
+
+    # ----------------------------------------------------------------------------------- params
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        first = self.param_groups[0]
+        for key, value in param_group.items():
+            if key in ("params", *self._PER_GROUP_KEYS) or key not in first:
+                continue
+            if first[key] != value:
+                raise ValueError(
+                    f"hyperparameter {key!r} differs between parameter groups ({first[key]!r} vs "
+                    f"{value!r}); only {sorted(self._PER_GROUP_KEYS)} may differ per group"
+                )
+
+    def _shared_params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def _group_slices(self) -> list[tuple[list[Tensor], float, slice]]:
+        """(params, lr, column slice of J) for each parameter group."""
+        out, offset = [], 0
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.requires_grad]
+            count = sum(p.numel() for p in params)
+            out.append((params, float(group["lr"]), slice(offset, offset + count)))
+            offset += count
+        return out
+
+    # ------------------------------------------------------------------------------------ state
+    @property
+    def w(self) -> Tensor:
+        """Current preference vector (on the probability simplex)."""
+        return self.state[STATE_KEY]["w"]
+
+    @property
+    def eta(self) -> Tensor:
+        """Current dual variables, one per task."""
+        return self.state[STATE_KEY]["eta"]
+
+    @property
+    def steps_taken(self) -> int:
+        return int(self.state[STATE_KEY]["step"])
+
+    def hyper(self, key: str) -> Any:
+        """A global hyperparameter (read from the first parameter group)."""
+        return self.param_groups[0][key]
+
+    @property
+    def divergence(self) -> Divergence:
+        return get_divergence(self.hyper("divergence"))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if STATE_KEY not in state_dict.get("state", {}):
+            raise ValueError(f"state_dict has no {STATE_KEY!r} entry: it was not saved by a drmoo optimizer")
+        saved = state_dict["state"][STATE_KEY]
+        for key in ("w", "eta"):
+            if tuple(saved[key].shape) != (self.num_tasks,):
+                raise ValueError(
+                    f"state_dict's {key} has shape {tuple(saved[key].shape)}, but this optimizer has "
+                    f"num_tasks={self.num_tasks}"
+                )
+        super().load_state_dict(state_dict)
+        # Non-parameter state is copied by reference and not moved by torch: own and place it.
+        own = self.state[STATE_KEY]
+        self.state[STATE_KEY] = {
+            key: value.detach().clone().to("cpu" if key == "rng_state" else self.device)
+            if isinstance(value, Tensor) else value
+            for key, value in own.items()
+        }
+
+    # ---------------------------------------------------------------------------------- closure
+    def draw_losses(self, closure: Closure | None, *, need_graph: bool) -> Tensor:
+        """Call the closure once and check what it returned; raises naming the problem."""
+        if closure is None:
+            raise ValueError(
+                f"{type(self).__name__}.step needs a closure that draws a fresh batch and returns "
+                "per-sample losses [B, num_tasks]"
+            )
+        losses = closure()
+        m = self.num_tasks
+        if not isinstance(losses, Tensor):
+            raise TypeError(
+                f"the closure must return a Tensor of per-sample losses [B, {m}], got {type(losses).__name__}"
+            )
+        if losses.dim() != 2:
+            raise ValueError(
+                f"the closure returned losses of shape {tuple(losses.shape)}; expected per-sample losses "
+                f"[B, {m}] (one column per task, not averaged over the batch)"
+            )
+        if losses.shape[1] != m:
+            raise ValueError(
+                f"the closure returned losses for {losses.shape[1]} tasks (shape {tuple(losses.shape)}), "
+                f"but the optimizer was built with num_tasks={m}"
+            )
+        if losses.shape[0] == 0:
+            raise ValueError("the closure returned an empty batch (B = 0); the dual objective needs samples")
+        if not losses.is_floating_point():
+            raise TypeError(f"per-sample losses must be floating point, got {losses.dtype}")
+        if need_graph and not losses.requires_grad:
+            raise ValueError(
+                "the closure returned losses with no autograd graph (computed under torch.no_grad(), "
+                "detached, or from parameters that do not require grad); the optimizer needs their "
+                "gradients"
+            )
+        # One host sync per closure call: a NaN must stop the step before anything is updated.
+        finite = torch.isfinite(losses.detach()).all(dim=0)
+        if not bool(finite.all()):
+            bad = [i for i, ok in enumerate(finite.tolist()) if not ok]
+            raise ValueError(
+                f"non-finite (NaN or Inf) per-sample losses for task(s) {bad} at step {self.steps_taken}; "
+                "the step was abandoned and nothing was updated"
+            )
+        return losses
+
+    # --------------------------------------------------------------------------------- jacobian
+    def _buffer(self, name: str) -> Tensor:
+        shared = self._shared_params()
+        n = sum(p.numel() for p in shared)
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != (self.num_tasks, n):
+            buf = torch.empty(self.num_tasks, n, device=self.device, dtype=shared[0].dtype)
+            self._buffers[name] = buf
+        return buf
+
+    def task_jacobian(self, losses: Tensor, cotangent: Tensor, slot: str, *, feed_heads: bool) -> Tensor:
+        """Rows i = gradient of the shared parameters of sum_b cotangent[b, i] * losses[b, i].
+
+        The rows land in the preallocated flat buffer ``slot`` (one per role, reused across steps):
+        while task i's backward runs, each shared parameter's ``.grad`` is a view of row i, so
+        autograd accumulates straight into J with no copy.  With ``feed_heads`` every other leaf
+        also accumulates its gradient (the heads' gradients for the user's optimizer); otherwise
+        the backward is restricted to the shared parameters.
+        """
+        shared = self._shared_params()
+        jac = self._buffer(slot)
+        jac.zero_()
+        cotangent = cotangent.to(losses.dtype)
+        saved_grads = [p.grad for p in shared]
+        offsets = [0]
+        for p in shared:
+            offsets.append(offsets[-1] + p.numel())
+        try:
+            for task in range(self.num_tasks):
+                for p, start, stop in zip(shared, offsets[:-1], offsets[1:]):
+                    p.grad = jac[task, start:stop].view_as(p)
+                torch.autograd.backward(
+                    losses[:, task],
+                    grad_tensors=cotangent[:, task],
+                    retain_graph=task < self.num_tasks - 1,
+                    inputs=None if feed_heads else shared,
+                )
+        finally:
+            for p, grad in zip(shared, saved_grads):
+                p.grad = grad
+        return jac
+
+    def apply_direction(self, jacobian: Tensor, w: Tensor, scale: Tensor | float) -> None:
+        """theta -= lr_group * scale * J^T w for every parameter group, through views."""
+        with torch.no_grad():
+            for params, lr, columns in self._group_slices():
+                if params:
+                    self._ops.combine(jacobian[:, columns], w, params, lr * scale)
+
+    def check_jacobian(self, gram: Tensor, role: str) -> None:
+        """A non-finite Gram diagonal means a non-finite gradient entry (NaN/Inf propagate into it)."""
+        finite = torch.isfinite(torch.diagonal(gram))
+        if not bool(finite.all()):
+            bad = [i for i, ok in enumerate(finite.tolist()) if not ok]
+            raise ValueError(
+                f"non-finite gradients of the shared parameters for task(s) {bad} ({role}) at step "
+                f"{self.steps_taken}; the step was abandoned and nothing was updated"
+            )
+
+    def _common_stats(self, objective: Tensor, balanced: Tensor, theta_norm: Tensor) -> dict[str, Tensor]:
+        return {
+            "w": self.w.detach().clone(),
+            "eta": self.eta.detach().clone(),
+            "dual_objective": objective.detach(),
+            "balanced_grad_norm": balanced.detach().float(),
+            "theta_grad_norm": theta_norm.detach().float(),
+        }

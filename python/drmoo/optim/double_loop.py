@@ -1,0 +1,162 @@
+"""Double-Loop MGDA (paper Algorithm 1): inner SGD on the duals, double-sampled MGDA outside."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from drmoo_kernels.reference import project_simplex
+
+from ._base import STATE_KEY, Closure, MultiObjectiveOptimizer, ParamsT, check_positive
+
+
+class DoubleLoopMGDA(MultiObjectiveOptimizer):
+    r"""Double-Loop MGDA for distributionally robust multi-objective optimization.
+
+    Applies stochastic MGDA with double sampling (the one-step form, paper eq. (6)) to the dual of
+    DR-MOO (eq. (4)), :math:`\phi^i(\theta) = \min_\eta L^i(\theta, \eta)`, estimating each
+    :math:`\eta^{i,*}` with an inner loop of SGD.  One call of :meth:`step` is one outer iteration t:
+
+    .. code-block:: text
+
+        input: alpha (lr), gamma (dual_lr), beta (pref_lr), rho, D (inner_steps), lambda, f
+        state: theta, eta_{t,0} (warm start, 0 at t = 0), w_t in simplex (uniform at t = 0)
+
+        for d = 0 .. D-1:                                   # lines 3-6, closure calls 1..D
+            batch xi_{t,d} (forward only); l = losses [B, m]
+            V_d = dL/deta = 1 - mean_b f*'((l - eta_{t,d}) / lambda)
+            eta_{t,d+1} = eta_{t,d} - gamma * V_d
+        d, d_bar, d_tilde ~ Uniform{0 .. D-1} independently  # line 7
+        three fresh batches xi, xi_bar, xi_tilde            # line 8, closure calls D+1..D+3
+        Y       = grad_theta L(theta_t, eta_{t,d};       xi)        # rows = tasks   (line 9)
+        Y_bar   = grad_theta L(theta_t, eta_{t,d_bar};   xi_bar)    #                (line 10)
+        Y_tilde = grad_theta L(theta_t, eta_{t,d_tilde}; xi_tilde)  #                (line 11)
+        theta_{t+1} = theta_t - alpha * Y^T w_t                                        # line 12
+        w_{t+1} = Pi(w_t - beta * (Y_bar Y_tilde^T w_t + rho * w_t))                   # line 13
+        eta_{t+1,0} = eta_{t,D}                              # warm start of the next inner loop
+
+    Each inner draw xi_{t,d} serves all m tasks at once (one multi-task batch gives every task's
+    losses); the three outer batches are independent of each other and of the inner ones.  Samples
+    per iteration: (D + 3) batches.  The indices d, d_bar, d_tilde come from the optimizer's own
+    generator (seeded by ``seed``, saved in ``state_dict``) so that a resumed run is identical.
+
+    ``stats`` after a step: ``w``, ``eta`` (= eta_{t,D}), ``dual_objective`` (L at eta_{t,d} on xi),
+    ``balanced_grad_norm`` = ||[Y^T w_t ; z (.) w_t]|| on xi (the joint (theta, eta) measure used for
+    every method) and ``theta_grad_norm`` = ||Y^T w_t||, ``inner_indices`` = (d, d_bar, d_tilde).
+
+    Args:
+        params: the shared parameters (or groups; only ``lr`` may differ per group).
+        num_tasks: m.  lr: alpha, theta step.  dual_lr: gamma, inner eta step.  pref_lr: beta.
+        rho: regularization of the w update.  inner_steps: D >= 1.  lam: lambda > 0.
+        divergence: see :func:`drmoo_kernels.get_divergence`.  seed: seed of the index generator
+            (default: drawn from torch's global generator, so ``torch.manual_seed`` fixes it).
+        backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        num_tasks: int,
+        *,
+        lr: float = 5e-4,
+        dual_lr: float = 3e-3,
+        pref_lr: float = 1e-5,
+        rho: float = 1e-5,
+        inner_steps: int = 5,
+        lam: float = 0.6,
+        divergence: str = "chi2",
+        seed: int | None = None,
+        backend: str | None = None,
+    ) -> None:
+        if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
+            raise ValueError(f"inner_steps must be an int >= 1, got {inner_steps!r}")
+        defaults = {
+            "lr": check_positive("lr", lr, allow_zero=True),
+            "dual_lr": check_positive("dual_lr", dual_lr, allow_zero=True),
+            "pref_lr": check_positive("pref_lr", pref_lr, allow_zero=True),
+            "rho": check_positive("rho", rho, allow_zero=True),
+            "inner_steps": inner_steps,
+            "lam": check_positive("lam", lam),
+            "divergence": divergence,
+        }
+        super().__init__(params, num_tasks, defaults, backend)
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.state[STATE_KEY]["rng_state"] = self._generator.get_state()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        rng_state = self.state[STATE_KEY].get("rng_state")
+        if rng_state is not None:
+            self._generator.set_state(rng_state)
+
+    def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
+        """One outer iteration of Algorithm 1; calls ``closure`` inner_steps + 3 times.
+
+        Returns the per-task dual objectives at (theta_t, eta_{t,d}) on batch xi.  Nothing (theta,
+        eta, w) changes if any check fails.
+        """
+        h = self.param_groups[0]
+        lam, divergence, ops = h["lam"], self.divergence, self._ops
+        w = self.w
+
+        # Inner loop (lines 3-6): SGD on each task's one-dimensional convex dual problem.
+        etas = [self.eta.clone()]
+        with torch.no_grad():
+            for _ in range(h["inner_steps"]):
+                losses = self.draw_losses(closure, need_graph=False)
+                _, grad_eta, _ = ops.dual_forward(losses, etas[-1], lam, 1.0, divergence)
+                etas.append(etas[-1] - h["dual_lr"] * grad_eta)
+        rng_before = self._generator.get_state()
+        indices = torch.randint(0, h["inner_steps"], (3,), generator=self._generator).tolist()
+        try:
+            jac, jac_bar, jac_tilde, objective, z_main, gram = self._outer_gradients(closure, etas, indices)
+        except BaseException:
+            self._generator.set_state(rng_before)  # a failed step leaves no trace, its draws included
+            raise
+        w64 = w.double()
+        theta_norm = torch.sqrt(torch.clamp(w64 @ (gram.double() @ w64), min=0.0))
+
+        # Lines 12-13.  Y_bar (Y_tilde^T w) costs two passes and never forms an n x n or m x m product.
+        self.apply_direction(jac, w, 1.0)
+        cross = (jac_bar.float() @ (w.float() @ jac_tilde.float())).double()
+        w_next = project_simplex(w64 - h["pref_lr"] * (cross + h["rho"] * w64)).to(w.dtype)
+
+        balanced = torch.sqrt(theta_norm**2 + torch.sum((z_main.double() * w64) ** 2))
+        with torch.no_grad():
+            self.eta.copy_(etas[-1])
+            w.copy_(w_next)
+        self.state[STATE_KEY]["step"] += 1
+        self.stats = self._common_stats(objective, balanced, theta_norm)
+        self.stats["inner_indices"] = torch.tensor(indices)
+        return objective.detach()
+
+    def _outer_gradients(
+        self, closure: Closure | None, etas: list[Tensor], indices: list[int]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Lines 8-11: Y, Y_bar, Y_tilde on three independent batches, checked for finiteness."""
+        h, ops = self.param_groups[0], self._ops
+        jacobians, objective, z_main = [], None, None
+        for role, index in zip(("Y", "Y_bar", "Y_tilde"), indices):
+            losses = self.draw_losses(closure, need_graph=True)
+            obj, z, cotangent = ops.dual_forward(losses.detach(), etas[index], h["lam"], 1.0, self.divergence)
+            jacobians.append(self.task_jacobian(losses, cotangent, role, feed_heads=role == "Y"))
+            if role == "Y":
+                objective, z_main = obj, z
+        assert objective is not None and z_main is not None
+        jac, jac_bar, jac_tilde = jacobians
+        gram = ops.gram(jac)
+        self.check_jacobian(gram, "Y")
+        for role, other in (("Y_bar", jac_bar), ("Y_tilde", jac_tilde)):
+            if not bool(torch.isfinite(other).all()):
+                raise ValueError(
+                    f"non-finite gradients of the shared parameters ({role}) at step {self.steps_taken}; "
+                    "the step was abandoned and nothing was updated"
+                )
+        return jac, jac_bar, jac_tilde, objective, z_main, gram
