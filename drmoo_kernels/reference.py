@@ -140,17 +140,28 @@ def gram_step(
     mu: Tensor | float,
     z: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Alg. 2 steps 4-5: theta -= gamma*alpha*J^T w;  w <- Pi(w - beta(alpha G w + mu z^2 w + rho w))."""
+    """Alg. 2 steps 4-5: theta -= gamma*alpha*J^T w;  w <- Pi(w - beta(alpha G w + mu z^2 w + rho w)).
+
+    ``d_norm`` = sqrt(w^T G w) and ``alpha`` = min(c1, c2/d_norm) use the incoming w.  If the Gram
+    matrix is not finite (a NaN/Inf in J), nothing is written: alpha is returned as 0, ``params``
+    and ``w`` keep their values, and the caller decides (drmoo's optimizers raise).  This guard
+    needs no host synchronisation.
+    """
     gram_matrix = gram(jacobian)
+    finite = torch.isfinite(gram_matrix).all()
+    safe_gram = torch.where(finite, gram_matrix, torch.zeros_like(gram_matrix)).double()
     w64 = w.double()
-    gram_w = gram_matrix.double() @ w64
+    gram_w = safe_gram @ w64
     d_norm = torch.sqrt(torch.clamp(w64 @ gram_w, min=0.0))
-    alpha = clip_factor(c1, c2, d_norm)
-    combine(jacobian, w, params, (gamma * alpha).float())
+    alpha = torch.where(finite, clip_factor(c1, c2, d_norm), torch.zeros_like(d_norm))
+    blocks = [b.reshape(b.shape[0], -1) for b in _blocks(jacobian)]
+    safe_blocks = [torch.where(finite, b, torch.zeros_like(b)) for b in blocks]
+    combine(safe_blocks, w, params, (gamma * alpha).float())
     mu64 = torch.as_tensor(mu, dtype=torch.float64, device=w.device)
     pref_grad = alpha * gram_w + mu64 * z.double() ** 2 * w64 + rho * w64
-    w.copy_(project_simplex(w64 - beta * pref_grad).to(w.dtype))
-    return gram_matrix, d_norm.float(), alpha.float()
+    w_next = project_simplex(w64 - beta * pref_grad)
+    w.copy_(torch.where(finite, w_next, w64).to(w.dtype))
+    return gram_matrix, torch.where(finite, d_norm, torch.full_like(d_norm, float("nan"))).float(), alpha.float()
 
 
 def project_simplex(v: Tensor) -> Tensor:

@@ -48,13 +48,11 @@ def check_positive(name: str, value: float, *, allow_zero: bool = False) -> floa
 class MultiObjectiveOptimizer(torch.optim.Optimizer):
     """Base class: validated closure calls, per-task Jacobians into flat buffers, w/eta state.
 
-    Subclasses implement :meth:`step`.  Hyperparameters other than ``lr`` are global to the
-    algorithm and must agree across parameter groups; ``lr`` may differ per group (it scales that
-    group's parameter update only).
+    Subclasses implement :meth:`step`.  The hyperparameters are global to the algorithm (the update
+    direction couples every shared parameter), so parameter groups must agree on all of them; they
+    are read from the first group, which is where LR schedulers write too.
     """
 
-    #: hyperparameters that may differ between parameter groups
-    _PER_GROUP_KEYS: frozenset[str] = frozenset({"lr"})
 
     def __init__(self, params: ParamsT, num_tasks: int, defaults: dict[str, Any], backend: str | None) -> None:
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
@@ -89,26 +87,16 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         first = self.param_groups[0]
         for key, value in param_group.items():
-            if key in ("params", *self._PER_GROUP_KEYS) or key not in first:
+            if key == "params" or key not in first:
                 continue
             if first[key] != value:
                 raise ValueError(
                     f"hyperparameter {key!r} differs between parameter groups ({first[key]!r} vs "
-                    f"{value!r}); only {sorted(self._PER_GROUP_KEYS)} may differ per group"
+                    f"{value!r}); drmoo optimizers need the same hyperparameters in every group"
                 )
 
     def _shared_params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-
-    def _group_slices(self) -> list[tuple[list[Tensor], float, slice]]:
-        """(params, lr, column slice of J) for each parameter group."""
-        out, offset = [], 0
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.requires_grad]
-            count = sum(p.numel() for p in params)
-            out.append((params, float(group["lr"]), slice(offset, offset + count)))
-            offset += count
-        return out
 
     # ------------------------------------------------------------------------------------ state
     @property
@@ -238,12 +226,10 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                 p.grad = grad
         return jac
 
-    def apply_direction(self, jacobian: Tensor, w: Tensor, scale: Tensor | float) -> None:
-        """theta -= lr_group * scale * J^T w for every parameter group, through views."""
+    def apply_direction(self, jacobian: Tensor, w: Tensor, lr: Tensor | float) -> None:
+        """theta -= lr * J^T w through the shared parameters (the ``combine`` op)."""
         with torch.no_grad():
-            for params, lr, columns in self._group_slices():
-                if params:
-                    self._ops.combine(jacobian[:, columns], w, params, lr * scale)
+            self._ops.combine(jacobian, w, self._shared_params(), lr)
 
     def check_jacobian(self, gram: Tensor, role: str) -> None:
         """A non-finite Gram diagonal means a non-finite gradient entry (NaN/Inf propagate into it)."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from drmoo_kernels.reference import clip_factor, project_simplex
-
 from ._base import Closure, MultiObjectiveOptimizer, ParamsT, check_positive
 
 
@@ -44,7 +42,7 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
     on xi_bar (the measure of Theorem 5.2, eq. (9)) and ``theta_grad_norm`` = ||J^T w_t||.
 
     Args:
-        params: the shared parameters (or parameter groups; only ``lr`` may differ per group).
+        params: the shared parameters (or parameter groups with identical hyperparameters).
         num_tasks: m, the number of columns of the per-sample losses.
         lr: gamma, step size of theta and eta.  pref_lr: beta, step size of w.  rho: the
             regularization of the w update.  c1, c2: theta clip (alpha).  f1, f2: eta clip (mu).
@@ -99,37 +97,33 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         w, eta = self.w, self.eta
         ops = self._ops
 
-        # Steps 1-2: dual step on batch xi (a forward pass is enough).
+        # Steps 1-2: dual step on batch xi (a forward pass is enough).  The op writes eta_{t+1}
+        # into a copy: eta itself changes only once the whole iteration has succeeded.
         if h["resample"]:
             with torch.no_grad():
                 losses = self.draw_losses(closure, need_graph=False)
         else:
             losses = self.draw_losses(closure, need_graph=True)
-        _, z, _ = ops.dual_forward(losses.detach(), eta, lam, scale, divergence)
-        dual_direction = z * w
-        mu = clip_factor(h["f1"], h["f2"], torch.linalg.vector_norm(dual_direction))
-        eta_next = eta - gamma * mu * dual_direction
+        eta_next = eta.clone()
+        z, mu, _ = ops.dual_step(losses.detach(), eta_next, w, lam, scale, divergence, gamma, h["f1"], h["f2"])
 
-        # Step 3: per-task gradients of the shared parameters at eta_{t+1}.
+        # Step 3: per-task gradients of the shared parameters at eta_{t+1}, into the flat buffer J.
         grad_losses = self.draw_losses(closure, need_graph=True) if h["resample"] else losses
         objective, z_next, cotangent = ops.dual_forward(grad_losses.detach(), eta_next, lam, scale, divergence)
         jacobian = self.task_jacobian(grad_losses, cotangent, "X", feed_heads=True)
 
-        # Step 4: Gram, clipped theta step.  Step 5: preference update.  (m x m work in float64.)
-        gram = ops.gram(jacobian)
+        # Steps 4-5 in one fused op: Gram, clipped theta step through the parameters, w update.
+        # The op writes nothing when J is not finite, so raising afterwards leaves theta and w intact.
+        w_before = w.clone()
+        with torch.no_grad():
+            gram, d_norm, alpha = ops.gram_step(
+                jacobian, w, self._shared_params(), gamma, h["c1"], h["c2"], h["pref_lr"], h["rho"], mu, z
+            )
         self.check_jacobian(gram, "X")
-        w64 = w.double()
-        gram_w = gram.double() @ w64
-        d_norm = torch.sqrt(torch.clamp(w64 @ gram_w, min=0.0))
-        alpha = clip_factor(h["c1"], h["c2"], d_norm)
-        self.apply_direction(jacobian, w, (gamma * alpha).float())
-        pref_grad = alpha * gram_w + mu.double() * z.double() ** 2 * w64 + h["rho"] * w64
-        w_next = project_simplex(w64 - h["pref_lr"] * pref_grad).to(w.dtype)
 
-        balanced = torch.sqrt(d_norm**2 + torch.sum((z_next.double() * w64) ** 2))
+        balanced = torch.sqrt(d_norm.double() ** 2 + torch.sum((z_next.double() * w_before.double()) ** 2))
         with torch.no_grad():
             eta.copy_(eta_next)
-            w.copy_(w_next)
         self.state["drmoo"]["step"] += 1
         self.stats = self._common_stats(objective, balanced, d_norm)
         self.stats.update(alpha=alpha.float(), mu=mu.float(), z=z.detach())

@@ -47,7 +47,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
     every method) and ``theta_grad_norm`` = ||Y^T w_t||, ``inner_indices`` = (d, d_bar, d_tilde).
 
     Args:
-        params: the shared parameters (or groups; only ``lr`` may differ per group).
+        params: the shared parameters (or parameter groups with identical hyperparameters).
         num_tasks: m.  lr: alpha, theta step.  dual_lr: gamma, inner eta step.  pref_lr: beta.
         rho: regularization of the w update.  inner_steps: D >= 1.  lam: lambda > 0.
         divergence: see :func:`drmoo_kernels.get_divergence`.  seed: seed of the index generator
@@ -124,7 +124,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         theta_norm = torch.sqrt(torch.clamp(w64 @ (gram.double() @ w64), min=0.0))
 
         # Lines 12-13.  Y_bar (Y_tilde^T w) costs two passes and never forms an n x n or m x m product.
-        self.apply_direction(jac, w, 1.0)
+        self.apply_direction(jac, w, h["lr"])
         cross = (jac_bar.float() @ (w.float() @ jac_tilde.float())).double()
         w_next = project_simplex(w64 - h["pref_lr"] * (cross + h["rho"] * w64)).to(w.dtype)
 
