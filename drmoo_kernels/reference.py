@@ -11,7 +11,8 @@ Contracts (DESIGN §4).  m tasks, B samples, n shared parameters, J the [m, n] p
 * ``gram_step(J, w, params, gamma, c1, c2, beta, rho, mu, z)`` -> ``gram``, ``d_norm``, ``alpha``;
   updates ``params`` and ``w`` in place (Alg. 2 steps 4-5).
 
-Conventions: math in float32 whatever the input dtype (m x m work in float64), scalar results as
+Conventions: math in float32 for float32/bfloat16/float16 inputs (float64 inputs stay float64;
+m x m work always in float64), scalar results as
 0-d tensors on the inputs' device so that no step needs a host synchronisation.  ``J`` is either one
 [m, n] tensor or a sequence of [m, n_k] blocks whose concatenation along dim 1 is J; ``params`` are
 the tensors J's columns belong to, in order.
@@ -39,6 +40,11 @@ __all__ = [
 JacobianBlocks = Tensor | Sequence[Tensor]
 
 
+def _acc(t: Tensor) -> Tensor:
+    """The accumulation dtype: float32 for 16/32-bit floats, float64 kept as is."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def _blocks(jacobian: JacobianBlocks) -> list[Tensor]:
     return [jacobian] if isinstance(jacobian, Tensor) else list(jacobian)
 
@@ -52,10 +58,8 @@ def _dual_terms(
     sample_weight: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """u, f*'(u)*omega and omega (all float32 [B, m])."""
-    u = (losses.float() - scale * eta.float()) / lam
-    omega = (
-        torch.ones_like(u) if sample_weight is None else sample_weight.to(torch.float32)
-    )
+    u = (_acc(losses) - scale * eta.to(_acc(losses).dtype)) / lam
+    omega = torch.ones_like(u) if sample_weight is None else sample_weight.to(u.dtype)
     return u, divergence.conj_grad(u) * omega, omega
 
 
@@ -70,7 +74,7 @@ def dual_forward(
     """Per-task dual objective, its eta-gradient z and the per-sample loss cotangents."""
     batch = losses.shape[0]
     u, weighted_ratio, omega = _dual_terms(losses, eta, lam, scale, divergence, sample_weight)
-    objective = lam * (divergence.conj(u) * omega).mean(dim=0) + scale * eta.float()
+    objective = lam * (divergence.conj(u) * omega).mean(dim=0) + scale * eta.to(u.dtype)
     grad_eta = scale * (1.0 - weighted_ratio.mean(dim=0))
     return objective, grad_eta, weighted_ratio / batch
 
@@ -95,7 +99,7 @@ def dual_step(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Alg. 2 steps 1-3 on one batch: z at eta_t, mu, eta_{t+1} (in place), weights at eta_{t+1}."""
     _, z, _ = dual_forward(losses, eta, lam, scale, divergence, sample_weight)
-    direction = z * w.float()
+    direction = z * w.to(z.dtype)
     mu = clip_factor(f1, f2, torch.linalg.vector_norm(direction))
     eta.sub_((gamma * mu * direction).to(eta.dtype))
     _, weighted_ratio, _ = _dual_terms(losses, eta, lam, scale, divergence, sample_weight)
@@ -103,11 +107,11 @@ def dual_step(
 
 
 def gram(jacobian: JacobianBlocks) -> Tensor:
-    """J J^T in float32, summed over the column blocks."""
+    """J J^T (float32, or float64 for float64 J), summed over the column blocks."""
     blocks = _blocks(jacobian)
     out = None
     for block in blocks:
-        flat = block.reshape(block.shape[0], -1).float()
+        flat = _acc(block.reshape(block.shape[0], -1))
         part = flat @ flat.T
         out = part if out is None else out + part
     assert out is not None, "gram needs at least one block"
@@ -116,13 +120,13 @@ def gram(jacobian: JacobianBlocks) -> Tensor:
 
 def combine(jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:
     """params -= lr * J^T w, written through each parameter (float32 math, rounded on store)."""
-    flat = torch.cat([b.reshape(b.shape[0], -1).float() for b in _blocks(jacobian)], dim=1)
-    direction = w.float() @ flat
+    flat = torch.cat([_acc(b.reshape(b.shape[0], -1)) for b in _blocks(jacobian)], dim=1)
+    direction = w.to(flat.dtype) @ flat
     offset = 0
     for param in params:
         count = param.numel()
         update = direction[offset : offset + count].view_as(param)
-        param.copy_((param.float() - lr * update).to(param.dtype))
+        param.copy_((_acc(param) - lr * update).to(param.dtype))
         offset += count
     if offset != flat.shape[1]:
         raise ValueError(f"J has {flat.shape[1]} columns but the parameters hold {offset} elements")
@@ -156,7 +160,7 @@ def gram_step(
     alpha = torch.where(finite, clip_factor(c1, c2, d_norm), torch.zeros_like(d_norm))
     blocks = [b.reshape(b.shape[0], -1) for b in _blocks(jacobian)]
     safe_blocks = [torch.where(finite, b, torch.zeros_like(b)) for b in blocks]
-    combine(safe_blocks, w, params, (gamma * alpha).float())
+    combine(safe_blocks, w, params, gamma * alpha)
     mu64 = torch.as_tensor(mu, dtype=torch.float64, device=w.device)
     pref_grad = alpha * gram_w + mu64 * z.double() ** 2 * w64 + rho * w64
     w_next = project_simplex(w64 - beta * pref_grad)

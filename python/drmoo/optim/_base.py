@@ -76,9 +76,12 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         self._ops = backend_module(self.backend)
         self._buffers: dict[str, Tensor] = {}
         self.stats: dict[str, Tensor] = {}
+        # w and eta in float32 (float64 when the parameters are float64): they are tiny, and the
+        # dual variables need the precision whatever the model's dtype.
+        state_dtype = torch.float64 if shared[0].dtype == torch.float64 else torch.float32
         self.state[STATE_KEY] = {
-            "w": torch.full((num_tasks,), 1.0 / num_tasks, device=self.device),
-            "eta": torch.zeros(num_tasks, device=self.device),
+            "w": torch.full((num_tasks,), 1.0 / num_tasks, device=self.device, dtype=state_dtype),
+            "eta": torch.zeros(num_tasks, device=self.device, dtype=state_dtype),
             "step": 0,
         }
 

@@ -1,0 +1,1 @@
+"""The paper's experiments: problems, runners, reporting.  ``drmoo`` on the command line drives them."""
