@@ -1,0 +1,358 @@
+"""The ``triton`` backend: Triton kernels for the five ops of :mod:`drmoo_kernels.reference`.
+
+Same signatures, return values and in-place semantics as the reference (read it for the math).
+CUDA tensors run compiled kernels; CPU tensors run the same kernels through Triton's interpreter
+(numpy on the host - a correctness path for tests, not a performance path).  Importing this module
+does not import triton; the kernels are loaded on first use (see :mod:`drmoo_kernels.triton_kernels`).
+
+Work split:
+
+* ``dual_forward``: one program per block of task columns, each walking the batch once.
+* ``dual_step``: a single program (the clip factor mu couples all tasks): pass 1 reduces z, the eta
+  step happens in registers, pass 2 writes the weights at eta_{t+1}.
+* ``gram``: split reduction over the columns of J into per-program m x m partials, then a sum.
+* ``combine``: one launch per parameter tensor over its contiguous column range of J.
+* ``gram_step``: ``gram``, the m x m work in float64 torch ops on the device (no host sync), and the
+  ``combine`` pass with every load/store masked by the Gram's finiteness (the no-write guard).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from ..divergences import Divergence, get_divergence
+from ..reference import clip_factor, project_simplex
+
+__all__ = ["availability", "combine", "dual_forward", "dual_step", "gram", "gram_step"]
+
+JacobianBlocks = Tensor | Sequence[Tensor]
+
+# Elements per register tile.  On a GPU 4096 fp32 values keep a 4-warp program at 32 per thread;
+# the interpreter pays Python overhead per tile operation, so there bigger tiles are much faster.
+_GPU_TILE = 4096
+_INTERPRETER_TILE = 1 << 16
+_MAX_COLUMN_BLOCK = 64  # dual_forward: tasks per program
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "on", "yes"}
+
+
+def availability() -> str | None:
+    """None when triton imports and there is a CUDA device or ``TRITON_INTERPRET=1``, else why not.
+
+    Without a CUDA device and without the variable, triton is not even imported: an import here
+    would fix triton in compiled mode for the rest of the process (see :mod:`..triton_kernels`),
+    and a test that sets ``TRITON_INTERPRET=1`` later could no longer use the interpreter.
+    """
+    if importlib.util.find_spec("triton") is None:
+        return "the 'triton' package is not installed"
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda and not _interpret_requested():
+        return "there is no CUDA device (set TRITON_INTERPRET=1 to run the Triton kernels on the CPU, slowly)"
+    try:
+        from ..triton_kernels import triton_interpreted
+
+        interpreted = triton_interpreted()
+    except Exception as error:  # a broken install raises more than ImportError
+        return f"triton failed to import ({type(error).__name__}: {error})"
+    if not has_cuda and not interpreted:
+        return (
+            "there is no CUDA device, and TRITON_INTERPRET=1 came too late: triton was already imported in "
+            "compiled mode (the variable must be set before the first 'import triton')"
+        )
+    return None
+
+
+def _kernels(device: torch.device) -> ModuleType:
+    from ..triton_kernels import load_kernels, triton_interpreted
+
+    if device.type == "cpu" and not triton_interpreted():
+        raise RuntimeError(
+            "the triton backend got CPU tensors, but triton runs in compiled (GPU) mode in this process; "
+            "CPU tensors need TRITON_INTERPRET=1 set before triton is first imported"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"the triton backend runs on CUDA tensors (or CPU tensors, interpreted), not {device}")
+    return load_kernels()
+
+
+def _tile(device: torch.device) -> int:
+    from ..triton_kernels import triton_interpreted
+
+    return _INTERPRETER_TILE if triton_interpreted() else _GPU_TILE
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(value: int) -> int:
+    return 1 << max(0, int(value) - 1).bit_length()
+
+
+def _divergence_constants(divergence: Divergence) -> tuple[float, float, float, float]:
+    """P0..P3 of the kernels (see ``_kernels._conj_and_grad``), computed in double on the host."""
+    if divergence.code == 2:
+        alpha = float(divergence.param)
+        return math.log1p(-alpha), math.log(alpha), math.log(alpha / (1.0 - alpha)), 1.0 / alpha
+    if divergence.code == 3:
+        k = float(divergence.param)
+        return k - 1.0, 1.0 / (k - 1.0), 1.0 / k, 0.0
+    return 0.0, 0.0, 0.0, 0.0
+
+
+def _bump_version(tensor: Tensor) -> None:
+    # Kernels write through raw pointers; tell autograd the tensor changed, as an in-place op would.
+    torch.autograd.graph.increment_version(tensor)
+
+
+def _check_dual_inputs(
+    losses: Tensor, eta: Tensor, sample_weight: Tensor | None, divergence: Divergence | str
+) -> tuple[Divergence, Tensor | None]:
+    if losses.dim() != 2:
+        raise ValueError(f"losses must be [B, m], got shape {tuple(losses.shape)}")
+    batch, tasks = losses.shape
+    if batch == 0:
+        raise ValueError("empty batch (B = 0): the dual objective needs at least one sample")
+    if tasks == 0:
+        raise ValueError("losses have no task columns (m = 0)")
+    if not losses.is_floating_point():
+        raise TypeError(f"losses must be floating point, got {losses.dtype}")
+    if eta.shape != (tasks,):
+        raise ValueError(f"eta must have shape ({tasks},) to match losses {tuple(losses.shape)}, "
+                         f"got {tuple(eta.shape)}")
+    if eta.device != losses.device:
+        raise ValueError(f"eta is on {eta.device} but losses are on {losses.device}")
+    if sample_weight is not None:
+        if sample_weight.shape != losses.shape:
+            raise ValueError(
+                f"sample_weight must have the shape of losses {tuple(losses.shape)}, got {tuple(sample_weight.shape)}"
+            )
+        if sample_weight.dtype == torch.bool or not sample_weight.is_floating_point():
+            sample_weight = sample_weight.to(torch.float32)
+        sample_weight = sample_weight.to(losses.device)
+    return get_divergence(divergence), sample_weight
+
+
+def dual_forward(
+    losses: Tensor,
+    eta: Tensor,
+    lam: float,
+    scale: float,
+    divergence: Divergence,
+    sample_weight: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-task dual objective, its eta-gradient z and the per-sample loss cotangents (float32)."""
+    divergence, sample_weight = _check_dual_inputs(losses, eta, sample_weight, divergence)
+    device = losses.device
+    kernels = _kernels(device)
+    batch, tasks = losses.shape
+    block_m = min(_pow2(tasks), _MAX_COLUMN_BLOCK)
+    block_b = min(max(_tile(device) // block_m, 1), _pow2(batch))
+    objective = torch.empty(tasks, device=device, dtype=torch.float32)
+    grad_eta = torch.empty(tasks, device=device, dtype=torch.float32)
+    weights = torch.empty(batch, tasks, device=device, dtype=torch.float32)
+    sw = losses if sample_weight is None else sample_weight
+    eta_in = eta.contiguous()
+    kernels.dual_forward_kernel[(_cdiv(tasks, block_m),)](
+        losses, sw, eta_in, objective, grad_eta, weights,
+        batch, tasks, losses.stride(0), losses.stride(1), sw.stride(0), sw.stride(1),
+        float(batch), float(lam), float(scale), *_divergence_constants(divergence),
+        CODE=divergence.code, HAS_SW=sample_weight is not None, BLOCK_B=block_b, BLOCK_M=block_m,
+    )
+    return objective, grad_eta, weights
+
+
+def dual_step(
+    losses: Tensor,
+    eta: Tensor,
+    w: Tensor,
+    lam: float,
+    scale: float,
+    divergence: Divergence,
+    gamma: float,
+    f1: float,
+    f2: float,
+    sample_weight: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Alg. 2 steps 1-3: z at eta_t, mu, eta_{t+1} (in place), weights at eta_{t+1}; one launch."""
+    divergence, sample_weight = _check_dual_inputs(losses, eta, sample_weight, divergence)
+    batch, tasks = losses.shape
+    if w.shape != (tasks,):
+        raise ValueError(f"w must have shape ({tasks},), got {tuple(w.shape)}")
+    device = losses.device
+    kernels = _kernels(device)
+    block_m = _pow2(tasks)  # all tasks in one program: mu is a norm over every task
+    block_b = min(max(_tile(device) // block_m, 1), _pow2(batch))
+    z = torch.empty(tasks, device=device, dtype=torch.float32)
+    mu = torch.empty((), device=device, dtype=torch.float32)
+    weights = torch.empty(batch, tasks, device=device, dtype=torch.float32)
+    sw = losses if sample_weight is None else sample_weight
+    # The kernel updates eta through its pointer; a strided eta goes through a contiguous copy.
+    eta_work = eta if eta.is_contiguous() else eta.contiguous()
+    kernels.dual_step_kernel[(1,)](
+        losses, sw, eta_work, w.contiguous(), z, mu, weights,
+        batch, tasks, losses.stride(0), losses.stride(1), sw.stride(0), sw.stride(1),
+        float(batch), float(lam), float(scale), float(gamma), float(f1), float(f2),
+        *_divergence_constants(divergence),
+        CODE=divergence.code, HAS_SW=sample_weight is not None, BLOCK_B=block_b, BLOCK_M=block_m,
+    )
+    if eta_work is not eta:
+        eta.copy_(eta_work)
+    else:
+        _bump_version(eta)
+    return z, mu, weights
+
+
+def _blocks(jacobian: JacobianBlocks) -> list[Tensor]:
+    """J as [m, n_k] blocks whose columns are unit-stride (copying only a block that is not)."""
+    raw = [jacobian] if isinstance(jacobian, Tensor) else list(jacobian)
+    if not raw:
+        raise ValueError("gram needs at least one block of J")
+    tasks = raw[0].shape[0] if raw[0].dim() > 0 else 0
+    out = []
+    for block in raw:
+        if block.dim() == 0 or block.shape[0] != tasks:
+            raise ValueError(f"every block of J must have {tasks} rows, got shape {tuple(block.shape)}")
+        flat = block.reshape(tasks, -1)
+        if flat.shape[1] > 1 and flat.stride(1) != 1:
+            flat = flat.contiguous()
+        out.append(flat)
+    if tasks == 0:
+        raise ValueError("J has no rows (m = 0)")
+    return out
+
+
+def _gram_blocks(blocks: list[Tensor]) -> Tensor:
+    tasks = blocks[0].shape[0]
+    device = blocks[0].device
+    kernels = _kernels(device)
+    block_m = _pow2(tasks)
+    use_dot = block_m >= 16
+    tile = _tile(device)
+    interpreted = tile == _INTERPRETER_TILE
+    if use_dot:
+        block_n = max(16, tile // block_m)
+    else:
+        block_n = max(16, (tile if interpreted else 2 * tile) // (block_m * block_m))
+    # Enough programs to fill a GPU several times over; few in the interpreter, where each program
+    # is a Python loop (still more than one, so the split reduction itself is exercised).
+    max_programs = 4 if interpreted else 8 * torch.cuda.get_device_properties(device).multi_processor_count
+    partials = []
+    for block in blocks:
+        n = block.shape[1]
+        if n == 0:
+            continue
+        n_tiles = _cdiv(n, block_n)
+        programs = min(n_tiles, max_programs)
+        chunk = _cdiv(n_tiles, programs) * block_n
+        programs = _cdiv(n, chunk)
+        part = torch.empty(programs, tasks, tasks, device=device, dtype=torch.float32)
+        kernels.gram_partial_kernel[(programs,)](
+            block, part, tasks, n, block.stride(0), chunk,
+            BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot,
+        )
+        partials.append(part)
+    if not partials:
+        return torch.zeros(tasks, tasks, device=device, dtype=torch.float32)
+    return torch.cat(partials).sum(dim=0)
+
+
+def gram(jacobian: JacobianBlocks) -> Tensor:
+    """J J^T in float32, summed over the column blocks (split reduction over the columns)."""
+    return _gram_blocks(_blocks(jacobian))
+
+
+def _segments(blocks: list[Tensor], params: Sequence[Tensor]) -> list[tuple[Tensor, int, Tensor]]:
+    """(block, first column, parameter) for each parameter: the columns of J that update it."""
+    counts = [p.numel() for p in params]
+    columns = sum(b.shape[1] for b in blocks)
+    if sum(counts) != columns:
+        raise ValueError(f"J has {columns} columns but the parameters hold {sum(counts)} elements")
+    if len(blocks) > 1 and [b.shape[1] for b in blocks] != counts:
+        # Blocks that do not line up with the parameters: fall back to one flat copy of J.
+        blocks = [torch.cat(blocks, dim=1)]
+    if len(blocks) > 1:
+        return [(b, 0, p) for b, p in zip(blocks, params)]
+    segments, start = [], 0
+    for param, count in zip(params, counts):
+        segments.append((blocks[0], start, param))
+        start += count
+    return segments
+
+
+def _combine_blocks(
+    blocks: list[Tensor], w: Tensor, params: Sequence[Tensor], lr: float | Tensor, flag: Tensor | None
+) -> None:
+    tasks = blocks[0].shape[0]
+    if w.shape != (tasks,):
+        raise ValueError(f"w must have shape ({tasks},) to match J's {tasks} rows, got {tuple(w.shape)}")
+    device = blocks[0].device
+    kernels = _kernels(device)
+    segments = _segments(blocks, params)
+    block_m = _pow2(tasks)
+    block_n = max(16, _tile(device) // block_m)
+    w_in = w.contiguous()
+    lr_is_tensor = isinstance(lr, Tensor)
+    lr_tensor = lr.reshape(()).to(device=device, dtype=torch.float32) if lr_is_tensor else w_in
+    lr_value = 0.0 if lr_is_tensor else float(lr)
+    for block, col0, param in segments:
+        count = param.numel()
+        if count == 0:
+            continue
+        if param.device != device:
+            raise ValueError(f"a parameter is on {param.device} but J is on {device}")
+        target = param if param.is_contiguous() else param.contiguous()
+        kernels.combine_kernel[(_cdiv(count, block_n),)](
+            block, w_in, target, lr_tensor, w_in if flag is None else flag,
+            tasks, count, block.stride(0), col0, lr_value,
+            LR_IS_TENSOR=lr_is_tensor, HAS_FLAG=flag is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        )
+        if target is not param:
+            param.copy_(target)
+        else:
+            _bump_version(param)
+
+
+def combine(jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:
+    """params -= lr * J^T w, one launch per parameter (float32 math, rounded on store)."""
+    _combine_blocks(_blocks(jacobian), w, params, lr, None)
+
+
+def gram_step(
+    jacobian: JacobianBlocks,
+    w: Tensor,
+    params: Sequence[Tensor],
+    gamma: float,
+    c1: float,
+    c2: float,
+    beta: float,
+    rho: float,
+    mu: Tensor | float,
+    z: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Alg. 2 steps 4-5 (see the reference): nothing is written when the Gram is not finite."""
+    blocks = _blocks(jacobian)
+    gram_matrix = _gram_blocks(blocks)
+    finite = torch.isfinite(gram_matrix).all()
+    # The m x m work is tiny: float64 torch ops on the device, no host synchronisation.
+    safe_gram = torch.where(finite, gram_matrix, torch.zeros_like(gram_matrix)).double()
+    w64 = w.double()
+    gram_w = safe_gram @ w64
+    d_norm = torch.sqrt(torch.clamp(w64 @ gram_w, min=0.0))
+    alpha = torch.where(finite, clip_factor(c1, c2, d_norm), torch.zeros_like(d_norm))
+    _combine_blocks(blocks, w, params, (gamma * alpha).float(), finite.to(torch.int32))
+    mu64 = torch.as_tensor(mu, dtype=torch.float64, device=w.device)
+    pref_grad = alpha * gram_w + mu64 * z.double() ** 2 * w64 + rho * w64
+    w_next = project_simplex(w64 - beta * pref_grad)
+    w.copy_(torch.where(finite, w_next, w64).to(w.dtype))
+    nan = torch.full_like(d_norm, float("nan"))
+    return gram_matrix, torch.where(finite, d_norm, nan).float(), alpha.float()
