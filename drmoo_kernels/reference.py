@@ -184,6 +184,7 @@ def project_simplex(v: Tensor) -> Tensor:
     ks = torch.arange(1, v.shape[-1] + 1, dtype=work.dtype, device=v.device)
     # Largest k with k*u_k - (S_k - 1) > 0; k = 1 always qualifies since u_1 = 0 after the shift.
     support = (ks * ordered - cumulative + 1.0) > 0
-    k = (support * ks).amax(dim=-1, keepdim=True)
+    # clamp: a NaN input has an empty support; it then yields NaN instead of an indexing error.
+    k = (support * ks).amax(dim=-1, keepdim=True).clamp(min=1.0)
     threshold = (torch.gather(cumulative, -1, k.long() - 1) - 1.0) / k
     return torch.clamp(work - threshold, min=0.0).to(v.dtype)

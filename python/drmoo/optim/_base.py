@@ -234,14 +234,29 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             self._ops.combine(jacobian, w, self._shared_params(), lr)
 
+    def _overflow_hint(self) -> str:
+        if self.divergence.name == "kl":
+            return " (kl weights exp((loss - eta)/lam) overflow for large losses: raise lam or use cvar_smooth)"
+        return ""
+
+    def check_dual(self, *dual_quantities: Tensor) -> None:
+        """The dual step's outputs (z, weights' means) must be finite before anything is written."""
+        finite = torch.stack([torch.isfinite(q).all() for q in dual_quantities]).all()
+        if not bool(finite):
+            raise ValueError(
+                f"non-finite dual quantities (the worst-case weights f*'((loss - eta)/lam) overflowed) at step "
+                f"{self.steps_taken}; the step was abandoned and nothing was updated{self._overflow_hint()}"
+            )
+
     def check_jacobian(self, gram: Tensor, role: str) -> None:
         """A non-finite Gram diagonal means a non-finite gradient entry (NaN/Inf propagate into it)."""
         finite = torch.isfinite(torch.diagonal(gram))
         if not bool(finite.all()):
             bad = [i for i, ok in enumerate(finite.tolist()) if not ok]
+            hint = self._overflow_hint()
             raise ValueError(
                 f"non-finite gradients of the shared parameters for task(s) {bad} ({role}) at step "
-                f"{self.steps_taken}; the step was abandoned and nothing was updated"
+                f"{self.steps_taken}; the step was abandoned and nothing was updated{hint}"
             )
 
     def _common_stats(self, objective: Tensor, balanced: Tensor, theta_norm: Tensor) -> dict[str, Tensor]:

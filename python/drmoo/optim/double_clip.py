@@ -110,6 +110,7 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         # Step 3: per-task gradients of the shared parameters at eta_{t+1}, into the flat buffer J.
         grad_losses = self.draw_losses(closure, need_graph=True) if h["resample"] else losses
         objective, z_next, cotangent = ops.dual_forward(grad_losses.detach(), eta_next, lam, scale, divergence)
+        self.check_dual(z, eta_next, z_next, objective)
         jacobian = self.task_jacobian(grad_losses, cotangent, "X", feed_heads=True)
 
         # Steps 4-5 in one fused op: Gram, clipped theta step through the parameters, w update.

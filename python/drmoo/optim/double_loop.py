@@ -113,6 +113,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
                 losses = self.draw_losses(closure, need_graph=False)
                 _, grad_eta, _ = ops.dual_forward(losses, etas[-1], lam, 1.0, divergence)
                 etas.append(etas[-1] - h["dual_lr"] * grad_eta)
+            self.check_dual(*etas)
         rng_before = self._generator.get_state()
         indices = torch.randint(0, h["inner_steps"], (3,), generator=self._generator).tolist()
         try:
@@ -146,6 +147,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         for role, index in zip(("Y", "Y_bar", "Y_tilde"), indices):
             losses = self.draw_losses(closure, need_graph=True)
             obj, z, cotangent = ops.dual_forward(losses.detach(), etas[index], h["lam"], 1.0, self.divergence)
+            self.check_dual(obj, z)
             jacobians.append(self.task_jacobian(losses, cotangent, role, feed_heads=role == "Y"))
             if role == "Y":
                 objective, z_main = obj, z

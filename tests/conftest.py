@@ -1,0 +1,52 @@
+"""Shared fixtures: a small multi-task regression model with shared and task-specific parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+
+class ToyProblem:
+    """tanh(x A + c) -> one linear head per task (columns of H); squared error per sample and task.
+
+    ``A`` and ``c`` are the shared parameters, ``H`` the task-specific ones (head i = column i).
+    ``closure(seed)`` yields a fresh batch on every call from its own seeded generator, so two
+    copies of the problem driven with the same seed see the same batch sequence.
+    """
+
+    def __init__(self, num_tasks: int = 3, dtype: torch.dtype = torch.float64, seed: int = 0,
+                 batch_size: int = 32, rows: int = 256, hidden: int = 4, features: int = 5) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.num_tasks, self.batch_size = num_tasks, batch_size
+        self.inputs = torch.randn(rows, features, generator=gen, dtype=dtype)
+        self.targets = torch.randn(rows, num_tasks, generator=gen, dtype=dtype) + torch.arange(num_tasks, dtype=dtype)
+        self.A = (0.5 * torch.randn(features, hidden, generator=gen, dtype=dtype)).requires_grad_()
+        self.c = (0.1 * torch.randn(hidden, generator=gen, dtype=dtype)).requires_grad_()
+        self.H = (0.5 * torch.randn(hidden, num_tasks, generator=gen, dtype=dtype)).requires_grad_()
+
+    @property
+    def shared(self) -> list[Tensor]:
+        return [self.A, self.c]
+
+    def losses(self, rows: Tensor) -> Tensor:
+        hidden = torch.tanh(self.inputs[rows] @ self.A + self.c)
+        return (hidden @ self.H - self.targets[rows]) ** 2
+
+    def batches(self, seed: int) -> Callable[[], Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        return lambda: torch.randint(0, self.inputs.shape[0], (self.batch_size,), generator=gen)
+
+    def closure(self, seed: int) -> Callable[[], Tensor]:
+        draw = self.batches(seed)
+        return lambda: self.losses(draw())
+
+    def snapshot(self) -> list[Tensor]:
+        return [p.detach().clone() for p in (self.A, self.c, self.H)]
+
+
+@pytest.fixture
+def toy() -> Callable[..., ToyProblem]:
+    return ToyProblem
