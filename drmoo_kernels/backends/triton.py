@@ -1,8 +1,10 @@
 """The ``triton`` backend: Triton kernels for the five ops of :mod:`drmoo_kernels.reference`.
 
 Same signatures, return values and in-place semantics as the reference (read it for the math).
-CUDA tensors run compiled kernels; CPU tensors run the same kernels through Triton's interpreter
-(numpy on the host - a correctness path for tests, not a performance path).  Importing this module
+The kernels compute in float32, the contract for float32/bfloat16/float16 inputs; float64 inputs
+(which the reference keeps in float64) run the reference itself.  CUDA tensors run compiled
+kernels; CPU tensors run the same kernels through Triton's interpreter (numpy on the host - a
+correctness path for tests, not a performance path).  Importing this module
 does not import triton; the kernels are loaded on first use (see :mod:`drmoo_kernels.triton_kernels`).
 
 Work split:
@@ -27,6 +29,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from .. import reference
 from ..divergences import Divergence, get_divergence
 from ..reference import clip_factor, project_simplex
 
@@ -109,6 +112,10 @@ def _divergence_constants(divergence: Divergence) -> tuple[float, float, float, 
     return 0.0, 0.0, 0.0, 0.0
 
 
+def _float64(*tensors: Tensor | None) -> bool:
+    return any(t is not None and t.dtype == torch.float64 for t in tensors)
+
+
 def _bump_version(tensor: Tensor) -> None:
     # Kernels write through raw pointers; tell autograd the tensor changed, as an in-place op would.
     torch.autograd.graph.increment_version(tensor)
@@ -152,6 +159,8 @@ def dual_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-task dual objective, its eta-gradient z and the per-sample loss cotangents (float32)."""
     divergence, sample_weight = _check_dual_inputs(losses, eta, sample_weight, divergence)
+    if _float64(losses):
+        return reference.dual_forward(losses, eta, lam, scale, divergence, sample_weight)
     device = losses.device
     kernels = _kernels(device)
     batch, tasks = losses.shape
@@ -188,6 +197,8 @@ def dual_step(
     batch, tasks = losses.shape
     if w.shape != (tasks,):
         raise ValueError(f"w must have shape ({tasks},), got {tuple(w.shape)}")
+    if _float64(losses):
+        return reference.dual_step(losses, eta, w, lam, scale, divergence, gamma, f1, f2, sample_weight)
     device = losses.device
     kernels = _kernels(device)
     block_m = _pow2(tasks)  # all tasks in one program: mu is a norm over every task
@@ -203,7 +214,8 @@ def dual_step(
         batch, tasks, losses.stride(0), losses.stride(1), sw.stride(0), sw.stride(1),
         float(batch), float(lam), float(scale), float(gamma), float(f1), float(f2),
         *_divergence_constants(divergence),
-        CODE=divergence.code, HAS_SW=sample_weight is not None, BLOCK_B=block_b, BLOCK_M=block_m,
+        CODE=divergence.code, HAS_SW=sample_weight is not None, ETA_F64=eta.dtype == torch.float64,
+        BLOCK_B=block_b, BLOCK_M=block_m,
     )
     if eta_work is not eta:
         eta.copy_(eta_work)
@@ -268,7 +280,10 @@ def _gram_blocks(blocks: list[Tensor]) -> Tensor:
 
 def gram(jacobian: JacobianBlocks) -> Tensor:
     """J J^T in float32, summed over the column blocks (split reduction over the columns)."""
-    return _gram_blocks(_blocks(jacobian))
+    blocks = _blocks(jacobian)
+    if _float64(*blocks):
+        return reference.gram(blocks)
+    return _gram_blocks(blocks)
 
 
 def _segments(blocks: list[Tensor], params: Sequence[Tensor]) -> list[tuple[Tensor, int, Tensor]]:
@@ -324,7 +339,11 @@ def _combine_blocks(
 
 def combine(jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:
     """params -= lr * J^T w, one launch per parameter (float32 math, rounded on store)."""
-    _combine_blocks(_blocks(jacobian), w, params, lr, None)
+    blocks = _blocks(jacobian)
+    if _float64(*blocks, *params):
+        reference.combine(blocks, w, params, lr)
+        return
+    _combine_blocks(blocks, w, params, lr, None)
 
 
 def gram_step(
@@ -341,6 +360,8 @@ def gram_step(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Alg. 2 steps 4-5 (see the reference): nothing is written when the Gram is not finite."""
     blocks = _blocks(jacobian)
+    if _float64(*blocks, *params):
+        return reference.gram_step(blocks, w, params, gamma, c1, c2, beta, rho, mu, z)
     gram_matrix = _gram_blocks(blocks)
     finite = torch.isfinite(gram_matrix).all()
     # The m x m work is tiny: float64 torch ops on the device, no host synchronisation.

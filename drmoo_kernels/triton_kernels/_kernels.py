@@ -151,7 +151,7 @@ def dual_step_kernel(
     loss_ptr, sw_ptr, eta_ptr, w_ptr, z_ptr, mu_ptr, weight_ptr,
     B, M, stride_lb, stride_lm, stride_sb, stride_sm,
     batch, lam, scale, gamma, f1, f2, P0, P1, P2, P3,
-    CODE: tl.constexpr, HAS_SW: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
+    CODE: tl.constexpr, HAS_SW: tl.constexpr, ETA_F64: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Alg. 2 steps 1-3 in a single program (mu couples every task, so all columns live in one block).
 
@@ -174,9 +174,14 @@ def dual_step_kernel(
     norm = tl.sqrt(tl.sum(direction * direction, axis=0))
     # clip_factor: min(f1, f2 / norm), and f1 where the norm vanishes.
     mu = tl.where(norm > 0.0, tl.minimum(f2 / tl.where(norm > 0.0, norm, 1.0), f1), f1)
-    # eta.sub_((gamma mu direction).to(eta.dtype)): round the step, then the difference, to eta's dtype.
-    step = (gamma * mu * direction).to(eta.dtype).to(tl.float32)
-    eta_next = (eta.to(tl.float32) - step).to(eta.dtype)
+    # eta.sub_((gamma mu direction).to(eta.dtype)), as torch does it: round the step to eta's dtype,
+    # subtract in float32 (float64 for a float64 eta) and round the difference to eta's dtype.
+    if ETA_F64:
+        step = (gamma * mu * direction).to(tl.float64)
+        eta_next = eta - step
+    else:
+        step = (gamma * mu * direction).to(eta.dtype).to(tl.float32)
+        eta_next = (eta.to(tl.float32) - step).to(eta.dtype)
     tl.store(eta_ptr + cols, eta_next, mask=col_ok)
     tl.store(z_ptr + cols, z, mask=col_ok)
     tl.store(mu_ptr, mu)

@@ -1,0 +1,334 @@
+"""The triton backend against the pure-torch reference, op by op and through DoubleClipMGDA.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors.  Triton fixes interpreted vs
+compiled execution when it is first imported (its own ``tl.zeros``, ``tl.sum``... are decorated
+then), so this module sets ``TRITON_INTERPRET=1`` before importing triton, and puts the variable back
+as it was right after: other test modules must not see the triton backend become "available" on a
+CPU-only machine.  While this module's tests run, a fixture sets the variable again, because the
+dispatcher (``backend="triton"``) checks it.  With a GPU, the compiled kernels run on CUDA tensors.
+
+Shapes are small: the interpreter executes every tile operation in numpy from Python.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+_INTERPRETED = not torch.cuda.is_available()
+DEVICE = torch.device("cpu" if _INTERPRETED else "cuda")
+
+_saved_flag = os.environ.get("TRITON_INTERPRET")
+if _INTERPRETED:
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        _SKIP_REASON: str | None = f"triton is not importable here ({error})"
+    else:
+        from drmoo_kernels.triton_kernels import triton_interpreted
+
+        _SKIP_REASON = None
+        if _INTERPRETED and not triton_interpreted():
+            _SKIP_REASON = (
+                "no CUDA device, and triton was already imported in compiled mode by something earlier in this "
+                "process, before this module could set TRITON_INTERPRET=1 (run this file on its own)"
+            )
+finally:
+    if _saved_flag is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved_flag
+
+if _SKIP_REASON is not None:
+    pytest.skip(_SKIP_REASON, allow_module_level=True)
+
+from drmoo_kernels import Divergence, reference  # noqa: E402
+from drmoo_kernels.backends import triton as tb  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_flag() -> Iterator[None]:
+    """TRITON_INTERPRET=1 for this module's tests only (the dispatcher's availability check reads it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if _INTERPRETED:
+            patch.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+DIVERGENCES = [
+    Divergence("chi2"),
+    Divergence("kl"),
+    Divergence("cvar_smooth", 0.2),
+    Divergence("cressie_read", 3.0),
+    Divergence("cressie_read", 1.5),
+]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 2e-5, atol: float = 2e-6) -> None:
+    """Outputs computed in float32 on both sides from the same inputs: float32-level agreement."""
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+def _stored_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Values rounded to their (possibly 16-bit) storage dtype: allow one unit in the last place."""
+    assert actual.dtype == expected.dtype
+    if actual.dtype == torch.float32:
+        _close(actual, expected, rtol=1e-5, atol=1e-6)
+    else:
+        eps = torch.finfo(actual.dtype).eps
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=eps, atol=eps)
+
+
+def _losses(batch: int, tasks: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    losses = (3.0 * torch.rand(batch, tasks, generator=gen)).to(dtype)
+    weights = (0.2 + 1.6 * torch.rand(batch, tasks, generator=gen)).to(dtype)
+    return losses.to(DEVICE), weights.to(DEVICE)
+
+
+# ------------------------------------------------------------------------------------ dual ops
+DUAL_SHAPES = [(1, 1), (7, 2), (33, 3), (130, 8)]
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("batch", "tasks"), DUAL_SHAPES)
+def test_dual_forward_matches_reference(divergence: Divergence, dtype: torch.dtype, batch: int, tasks: int) -> None:
+    losses, sample_weight = _losses(batch, tasks, dtype, seed=batch * 10 + tasks)
+    eta = torch.linspace(-0.5, 1.0, tasks, device=DEVICE)
+    for weight in (None, sample_weight):
+        got = tb.dual_forward(losses, eta, 0.6, 1.3, divergence, weight)
+        want = reference.dual_forward(losses, eta, 0.6, 1.3, divergence, weight)
+        for a, b in zip(got, want):
+            _close(a, b)
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("batch", "tasks"), DUAL_SHAPES)
+def test_dual_step_matches_reference(divergence: Divergence, dtype: torch.dtype, batch: int, tasks: int) -> None:
+    losses, sample_weight = _losses(batch, tasks, dtype, seed=batch * 7 + tasks)
+    w = torch.softmax(torch.linspace(0.0, 1.0, tasks), 0).to(DEVICE)
+    for weight, f2 in ((None, 0.05), (sample_weight, 10.0)):  # a binding and a non-binding clip
+        eta_got = torch.linspace(-0.3, 0.8, tasks, device=DEVICE)
+        eta_want = eta_got.clone()
+        got = tb.dual_step(losses, eta_got, w, 0.6, 1.3, divergence, 0.1, 1.0, f2, weight)
+        want = reference.dual_step(losses, eta_want, w, 0.6, 1.3, divergence, 0.1, 1.0, f2, weight)
+        _close(eta_got, eta_want)
+        for a, b in zip(got, want):
+            _close(a, b)
+
+
+def test_dual_ops_many_tasks_and_strided_losses() -> None:
+    # m = 40 (the benchmark's largest), a transposed (non-contiguous) loss matrix, bf16 eta.
+    losses = _losses(40, 300, torch.float32, seed=5)[0].T
+    eta = torch.linspace(-0.2, 0.4, 40, device=DEVICE)
+    w = torch.full((40,), 1.0 / 40, device=DEVICE)
+    divergence = Divergence("kl")
+    for a, b in zip(tb.dual_forward(losses, eta, 0.8, 1.0, divergence),
+                    reference.dual_forward(losses, eta, 0.8, 1.0, divergence)):
+        _close(a, b)
+    eta_got, eta_want = eta.to(torch.bfloat16), eta.to(torch.bfloat16)
+    got = tb.dual_step(losses, eta_got, w, 0.8, 1.0, divergence, 0.5, 1.0, 0.5)
+    want = reference.dual_step(losses, eta_want, w, 0.8, 1.0, divergence, 0.5, 1.0, 0.5)
+    _stored_close(eta_got, eta_want)
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+    # One bf16 ulp of eta moves the weights by ~1%: check them at the eta the kernel actually stored.
+    _close(got[2], reference.dual_forward(losses, eta_got, 0.8, 1.0, divergence)[2])
+
+
+def test_empty_batch_is_a_clear_error() -> None:
+    losses = torch.empty(0, 3, device=DEVICE)
+    eta = torch.zeros(3, device=DEVICE)
+    with pytest.raises(ValueError, match="empty batch"):
+        tb.dual_forward(losses, eta, 0.6, 1.0, Divergence("chi2"))
+    with pytest.raises(ValueError, match="empty batch"):
+        tb.dual_step(losses, eta, torch.full((3,), 1 / 3, device=DEVICE), 0.6, 1.0, Divergence("chi2"), 0.1, 1.0, 0.5)
+    assert torch.equal(eta, torch.zeros(3, device=DEVICE))
+
+
+# ------------------------------------------------------------------------------- Jacobian ops
+GRAM_CASES = [(1, 1), (2, 7), (3, 1000), (8, 1003), (3, 70001), (40, 517)]
+
+
+def _jacobian(tasks: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(tasks, n, generator=gen).to(dtype).to(DEVICE)
+
+
+def _params(n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Parameters of odd sizes (a matrix, a vector, a scalar-ish tail) whose numels sum to n."""
+    gen = torch.Generator().manual_seed(seed)
+    if n < 10:
+        sizes: list[tuple[int, ...]] = [(n,)]
+    else:
+        rows = max(1, n // 21)
+        first = rows * 3
+        sizes = [(rows, 3), (n - first - 1,), (1,)]
+    return [torch.randn(size, generator=gen).to(dtype).to(DEVICE) for size in sizes]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("tasks", "n"), GRAM_CASES)
+def test_gram_matches_reference(dtype: torch.dtype, tasks: int, n: int) -> None:
+    jac = _jacobian(tasks, n, dtype, seed=n + tasks)
+    _close(tb.gram(jac), reference.gram(jac), rtol=1e-5, atol=1e-4)
+
+
+def test_gram_of_blocks_and_strided_views() -> None:
+    jac = _jacobian(3, 1000, torch.float32, seed=1)
+    blocks = [jac[:, :1], jac[:, 1:600].reshape(3, 599), jac[:, 600:].reshape(3, 20, 20)]
+    _close(tb.gram(blocks), reference.gram(blocks), rtol=1e-5, atol=1e-4)
+    strided = _jacobian(1000, 3, torch.float32, seed=2).T  # columns not unit-stride
+    _close(tb.gram(strided), reference.gram(strided), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("tasks", "n"), GRAM_CASES)
+def test_combine_matches_reference(dtype: torch.dtype, tasks: int, n: int) -> None:
+    jac = _jacobian(tasks, n, dtype, seed=3 * n + tasks)
+    w = torch.softmax(torch.linspace(-1.0, 1.0, tasks), 0).to(DEVICE)
+    for lr in (0.3, torch.tensor(0.05, device=DEVICE)):
+        got = _params(n, dtype, seed=n)
+        want = [p.clone() for p in got]
+        tb.combine(jac, w, got, lr)
+        reference.combine(jac, w, want, lr)
+        for a, b in zip(got, want):
+            _stored_close(a, b)
+
+
+def test_combine_blocks_noncontiguous_params_and_errors() -> None:
+    jac = _jacobian(3, 1000, torch.float32, seed=4)
+    w = torch.tensor([0.2, 0.5, 0.3], device=DEVICE)
+    got = [torch.randn(20, 30, device=DEVICE).T, torch.randn(400, device=DEVICE)]  # first: a transposed view
+    assert not got[0].is_contiguous()
+    want = [p.clone() for p in got]
+    aligned = [jac[:, :600], jac[:, 600:]]  # one block per parameter
+    tb.combine(aligned, w, got, 0.1)
+    reference.combine(aligned, w, want, 0.1)
+    for a, b in zip(got, want):
+        _stored_close(a, b)
+    misaligned = [jac[:, :123], jac[:, 123:]]  # blocks that straddle the parameters
+    tb.combine(misaligned, w, got, 0.1)
+    reference.combine(misaligned, w, want, 0.1)
+    for a, b in zip(got, want):
+        _stored_close(a, b)
+    before = [p.clone() for p in got]
+    with pytest.raises(ValueError, match="columns"):
+        tb.combine(jac, w, got[:1], 0.1)
+    assert all(torch.equal(a, b) for a, b in zip(got, before))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("tasks", "n"), GRAM_CASES)
+def test_gram_step_matches_reference(dtype: torch.dtype, tasks: int, n: int) -> None:
+    jac = _jacobian(tasks, n, dtype, seed=5 * n + tasks)
+    z = torch.linspace(-0.5, 0.7, tasks, device=DEVICE)
+    mu = torch.tensor(0.8, device=DEVICE)
+    for c2 in (0.05, 1e6):  # alpha clipped by c2/||d||, and alpha = c1
+        w_got = torch.softmax(torch.linspace(1.0, -1.0, tasks), 0).to(DEVICE)
+        w_want = w_got.clone()
+        got_params = _params(n, dtype, seed=2 * n)
+        want_params = [p.clone() for p in got_params]
+        got = tb.gram_step(jac, w_got, got_params, 0.1, 1.0, c2, 0.3, 1e-3, mu, z)
+        want = reference.gram_step(jac, w_want, want_params, 0.1, 1.0, c2, 0.3, 1e-3, mu, z)
+        _close(got[0], want[0], rtol=1e-5, atol=1e-4)  # Gram
+        _close(got[1], want[1], rtol=1e-5, atol=1e-5)  # ||d||
+        _close(got[2], want[2], rtol=1e-5, atol=1e-7)  # alpha
+        _close(w_got, w_want, rtol=1e-5, atol=1e-6)
+        for a, b in zip(got_params, want_params):
+            _stored_close(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, in the interpreter
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_gram_step_writes_nothing_when_the_gram_is_not_finite(bad: float) -> None:
+    jac = _jacobian(3, 1003, torch.float32, seed=6)
+    jac[1, 517] = bad
+    w = torch.tensor([0.2, 0.5, 0.3], device=DEVICE)
+    params = _params(1003, torch.float32, seed=7)
+    w_before, params_before = w.clone(), [p.clone() for p in params]
+    gram, d_norm, alpha = tb.gram_step(jac, w, params, 0.1, 1.0, 0.5, 0.3, 1e-3, 0.5, torch.ones(3, device=DEVICE))
+    assert not bool(torch.isfinite(gram).all())
+    assert bool(torch.isnan(d_norm)) and float(alpha) == 0.0
+    assert torch.equal(w, w_before)
+    assert all(torch.equal(a, b) for a, b in zip(params, params_before))
+    ref = reference.gram_step(jac, w.clone(), [p.clone() for p in params], 0.1, 1.0, 0.5, 0.3, 1e-3, 0.5,
+                              torch.ones(3, device=DEVICE))
+    assert float(ref[2]) == 0.0 and bool(torch.isnan(ref[1]))
+
+
+def test_float64_inputs_follow_the_reference() -> None:
+    jac = _jacobian(3, 257, torch.float64, seed=8)
+    _close(tb.gram(jac), reference.gram(jac), rtol=1e-12, atol=1e-12)
+    losses = _losses(9, 3, torch.float64, seed=9)[0]
+    eta = torch.zeros(3, device=DEVICE)
+    for a, b in zip(tb.dual_forward(losses, eta, 0.6, 1.0, Divergence("kl")),
+                    reference.dual_forward(losses, eta, 0.6, 1.0, Divergence("kl"))):
+        _close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- optimizer parity
+@pytest.mark.parametrize(("tasks", "divergence", "resample"), [(3, "chi2", True), (1, "cvar_smooth(0.3)", False),
+                                                               (2, "cressie_read(2)", True)])
+def test_double_clip_parity_with_reference(toy, tasks: int, divergence: str, resample: bool) -> None:
+    from drmoo.optim import DoubleClipMGDA
+
+    runs = {}
+    for backend in ("reference", "triton"):
+        problem = toy(num_tasks=tasks, dtype=torch.float32, seed=11)
+        for tensor in (problem.inputs, problem.targets):
+            tensor.data = tensor.data.to(DEVICE)
+        for param in (problem.A, problem.c, problem.H):
+            param.data = param.data.to(DEVICE)
+        opt = DoubleClipMGDA(problem.shared, tasks, lr=0.05, pref_lr=0.3, rho=1e-3, c2=0.4, f2=0.3, lam=0.8,
+                             divergence=divergence, resample=resample, backend=backend)
+        assert opt.backend == backend
+        heads = torch.optim.SGD([problem.H], lr=0.01)
+        draw = problem.batches(seed=5)
+        closure = lambda p=problem, d=draw: p.losses(d().to(DEVICE))  # noqa: E731
+        history = []
+        for _ in range(12):
+            heads.zero_grad()
+            objective = opt.step(closure)
+            heads.step()
+            history.append((objective.clone(), opt.w.clone(), opt.eta.clone()))
+        runs[backend] = (problem.snapshot(), history)
+    (ref_params, ref_hist), (tri_params, tri_hist) = runs["reference"], runs["triton"]
+    for (obj_r, w_r, eta_r), (obj_t, w_t, eta_t) in zip(ref_hist, tri_hist):
+        torch.testing.assert_close(obj_t, obj_r, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(w_t, w_r, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(eta_t, eta_r, rtol=1e-4, atol=1e-5)
+    for a, b in zip(tri_params, ref_params):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ loading
+def test_availability_here() -> None:
+    assert tb.availability() is None
+
+
+@pytest.mark.skipif(not _INTERPRETED, reason="checks the CPU-only behaviour")
+def test_import_does_not_import_triton_and_reports_why() -> None:
+    code = (
+        "import sys, drmoo_kernels\n"
+        "from drmoo_kernels.dispatch import why_unavailable\n"
+        "reason = why_unavailable('triton')\n"
+        "assert 'triton' not in sys.modules, 'triton was imported'\n"
+        "assert 'TRITON_INTERPRET' in reason, reason\n"
+        "assert 'triton' not in drmoo_kernels.available_backends()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
