@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,3 +52,21 @@ class ToyProblem:
 @pytest.fixture
 def toy() -> Callable[..., ToyProblem]:
     return ToyProblem
+
+
+def shared_data_dir() -> Path | None:
+    """The project's shared test data (../shared/data beside the checkout, or $DRMOO_SHARED_DATA)."""
+    candidates = [os.environ.get("DRMOO_SHARED_DATA"), Path(__file__).resolve().parents[2] / "shared" / "data"]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_dir():
+            return Path(candidate)
+    return None
+
+
+@pytest.fixture
+def wine_csv() -> Path:
+    directory = shared_data_dir()
+    path = directory / "winequality-white.csv" if directory else None
+    if path is None or not path.is_file():
+        pytest.skip("the UCI white-wine CSV is not in ../shared/data (set DRMOO_SHARED_DATA to its directory)")
+    return path

@@ -43,15 +43,16 @@ def _add_synthetic(sub: argparse._SubParsersAction) -> None:
         description="Train each method on a small multi-task problem with the paper's settings and write "
         "metrics.csv, summary.json/.md and convergence.png (balanced gradient norm vs iterations and samples).",
     )
-    parser.add_argument("--problem", default="linear", help="linear (App. E.1)")
+    parser.add_argument("--problem", default="linear",
+                        help="linear (App. E.1, synthetic) or wine (App. E.2, needs --data-root)")
     parser.add_argument("--methods", type=_comma_list, default=["double-clip", "double-loop"],
                         help="comma-separated registry names, or 'all' (default: double-clip,double-loop)")
     seeds = parser.add_mutually_exclusive_group()
     seeds.add_argument("--seed", type=int, help="one seed (default 0)")
     seeds.add_argument("--seeds", type=_int_list, help="comma-separated seeds, e.g. 0,1,2")
-    parser.add_argument("--steps", type=int, help="iterations (default: the paper's, 600 linear)")
+    parser.add_argument("--steps", type=int, help="iterations (default: the paper's, 600 linear, 1000 wine)")
     parser.add_argument("--batch-size", type=int, help="batch size (default 256)")
-    parser.add_argument("--data-root", help="directory or file with the data set, for problems that need one")
+    parser.add_argument("--data-root", help="wine: the UCI white-wine CSV (winequality-white.csv) or its directory")
     parser.add_argument("--hp", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="override a hyperparameter of every method, e.g. --hp lam=0.8 (repeatable)")
     parser.add_argument("--out", required=True, help="output directory (finished runs in it are reused)")

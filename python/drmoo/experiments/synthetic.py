@@ -26,12 +26,12 @@ from tqdm.auto import tqdm
 
 from drmoo.optim import available, create
 
-from .problems import BatchStream, Problem, make_linear_problem
+from .problems import BatchStream, Problem, make_linear_problem, make_wine_problem
 from .reporting import aggregate_curves, plot_convergence, summary_table
 
 __all__ = ["PAPER_PRESETS", "PROBLEMS", "SyntheticConfig", "run_synthetic"]
 
-PROBLEMS: dict[str, Callable[..., Problem]] = {"linear": make_linear_problem}
+PROBLEMS: dict[str, Callable[..., Problem]] = {"linear": make_linear_problem, "wine": make_wine_problem}
 
 # Paper App. E hyperparameters, by problem and method.  lam is not stated for the synthetic runs;
 # 0.6 (the Multi-MNIST value, DESIGN §5) is used for all of them.
@@ -45,6 +45,17 @@ PAPER_PRESETS: dict[str, dict[str, Any]] = {
             "double-clip": {"lr": 1e-2, "pref_lr": 1e-2, "c1": 0.5, "f1": 0.5, "c2": 0.1, "f2": 0.1, "rho": 1e-5},
             # App. E.1: D = 20, gamma = 5e-3, alpha = beta = 5e-5, rho = 1e-5.
             "double-loop": {"inner_steps": 20, "dual_lr": 5e-3, "lr": 5e-5, "pref_lr": 5e-5, "rho": 1e-5},
+        },
+        "common": {"lam": 0.6},
+    },
+    "wine": {
+        "steps": 1000,
+        "batch_size": 256,
+        "methods": {
+            # App. E.2: gamma = 1e-2, c1 = f1 = 0.5, c2 = f2 = 0.1, rho = 1e-5 (beta as for linear).
+            "double-clip": {"lr": 1e-2, "pref_lr": 1e-2, "c1": 0.5, "f1": 0.5, "c2": 0.1, "f2": 0.1, "rho": 1e-5},
+            # App. E.2: D = 15, gamma = 5e-3, alpha = 1e-3, beta = 6e-4, rho = 1e-6.
+            "double-loop": {"inner_steps": 15, "dual_lr": 5e-3, "lr": 1e-3, "pref_lr": 6e-4, "rho": 1e-6},
         },
         "common": {"lam": 0.6},
     },
@@ -83,7 +94,7 @@ class SyntheticConfig:
 
 
 def _run_one(
-    problem: Problem, method: str, hparams: dict[str, Any], steps: int, batch_size: int, seed: int, position: int
+    problem: Problem, method: str, hparams: dict[str, Any], steps: int, batch_size: int, seed: int, progress: bool
 ) -> list[dict[str, Any]]:
     torch.manual_seed(seed)  # optimizers that draw internal randomness seed it from here
     params = problem.fresh_params()
@@ -96,7 +107,7 @@ def _run_one(
 
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
-    bar = tqdm(range(1, steps + 1), desc=f"{method} seed {seed}", position=position, leave=False, mininterval=0.5)
+    bar = tqdm(range(1, steps + 1), desc=f"{method} seed {seed}", leave=False, mininterval=0.5, disable=not progress)
     for iteration in bar:
         optimizer.step(closure)
         stats = optimizer.stats
@@ -159,9 +170,8 @@ def run_synthetic(config: SyntheticConfig, out_dir: str | Path, progress: bool =
             all_records.extend(_read_csv(run_path))  # finished earlier with the same settings
             continue
         if seed not in problems:
-            builder = PROBLEMS[settings["problem"]]
-            problems[seed] = builder(seed=seed, data_root=config.data_root) if config.data_root else builder(seed=seed)
-        records = _run_one(problems[seed], method, hparams, settings["steps"], settings["batch_size"], seed, 1)
+            problems[seed] = PROBLEMS[settings["problem"]](seed=seed, data_root=config.data_root)
+        records = _run_one(problems[seed], method, hparams, settings["steps"], settings["batch_size"], seed, progress)
         _write_csv(run_path, records)
         meta_path.write_text(json.dumps(meta, indent=2))
         all_records.extend(records)
@@ -170,7 +180,9 @@ def run_synthetic(config: SyntheticConfig, out_dir: str | Path, progress: bool =
     curves = aggregate_curves(all_records)
     _write_csv(out / "convergence.csv", curves)
     plot_convergence(curves, out / "convergence.png", title=f"{settings['problem']}: balanced gradient norm")
-    any_problem = problems.get(settings["seeds"][0]) or PROBLEMS[settings["problem"]](seed=settings["seeds"][0])
+    any_problem = problems.get(settings["seeds"][0]) or PROBLEMS[settings["problem"]](
+        seed=settings["seeds"][0], data_root=config.data_root
+    )
     summary = {
         "problem": settings["problem"],
         "description": any_problem.description,
