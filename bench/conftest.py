@@ -1,0 +1,211 @@
+"""pytest-benchmark harness for the drmoo kernels: machine, same-run baselines, derived figures.
+
+Every record's ``extra_info`` carries: the op and its shape, the backend, the device and machine, the
+bytes the op must move, the achieved GB/s, ``speedup_vs_reference`` (reference time / this time,
+both measured in this run) and ``fraction_of_copy_bandwidth`` (achieved GB/s over the GB/s of a
+torch ``copy_`` moving the same number of bytes, also measured in this run).  The times are the
+minimum over the rounds; ``*_median`` fields repeat the figures with medians.
+
+Helpers are fixtures (not importable modules) because the project runs pytest with
+``--import-mode=importlib``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import drmoo_kernels
+
+# The interpreter is a correctness path: never benchmark triton on CPU tensors.
+_DEVICE_BACKENDS = {"cpu": ("reference", "cpp"), "cuda": ("reference", "cuda", "triton")}
+_BUDGET_S = 1.0  # measured time per record (after one warm-up call), at least _MIN_ROUNDS rounds
+_MIN_ROUNDS = 3
+_MAX_ROUNDS = 200
+
+
+def bench_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def machine_description() -> str:
+    """The GPU's name, or the CPU model from /proc/cpuinfo with the number of usable cores."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cores} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+def machine_slug() -> str:
+    """A file name for the results: 'cpu-<model>-<cores>c' or 'gpu-<name>'."""
+    if torch.cuda.is_available():
+        text = "gpu-" + torch.cuda.get_device_name()
+    else:
+        text = "cpu-" + machine_description().split(",")[0] + f"-{os.cpu_count()}c"
+    return re.sub(r"[^a-z0-9]+", "-", text.lower().replace("(r)", "")).strip("-")
+
+
+def bench_backends() -> list[str]:
+    """Available backends that make sense for the benchmark device, the reference first."""
+    allowed = _DEVICE_BACKENDS[bench_device().type]
+    return [name for name in drmoo_kernels.available_backends() if name in allowed]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """fn followed by a device synchronisation, so that asynchronous GPU work is inside the timing."""
+    if not torch.cuda.is_available():
+        return fn
+
+    def run() -> Any:
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+
+    return run
+
+
+class Harness:
+    """Runs one benchmark record and fills its extra_info with the same-run comparisons.
+
+    Figures use the *minimum* over the rounds (and the median too, as ``*_median``): on a shared
+    machine other processes only ever add time, so the minimum is the stabler estimate of what the
+    op itself costs.  The copy baseline is re-measured next to every record for the same reason.
+    """
+
+    def __init__(self) -> None:
+        self.device = bench_device()
+        self.machine = machine_description()
+        self._reference: dict[str, tuple[float, float]] = {}  # key -> (min, median)
+        self._copy: dict[int, tuple[float, float]] = {}  # bytes -> (min, median) over all measurements
+
+    def copy_seconds(self, nbytes: int) -> tuple[float, float]:
+        """(min, median) time of ``dst.copy_(src)`` moving ``nbytes`` in all (half read, half written)."""
+        count = max(1, nbytes // 8)  # float32 elements per side: read count*4 + write count*4
+        src = torch.rand(count, device=self.device)
+        dst = torch.empty_like(src)
+        run = _timed(lambda: dst.copy_(src))
+        run()
+        once = _min_median(run, 1)[0]
+        best, median = _min_median(run, max(_MIN_ROUNDS, _rounds(once) // 4))
+        old = self._copy.get(nbytes)
+        self._copy[nbytes] = (best, median) if old is None else (min(best, old[0]), median)
+        return self._copy[nbytes]
+
+    def run(
+        self,
+        benchmark: Any,
+        fn: Callable[[], Any],
+        *,
+        key: str,
+        backend: str,
+        nbytes: int,
+        info: dict[str, Any],
+        reference_fn: Callable[[], Any] | None = None,
+    ) -> None:
+        """Benchmark ``fn``; ``key`` names the case (same key, same work) across backends.
+
+        The reference figures of the same key come from its own record (the cases are ordered so
+        that it runs first), else from ``reference_fn`` timed here.
+        """
+        run = _timed(fn)
+        run()  # warm-up: compilation, caches, first-touch page faults
+        once = _min_median(run, 1)[0]
+        benchmark.pedantic(run, rounds=_rounds(once), iterations=1, warmup_rounds=0)
+        stats = benchmark.stats.stats
+        best, median = stats.min, stats.median
+        if backend == "reference":
+            self._reference[key] = (best, median)
+        elif key not in self._reference and reference_fn is not None:
+            ref_run = _timed(reference_fn)
+            ref_run()
+            self._reference[key] = _min_median(ref_run, _rounds(_min_median(ref_run, 1)[0]))
+        ref = self._reference.get(key)
+        benchmark.extra_info.update(info)
+        benchmark.extra_info.update(
+            backend=backend,
+            device=str(self.device),
+            machine=self.machine,
+            case=key,
+            bytes=nbytes,
+            reference_min_s=None if ref is None else ref[0],
+            speedup_vs_reference=None if ref is None else ref[0] / best,
+            speedup_vs_reference_median=None if ref is None else ref[1] / median,
+        )
+        if nbytes > 0:
+            copy_min, copy_median = self.copy_seconds(nbytes)
+            benchmark.extra_info.update(
+                gb_per_s=nbytes / best / 1e9,
+                gb_per_s_median=nbytes / median / 1e9,
+                copy_gb_per_s=nbytes / copy_min / 1e9,
+                fraction_of_copy_bandwidth=copy_min / best,
+                fraction_of_copy_bandwidth_median=copy_median / median,
+            )
+
+
+def _min_median(fn: Callable[[], Any], rounds: int) -> tuple[float, float]:
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return min(samples), statistics.median(samples)
+
+
+def _rounds(once_s: float) -> int:
+    return int(min(_MAX_ROUNDS, max(_MIN_ROUNDS, _BUDGET_S / max(once_s, 1e-6))))
+
+
+@pytest.fixture(scope="session")
+def harness() -> Harness:
+    return Harness()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every benchmark that takes ``backend`` runs once per backend of :func:`bench_backends`."""
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", bench_backends())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run each case's reference record right before the other backends of the same case.
+
+    Then every record's speedup uses the reference record of this run, and the big tensors of one
+    shape are built once for all backends.
+    """
+
+    def case(item: pytest.Item) -> str:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        rest = sorted((k, repr(v)) for k, v in params.items() if k != "backend")
+        return f"{getattr(item, 'originalname', item.name)}{rest}"
+
+    first_seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(case(item), index)
+
+    def order(item: pytest.Item) -> tuple[int, int]:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        return first_seen[case(item)], 0 if params.get("backend") == "reference" else 1
+
+    items.sort(key=order)
