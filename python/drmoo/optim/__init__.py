@@ -11,12 +11,36 @@ from typing import Any
 from ._base import MultiObjectiveOptimizer, ParamsT
 from .double_clip import DoubleClipMGDA
 from .double_loop import DoubleLoopMGDA
+from .famo import FAMO
+from .mgda import MGDA
+from .moco import MoCo
+from .modo import MoDo
+from .nashmtl import NashMTL
+from .sdmgrad import SDMGrad
 
-__all__ = ["DoubleClipMGDA", "DoubleLoopMGDA", "MultiObjectiveOptimizer", "available", "create"]
+__all__ = [
+    "FAMO",
+    "MGDA",
+    "DoubleClipMGDA",
+    "DoubleLoopMGDA",
+    "MoCo",
+    "MoDo",
+    "MultiObjectiveOptimizer",
+    "NashMTL",
+    "SDMGrad",
+    "available",
+    "create",
+]
 
 _REGISTRY: dict[str, type[MultiObjectiveOptimizer]] = {
     "double-clip": DoubleClipMGDA,
     "double-loop": DoubleLoopMGDA,
+    "mgda": MGDA,
+    "modo": MoDo,
+    "moco": MoCo,
+    "sdmgrad": SDMGrad,
+    "nashmtl": NashMTL,
+    "famo": FAMO,
 }
 
 

@@ -1,0 +1,315 @@
+"""What the six baselines share: (theta, eta) as one joint variable of the DR dual.
+
+The paper runs every baseline (MGDA, MoDo, MoCo, SDMGrad, NashMTL, FAMO) on the dual objectives
+L^i(theta, eta) with theta and eta updated *jointly*.  The per-task gradient of the joint vector
+(theta, eta) is
+
+    g_i = [ grad_theta L^i ; z^i e_i ]        with  z^i = dL^i/deta^i   (dL^i/deta^j = 0, j != i),
+
+so for rows J (m x n, the theta parts) the joint Gram matrix is ``K_joint = J J^T + diag(z^2)``, the
+cross product of two batches is ``J_1 J_2^T + diag(z_1 (.) z_2)``, and any combined direction
+``sum_i w^i g_i`` has theta part ``J^T w`` and eta part ``z (.) w``.  Every baseline steps theta and
+eta with the same learning rate along that joint direction (:meth:`JointBaseline.step_joint`).
+
+This module holds the joint algebra and the parts of a step every baseline needs: a batch turned
+into dual objectives, z and per-task gradients; one batched finiteness check (a single host sync)
+before anything is written; one combined backward pass for the methods that never need J
+(FAMO, NashMTL between weight updates); the stats every optimizer reports; named presets; and
+``state_dict`` validation for the methods' extra state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from drmoo_kernels.reference import project_simplex
+
+from ._base import STATE_KEY, Closure, MultiObjectiveOptimizer, check_positive
+
+__all__ = [
+    "JointBaseline",
+    "TaskGradients",
+    "check_count",
+    "check_fraction",
+    "common_defaults",
+    "cross_gram",
+    "head_leaves",
+    "joint_cross",
+    "joint_gram",
+    "joint_norm",
+    "project_simplex",
+    "rows_finite",
+    "simplex_step",
+]
+
+# Below this a Gram scale (a squared gradient norm) counts as zero: scaling by it would overflow.
+TINY = 1e-30
+
+
+def common_defaults(lam: float, divergence: str, **step_sizes: float) -> dict[str, Any]:
+    """Validated hyperparameters every baseline has: step sizes / regularizers (>= 0), lam (> 0), f."""
+    checked = {name: check_positive(name, value, allow_zero=True) for name, value in step_sizes.items()}
+    return {**checked, "lam": check_positive("lam", lam), "divergence": divergence}
+
+
+def check_count(name: str, value: int) -> int:
+    """An int >= 1 (iteration counts, intervals)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def check_fraction(name: str, value: float, meaning: str) -> float:
+    """A number in [0, 1) (averaging / momentum factors)."""
+    number = check_positive(name, value, allow_zero=True)
+    if number >= 1.0:
+        raise ValueError(f"{name} must be in [0, 1) ({meaning}), got {value!r}")
+    return number
+
+
+def joint_gram(gram: Tensor, z: Tensor) -> Tensor:
+    """K_joint = J J^T + diag(z^2) in float64, from the theta Gram matrix and the eta gradients."""
+    z64 = z.double()
+    return gram.double() + torch.diag(z64 * z64)
+
+
+def cross_gram(first: Tensor, second: Tensor) -> Tensor:
+    """J_1 J_2^T (m x m) of two [m, n] Jacobians, accumulated like the ``gram`` op, as float64."""
+    acc = torch.float64 if first.dtype == torch.float64 else torch.float32
+    return (first.to(acc) @ second.to(acc).T).double()
+
+
+def joint_cross(first: Tensor, z_first: Tensor, second: Tensor, z_second: Tensor) -> Tensor:
+    """The joint cross product J_1 J_2^T + diag(z_1 (.) z_2) of two batches, float64."""
+    return cross_gram(first, second) + torch.diag(z_first.double() * z_second.double())
+
+
+def joint_norm(gram_joint: Tensor, weights: Tensor) -> Tensor:
+    """||sum_i w^i g_i|| = sqrt(w^T K w) (clamped at 0 against rounding), float64."""
+    w64 = weights.double()
+    return torch.sqrt(torch.clamp(w64 @ (gram_joint.double() @ w64), min=0.0))
+
+
+def head_leaves(losses: Tensor, shared: Sequence[Tensor]) -> list[Tensor]:
+    """The trainable leaves the losses depend on, other than the shared parameters (the heads).
+
+    Found by walking the autograd graph: a backward restricted to these leaves runs only the part
+    of the graph between the losses and the heads, which is what makes "the heads get their raw
+    gradient" cheap for the methods whose shared-parameter backward uses task weights.
+    """
+    shared_ids = {id(p) for p in shared}
+    if losses.grad_fn is None:
+        return [losses] if losses.requires_grad and id(losses) not in shared_ids else []
+    leaves: list[Tensor] = []
+    seen: set[int] = set()
+    stack = [losses.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if isinstance(variable, Tensor):
+            if id(variable) not in shared_ids:
+                leaves.append(variable)
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+@dataclass
+class TaskGradients:
+    """One batch seen by a baseline: everything about (theta_t, eta_t) on it."""
+
+    losses: Tensor  # per-sample losses [B, m], with their graph
+    objective: Tensor  # [m] dual objectives L^i(theta_t, eta_t)
+    z: Tensor  # [m] dL^i/deta^i: the eta block of the joint gradient is diag(z)
+    cotangent: Tensor  # [B, m] d objective / d losses (the worst-case weights / B)
+    jacobian: Tensor | None  # [m, n] rows grad_theta L^i (a reused buffer), None if not computed
+
+
+class JointBaseline(MultiObjectiveOptimizer):
+    """Base of the baselines: the joint (theta, eta) step, checks, stats, presets, extra state.
+
+    Subclasses declare their extra optimizer state in :meth:`extra_state` (created at construction,
+    saved under ``state["drmoo"]``, validated on load) and their paper hyperparameters in
+    ``PRESETS`` (``cls.preset(name)`` -> constructor keyword arguments).
+    """
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def __init__(self, params: Any, num_tasks: int, defaults: dict[str, Any], backend: str | None) -> None:
+        super().__init__(params, num_tasks, defaults, backend)
+        self._vectors: dict[str, Tensor] = {}
+        self._batches_drawn = 0
+        extra = self.extra_state()
+        self._extra_keys = tuple(extra)
+        self.state[STATE_KEY].update(extra)
+
+    # --------------------------------------------------------------------------- presets/state
+    @classmethod
+    def preset(cls, name: str) -> dict[str, Any]:
+        """Constructor keyword arguments of a named paper setting (``cls.PRESETS``)."""
+        try:
+            return dict(cls.PRESETS[name])
+        except KeyError:
+            known = ", ".join(cls.PRESETS) or "none"
+            raise ValueError(f"{cls.__name__} has no preset {name!r}; known presets: {known}") from None
+
+    def extra_state(self) -> dict[str, Any]:
+        """Initial values of the method's own state (beyond w, eta, step); tensors or ints."""
+        return {}
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """dtype of the m-sized state the base class keeps (w, eta)."""
+        return self.w.dtype
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("state", {}).get(STATE_KEY)
+        if saved is not None:
+            own = self.state[STATE_KEY]
+            for key in self._extra_keys:
+                if key not in saved:
+                    raise ValueError(
+                        f"state_dict has no {key!r} entry: it was not saved by {type(self).__name__}"
+                    )
+                current = own[key]
+                if isinstance(current, Tensor) and tuple(saved[key].shape) != tuple(current.shape):
+                    raise ValueError(
+                        f"state_dict's {key} has shape {tuple(saved[key].shape)}, but this "
+                        f"{type(self).__name__} expects {tuple(current.shape)}"
+                    )
+        super().load_state_dict(state_dict)
+
+    @property
+    def num_shared(self) -> int:
+        """n, the number of shared parameter entries."""
+        return sum(p.numel() for p in self._shared_params())
+
+    # ---------------------------------------------------------------------------------- batches
+    def begin_step(self) -> None:
+        self._batches_drawn = 0
+
+    def draw_batch(self, closure: Closure | None) -> TaskGradients:
+        """One fresh batch (with graph): its losses, dual objective, z and cotangent at the current eta."""
+        losses = self.draw_losses(closure, need_graph=True)
+        self._batches_drawn += 1
+        h = self.param_groups[0]
+        objective, z, cotangent = self._ops.dual_forward(losses.detach(), self.eta, h["lam"], 1.0, self.divergence)
+        return TaskGradients(losses, objective, z, cotangent, None)
+
+    def task_gradients(self, closure: Closure | None, slot: str, *, feed_heads: bool) -> TaskGradients:
+        """A fresh batch and its per-task gradients J (m backward passes) into buffer ``slot``."""
+        batch = self.draw_batch(closure)
+        batch.jacobian = self.task_jacobian(batch.losses, batch.cotangent, slot, feed_heads=feed_heads)
+        return batch
+
+    def combined_gradient(self, batch: TaskGradients, task_weights: Tensor, slot: str) -> Tensor:
+        """grad_theta sum_i c_i L^i in ONE backward pass; the heads get their raw gradient.
+
+        The shared parameters' backward is restricted to them and accumulates straight into a flat
+        buffer (each ``.grad`` is a view of it while it runs, as in ``task_jacobian``).  The heads
+        then get the gradient of sum_i L^i (unweighted, the convention for every method) from a
+        second backward restricted to the head leaves, which only traverses the graph above them.
+        """
+        shared = self._shared_params()
+        flat = self._vector(slot)
+        flat.zero_()
+        heads = head_leaves(batch.losses, shared)
+        weighted = (batch.cotangent * task_weights.to(batch.cotangent.dtype)).to(batch.losses.dtype)
+        saved_grads = [p.grad for p in shared]
+        try:
+            offset = 0
+            for p in shared:
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            torch.autograd.backward(batch.losses, grad_tensors=weighted, retain_graph=bool(heads), inputs=shared)
+        finally:
+            for p, grad in zip(shared, saved_grads):
+                p.grad = grad
+        if heads:
+            torch.autograd.backward(batch.losses, grad_tensors=batch.cotangent.to(batch.losses.dtype), inputs=heads)
+        return flat
+
+    def _vector(self, name: str) -> Tensor:
+        shared = self._shared_params()
+        vec = self._vectors.get(name)
+        if vec is None or vec.numel() != self.num_shared:
+            vec = torch.empty(self.num_shared, device=self.device, dtype=shared[0].dtype)
+            self._vectors[name] = vec
+        return vec
+
+    # ----------------------------------------------------------------------------------- checks
+    def raise_unless_finite(self, checks: Sequence[tuple[str, Tensor]]) -> None:
+        """One host sync for all checks of a step: (role, [m] bool 'task i finite') pairs.
+
+        NaN/Inf in a Jacobian row propagates into that row of any product computed from it (also
+        through a zero weight: 0 * Inf = NaN), so checking the small products covers the big buffers.
+        """
+        if not checks:
+            return
+        flags = torch.stack([flag.reshape(-1).to(torch.bool) for _, flag in checks])
+        if bool(flags.all()):
+            return
+        rows = flags.tolist()
+        bad = [f"{role}: task(s) {[i for i, ok in enumerate(row) if not ok]}" for (role, _), row in zip(checks, rows)
+               if not all(row)]
+        raise ValueError(
+            f"non-finite gradients of the shared parameters ({'; '.join(bad)}) at step {self.steps_taken}; "
+            "the step was abandoned and nothing was updated"
+        )
+
+    # ------------------------------------------------------------------------------------ steps
+    def step_joint(self, jacobian: Tensor, z: Tensor, weights: Tensor, lr: Tensor | float) -> None:
+        """theta -= lr * J^T w (the ``combine`` op) and eta -= lr * z (.) w: the joint step."""
+        self.apply_direction(jacobian, weights, lr)
+        self.step_eta(z, weights, lr)
+
+    def step_eta(self, z: Tensor, weights: Tensor, lr: Tensor | float) -> None:
+        with torch.no_grad():
+            eta = self.eta
+            eta.sub_((lr * z.double() * weights.double()).to(eta.dtype))
+
+    def set_w(self, weights: Tensor) -> None:
+        with torch.no_grad():
+            self.w.copy_(weights.to(self.w.dtype))
+
+    def finish_step(
+        self,
+        batch: TaskGradients,
+        weights: Tensor,
+        theta_norm: Tensor,
+        eta_part: Tensor,
+        **extra: Tensor,
+    ) -> Tensor:
+        """Count the step and fill ``stats``; returns the per-task dual objectives of ``batch``.
+
+        ``balanced_grad_norm`` = ||[J^T w ; z (.) w]|| on the batch of the parameter step, from the
+        theta part's norm and the eta part z (.) w.
+        """
+        balanced = torch.sqrt(theta_norm.double() ** 2 + torch.sum(eta_part.double() ** 2))
+        self.state[STATE_KEY]["step"] += 1
+        self.stats = self._common_stats(batch.objective, balanced, theta_norm)
+        self.stats.update(
+            z=batch.z.detach(),
+            step_weights=weights.detach().double().clone(),
+            batches=torch.tensor(self._batches_drawn),
+            **{key: value.detach() for key, value in extra.items()},
+        )
+        return batch.objective.detach()
+
+
+def simplex_step(w: Tensor, gradient: Tensor, step_size: float) -> Tensor:
+    """Pi(w - step_size * gradient) in float64 (the projected preference update)."""
+    return project_simplex(w.double() - step_size * gradient.double())
+
+
+def rows_finite(matrix: Tensor) -> Tensor:
+    """[m] flags: row i of an m x m product finite (NaN/Inf in J row i reaches its row i)."""
+    return torch.isfinite(matrix).all(dim=-1)

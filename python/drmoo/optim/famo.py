@@ -1,0 +1,203 @@
+"""FAMO (Liu et al., NeurIPS 2023) on the DR dual: balanced log-loss decrease with O(m) state."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ._base import STATE_KEY, Closure, ParamsT, check_positive
+from ._joint import JointBaseline, common_defaults
+
+ReevaluateFn = Callable[[], Tensor]
+
+
+def _accepts_same_batch(closure: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(closure).parameters.values()
+    except (TypeError, ValueError):  # builtins / C callables without a signature: let the call tell
+        return True
+    return any(p.name == "same_batch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+class FAMO(JointBaseline):
+    r"""FAMO -- fast adaptive multitask optimization -- with (theta, eta) joint.
+
+    Logits xi in R^m (0 at start) define task priorities p = softmax(xi).  One call of :meth:`step`:
+
+    .. code-block:: text
+
+        input: lr (theta and eta), pref_lr (the logits' Adam LR), logit_decay (gamma), loss_floor
+               (l*), famo_eps (eps), lambda (lam), f (divergence)
+        state: theta, eta (0), xi = 0 and its Adam moments, w (the last combination weights)
+
+        batch xi_t (closure call 1) at (theta_t, eta_t): dual objectives L^i, z = dL/deta
+        D_i = max(L^i - l*_i, 0) + eps;   p = softmax(xi)
+        c_i = (p_i / D_i) / sum_j (p_j / D_j)                    # a convex combination
+        d_theta = grad_theta sum_i c_i L^i                       # ONE backward pass
+        theta_{t+1} = theta_t - lr * d_theta;   eta_{t+1} = eta_t - lr * z (.) c
+        L'^i = the dual objectives on the SAME batch at (theta_{t+1}, eta_{t+1}), no gradients
+        D'_i = max(L'^i - l*_i, 0) + eps;  delta = log D - log D'  # per-task log-decrease
+        xi.grad = p (.) (delta - p^T delta)                      # = (d softmax / d xi)^T delta
+        xi <- Adam step (betas 0.9, 0.999, eps 1e-8) on xi.grad + gamma * xi   (coupled weight decay)
+
+    (c is the gradient direction of sum_i p_i log D_i up to the factor 1/sum_j p_j/D_j.)
+
+    The same-batch re-evaluation.  FAMO needs the losses of the batch it just stepped on,
+    recomputed at the new parameters.  Two ways to provide them:
+
+    * the closure takes a keyword ``same_batch``: ``closure()`` draws a fresh batch as for every
+      drmoo optimizer, ``closure(same_batch=True)`` recomputes the per-sample losses of the batch
+      the previous call drew (FAMO calls it under ``torch.no_grad()``); or
+    * ``step(closure, reevaluate=fn)``: ``fn()`` recomputes them.
+    A closure without either is rejected before anything happens.  If the re-evaluated losses are
+    non-finite or misshaped, theta and eta are restored and the step raises.
+
+    The lower bound l* (``loss_floor``).  D_i must stay positive.  By weak duality (take the
+    worst-case distribution equal to the nominal one, f(1) = 0), L^i(theta, eta) >= mean_b l^i_b
+    for every eta, on every batch: a lower bound of the per-sample losses is a lower bound of the
+    dual objective, whatever eta.  Hence the rule: l* = a lower bound of the per-sample losses,
+    default 0 for nonnegative losses (cross-entropy, squared error); pass a number, or one per
+    task, for losses that can be negative.  Should a dual objective still fall below l* (a wrong
+    bound), D is clamped at eps and ``stats["below_floor"]`` says so (no host sync in the step).
+    Do not schedule a learning rate on, or monitor, the FAMO scalar: :meth:`step` returns the
+    per-task dual objectives.
+
+    Cost per step: 1 closure call (one fresh batch, B samples) + 1 re-evaluation of it (a forward
+    without graph), one backward pass (plus a backward through the heads only, which get their raw
+    gradient), O(m) state: the logits and their Adam moments (in ``state_dict``).
+
+    ``stats``: ``w`` (= c, on the simplex), ``eta``, ``dual_objective`` (before the step),
+    ``dual_objective_after``, ``balanced_grad_norm`` = ||[d_theta ; z (.) c]||, ``theta_grad_norm``
+    = ||d_theta||, ``logits`` (updated), ``below_floor``, ``z``, ``step_weights``, ``batches``.
+
+    Presets: ``multimnist`` (defaults: lr 1e-4, pref_lr 2.5e-3, gamma 1e-2), ``celeba``
+    (pref_lr 5e-6).  The paper gives no synthetic settings for FAMO.
+
+    Args:
+        params: the shared parameters.  num_tasks: m.  lr: step of theta and eta.  pref_lr: Adam
+        LR of the logits.  logit_decay: gamma, Adam's weight decay on the logits.  loss_floor: l*
+        (a number or one per task).  famo_eps: eps in D.  lam: lambda > 0.  divergence: f.
+        backend: kernels.
+    """
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "multimnist": {"lr": 1e-4, "pref_lr": 2.5e-3, "logit_decay": 1e-2, "lam": 0.6},
+        "celeba": {"lr": 1e-4, "pref_lr": 5e-6, "logit_decay": 1e-2, "lam": 0.8},
+    }
+    ADAM_BETAS = (0.9, 0.999)
+    ADAM_EPS = 1e-8
+
+    def __init__(
+        self,
+        params: ParamsT,
+        num_tasks: int,
+        *,
+        lr: float = 1e-4,
+        pref_lr: float = 2.5e-3,
+        logit_decay: float = 1e-2,
+        loss_floor: float | Sequence[float] = 0.0,
+        famo_eps: float = 1e-8,
+        lam: float = 0.6,
+        divergence: str = "chi2",
+        backend: str | None = None,
+    ) -> None:
+        # One number is broadcast to every task (stored as a 1-tuple); otherwise one per task.
+        floors = (loss_floor,) if isinstance(loss_floor, (int, float)) else tuple(loss_floor)
+        try:
+            floors = tuple(float(f) for f in floors)
+        except (TypeError, ValueError):
+            raise ValueError(f"loss_floor must be a number or one number per task, got {loss_floor!r}") from None
+        if not floors or any(f != f or abs(f) == float("inf") for f in floors):
+            raise ValueError(f"loss_floor must be finite, got {loss_floor!r}")
+        defaults = {
+            **common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, logit_decay=logit_decay),
+            "loss_floor": floors,
+            "famo_eps": check_positive("famo_eps", famo_eps),
+        }
+        super().__init__(params, num_tasks, defaults, backend)
+        if len(floors) not in (1, num_tasks):
+            raise ValueError(f"loss_floor has {len(floors)} values, but num_tasks={num_tasks}")
+
+    def extra_state(self) -> dict[str, Any]:
+        zeros = torch.zeros(self.num_tasks, device=self.device, dtype=torch.float64)
+        return {"logits": zeros, "adam_exp_avg": zeros.clone(), "adam_exp_avg_sq": zeros.clone(), "adam_steps": 0}
+
+    def step(  # type: ignore[override]
+        self, closure: Closure | None = None, reevaluate: ReevaluateFn | None = None
+    ) -> Tensor:
+        """One FAMO iteration: one fresh batch, one re-evaluation of it.  See the class docstring."""
+        h = self.param_groups[0]
+        state = self.state[STATE_KEY]
+        if reevaluate is None:
+            if closure is not None and not _accepts_same_batch(closure):
+                raise ValueError(
+                    "FAMO re-evaluates the losses of the batch it stepped on: give the closure a keyword "
+                    "argument `same_batch` (closure(same_batch=True) recomputes the previous call's batch) "
+                    "or pass step(closure, reevaluate=fn)"
+                )
+            reevaluate = None if closure is None else lambda: closure(same_batch=True)  # type: ignore[call-arg]
+        self.begin_step()
+        batch = self.draw_batch(closure)
+        assert reevaluate is not None
+
+        floor = torch.tensor(h["loss_floor"], dtype=torch.float64, device=self.device).expand(self.num_tasks)
+        eps = h["famo_eps"]
+        gap = batch.objective.double() - floor
+        below_floor = (gap < 0).any()
+        distance = torch.clamp(gap, min=0.0) + eps
+        priorities = torch.softmax(state["logits"], dim=0)
+        inverse = priorities / distance
+        weights = inverse / inverse.sum()
+
+        combined = self.combined_gradient(batch, weights, "d")
+        self.raise_unless_finite([("sum_i c_i grad L^i", torch.isfinite(combined).all().expand(self.num_tasks))])
+
+        shared = self._shared_params()
+        backup = [p.detach().clone() for p in shared]
+        eta_backup = self.eta.clone()
+        self.apply_direction(combined[None, :], torch.ones(1, dtype=torch.float64, device=self.device), h["lr"])
+        self.step_eta(batch.z, weights, h["lr"])
+        try:
+            with torch.no_grad():
+                after = self.draw_losses(reevaluate, need_graph=False)
+            if after.shape != batch.losses.shape:
+                raise ValueError(
+                    f"the re-evaluated losses have shape {tuple(after.shape)}, but the batch stepped on had "
+                    f"{tuple(batch.losses.shape)}: closure(same_batch=True) / reevaluate() must recompute "
+                    "the same batch"
+                )
+        except BaseException:
+            with torch.no_grad():
+                for p, saved in zip(shared, backup):
+                    p.copy_(saved)
+                self.eta.copy_(eta_backup)
+            raise
+        objective_after, _, _ = self._ops.dual_forward(after, self.eta, h["lam"], 1.0, self.divergence)
+        distance_after = torch.clamp(objective_after.double() - floor, min=0.0) + eps
+        decrease = torch.log(distance) - torch.log(distance_after)
+        logit_grad = priorities * (decrease - priorities @ decrease)
+        self._adam_step(logit_grad)
+
+        self.set_w(weights)
+        theta_norm = torch.linalg.vector_norm(combined.double())
+        return self.finish_step(
+            batch, weights, theta_norm, batch.z.double() * weights,
+            dual_objective_after=objective_after.detach(), logits=state["logits"].clone(), below_floor=below_floor,
+        )
+
+    def _adam_step(self, gradient: Tensor) -> None:
+        """Adam with coupled (L2) weight decay on the logits, as ``torch.optim.Adam`` computes it."""
+        h, state = self.param_groups[0], self.state[STATE_KEY]
+        beta1, beta2 = self.ADAM_BETAS
+        logits = state["logits"]
+        gradient = gradient + h["logit_decay"] * logits
+        steps = int(state["adam_steps"]) + 1
+        exp_avg = beta1 * state["adam_exp_avg"] + (1.0 - beta1) * gradient
+        exp_avg_sq = beta2 * state["adam_exp_avg_sq"] + (1.0 - beta2) * gradient * gradient
+        denominator = torch.sqrt(exp_avg_sq) / (1.0 - beta2**steps) ** 0.5 + self.ADAM_EPS
+        state["logits"] = logits - (h["pref_lr"] / (1.0 - beta1**steps)) * exp_avg / denominator
+        state["adam_exp_avg"], state["adam_exp_avg_sq"], state["adam_steps"] = exp_avg, exp_avg_sq, steps
