@@ -1,0 +1,108 @@
+// Input validation shared by the CPU and CUDA kernels.  Only metadata is inspected (shapes, dtypes,
+// devices), never values, so the checks cost no device synchronisation.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+
+#include <string>
+
+#include "drmoo_math.h"
+
+namespace drmoo {
+
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// Accumulation dtype, as the reference's _acc: float64 stays float64, everything else is float32.
+inline at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+inline int storage_code(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble:
+      return kStoreDouble;
+    case at::kHalf:
+      return kStoreHalf;
+    case at::kBFloat16:
+      return kStoreBFloat16;
+    default:
+      return kStoreFloat;
+  }
+}
+
+inline void check_float(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_TYPE(is_supported_float(t.scalar_type()), "drmoo.", op, ": ", name,
+                   " must be float32, float64, float16 or bfloat16, got ", t.scalar_type());
+}
+
+inline void check_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), "drmoo.", op, ": ", name, " is on ", t.device(),
+              " but the other inputs are on ", ref.device());
+}
+
+inline void check_vector(const char* op, const char* name, const at::Tensor& t, int64_t m, const at::Tensor& ref) {
+  check_float(op, name, t);
+  check_device(op, name, t, ref);
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == m, "drmoo.", op, ": ", name, " must have shape [", m,
+                    "] (one entry per task), got ", t.sizes());
+}
+
+inline void check_divergence(const char* op, int64_t code, double param, double lam) {
+  TORCH_CHECK_VALUE(code >= kChi2 && code <= kCressieRead, "drmoo.", op, ": unknown divergence code ", code,
+                    " (0 chi2, 1 kl, 2 cvar_smooth, 3 cressie_read)");
+  TORCH_CHECK_VALUE(code != kCVaRSmooth || (param > 0.0 && param < 1.0), "drmoo.", op,
+                    ": cvar_smooth needs 0 < alpha < 1, got ", param);
+  TORCH_CHECK_VALUE(code != kCressieRead || (param > 1.0 && std::isfinite(param)), "drmoo.", op,
+                    ": cressie_read needs k > 1, got ", param);
+  TORCH_CHECK_VALUE(lam > 0.0, "drmoo.", op, ": lam must be > 0, got ", lam);
+}
+
+// losses [B, m] with B >= 1, eta [m], optional sample_weight [B, m], all on one device.
+inline void check_dual_inputs(const char* op, const at::Tensor& losses, const at::Tensor& eta,
+                              const c10::optional<at::Tensor>& sample_weight, int64_t code, double param,
+                              double lam) {
+  check_float(op, "losses", losses);
+  TORCH_CHECK_VALUE(losses.dim() == 2, "drmoo.", op, ": losses must be per-sample losses of shape [B, m], got ",
+                    losses.sizes());
+  TORCH_CHECK_VALUE(losses.size(0) > 0, "drmoo.", op,
+                    ": empty batch (B = 0): the dual objective needs at least one sample");
+  check_vector(op, "eta", eta, losses.size(1), losses);
+  if (sample_weight.has_value()) {
+    check_float(op, "sample_weight", *sample_weight);
+    check_device(op, "sample_weight", *sample_weight, losses);
+    TORCH_CHECK_VALUE(sample_weight->sizes() == losses.sizes(), "drmoo.", op,
+                      ": sample_weight must have the shape of losses ", losses.sizes(), ", got ",
+                      sample_weight->sizes());
+  }
+  check_divergence(op, code, param, lam);
+}
+
+// J [m, n] (m >= 1), returned as a 2-D tensor whose rows are contiguous.
+inline at::Tensor check_jacobian(const char* op, const at::Tensor& J) {
+  check_float(op, "J", J);
+  TORCH_CHECK_VALUE(J.dim() == 2, "drmoo.", op, ": J must be the [m, n] per-task gradient matrix, got shape ",
+                    J.sizes());
+  TORCH_CHECK_VALUE(J.size(0) >= 1, "drmoo.", op, ": J has no rows (m = 0 tasks)");
+  // The kernels walk each row with unit stride and step between rows by J.stride(0).
+  return J.stride(1) == 1 ? J : J.contiguous();
+}
+
+// params: tensors on J's device with J's dtype whose numels add up to n = J.size(1).
+inline void check_params(const char* op, const at::Tensor& J, at::TensorList params) {
+  int64_t total = 0;
+  for (size_t k = 0; k < params.size(); ++k) {
+    const at::Tensor& p = params[k];
+    TORCH_CHECK(p.device() == J.device(), "drmoo.", op, ": params[", k, "] is on ", p.device(), " but J is on ",
+                J.device());
+    TORCH_CHECK_TYPE(p.scalar_type() == J.scalar_type(), "drmoo.", op, ": params[", k, "] has dtype ",
+                     p.scalar_type(), " but J has ", J.scalar_type(),
+                     "; the compiled kernels need the parameters in J's dtype");
+    total += p.numel();
+  }
+  TORCH_CHECK_VALUE(total == J.size(1), "drmoo.", op, ": J has ", J.size(1),
+                    " columns but the parameters hold ", total, " elements");
+}
+
+}  // namespace drmoo

@@ -1,0 +1,176 @@
+// CPU kernels of dual_forward and dual_step: one pass over the [B, m] losses per eta value.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "../checks.h"
+#include "../drmoo_math.h"
+
+namespace drmoo {
+namespace {
+
+// Rows per parallel task.  Fixed (not derived from the thread count) so that the order of the
+// floating-point sums, and hence the result, is the same whatever the number of threads.
+constexpr int64_t kRowsPerTask = 1024;
+
+// Over the batch, per task i, with u = (loss - scale*eta) / lam and omega the sample weight:
+//   sum_grad[i] = sum_b omega f*'(u),  sum_conj[i] = sum_b omega f*(u)  (float64 accumulators),
+// and weights[b, i] = omega f*'(u) / B when `weights` is given.
+template <typename scalar_t, typename acc_t>
+void dual_pass(const scalar_t* losses, const acc_t* sample_weight, int64_t batch, int64_t m, const acc_t* eta,
+               acc_t lam, acc_t scale, const Divergence<acc_t>& div, double* sum_grad, double* sum_conj,
+               acc_t* weights) {
+  std::vector<acc_t> shift(m);
+  for (int64_t i = 0; i < m; ++i) shift[i] = scale * eta[i];
+  const int64_t tasks = (batch + kRowsPerTask - 1) / kRowsPerTask;
+  std::vector<double> partial(static_cast<size_t>(tasks * 2 * m), 0.0);
+  const acc_t count = static_cast<acc_t>(batch);
+  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      double* grad_acc = partial.data() + t * 2 * m;
+      double* conj_acc = grad_acc + m;
+      const int64_t row_end = std::min(batch, (t + 1) * kRowsPerTask);
+      for (int64_t b = t * kRowsPerTask; b < row_end; ++b) {
+        const int64_t row = b * m;
+        for (int64_t i = 0; i < m; ++i) {
+          const acc_t u = (static_cast<acc_t>(losses[row + i]) - shift[i]) / lam;
+          const acc_t omega = sample_weight != nullptr ? sample_weight[row + i] : acc_t(1);
+          const acc_t g = conj_grad(div, u) * omega;
+          grad_acc[i] += static_cast<double>(g);
+          if (sum_conj != nullptr) conj_acc[i] += static_cast<double>(conj(div, u) * omega);
+          if (weights != nullptr) weights[row + i] = g / count;
+        }
+      }
+    }
+  });
+  for (int64_t i = 0; i < m; ++i) {
+    double g = 0.0, c = 0.0;
+    for (int64_t t = 0; t < tasks; ++t) {
+      g += partial[t * 2 * m + i];
+      c += partial[t * 2 * m + m + i];
+    }
+    sum_grad[i] = g;
+    if (sum_conj != nullptr) sum_conj[i] = c;
+  }
+}
+
+struct DualInputs {
+  at::Tensor losses, sample_weight;
+  at::ScalarType acc;
+};
+
+DualInputs prepare(const char* op, const at::Tensor& losses, const at::Tensor& eta,
+                   const c10::optional<at::Tensor>& sample_weight, int64_t code, double param, double lam) {
+  check_dual_inputs(op, losses, eta, sample_weight, code, param, lam);
+  TORCH_CHECK(losses.device().is_cpu(), "drmoo.", op, ": the CPU kernel got tensors on ", losses.device());
+  DualInputs in;
+  in.losses = losses.contiguous();
+  in.acc = acc_dtype(losses.scalar_type());
+  // The reference converts the sample weights to the math dtype before using them.
+  if (sample_weight.has_value()) in.sample_weight = sample_weight->to(in.acc).contiguous();
+  return in;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_forward_cpu(const at::Tensor& losses_in, const at::Tensor& eta,
+                                                                double lam, double scale, int64_t code,
+                                                                double param,
+                                                                const c10::optional<at::Tensor>& sample_weight) {
+  DualInputs in = prepare("dual_forward", losses_in, eta, sample_weight, code, param, lam);
+  const int64_t batch = in.losses.size(0), m = in.losses.size(1);
+  const auto options = in.losses.options().dtype(in.acc);
+  at::Tensor objective = at::empty({m}, options);
+  at::Tensor grad_eta = at::empty({m}, options);
+  at::Tensor weights = at::empty({batch, m}, options);
+  const at::Tensor eta_acc = eta.to(in.acc).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.losses.scalar_type(), "drmoo_dual_forward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto div = make_divergence<acc_t>(code, param);
+    std::vector<double> sum_grad(m), sum_conj(m);
+    const acc_t* eta_ptr = eta_acc.data_ptr<acc_t>();
+    dual_pass<scalar_t, acc_t>(in.losses.data_ptr<scalar_t>(),
+                               in.sample_weight.defined() ? in.sample_weight.data_ptr<acc_t>() : nullptr, batch, m,
+                               eta_ptr, static_cast<acc_t>(lam), static_cast<acc_t>(scale), div, sum_grad.data(),
+                               sum_conj.data(), weights.data_ptr<acc_t>());
+    acc_t* obj = objective.data_ptr<acc_t>();
+    acc_t* z = grad_eta.data_ptr<acc_t>();
+    for (int64_t i = 0; i < m; ++i) {
+      const acc_t mean_conj = static_cast<acc_t>(sum_conj[i] / static_cast<double>(batch));
+      const acc_t mean_grad = static_cast<acc_t>(sum_grad[i] / static_cast<double>(batch));
+      obj[i] = static_cast<acc_t>(lam) * mean_conj + static_cast<acc_t>(scale) * eta_ptr[i];
+      z[i] = static_cast<acc_t>(scale) * (acc_t(1) - mean_grad);
+    }
+  });
+  return {objective, grad_eta, weights};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_step_cpu(const at::Tensor& losses_in, at::Tensor& eta,
+                                                             const at::Tensor& w, double lam, double scale,
+                                                             int64_t code, double param, double gamma, double f1,
+                                                             double f2,
+                                                             const c10::optional<at::Tensor>& sample_weight) {
+  DualInputs in = prepare("dual_step", losses_in, eta, sample_weight, code, param, lam);
+  const int64_t batch = in.losses.size(0), m = in.losses.size(1);
+  check_vector("dual_step", "w", w, m, in.losses);
+  const auto options = in.losses.options().dtype(in.acc);
+  at::Tensor z_out = at::empty({m}, options);
+  at::Tensor mu_out = at::empty({}, options);
+  at::Tensor weights = at::empty({batch, m}, options);
+  // eta is updated through a float64 copy whose values are rounded to eta's dtype at each write,
+  // i.e. exactly the values an in-place update of eta itself would hold.
+  at::Tensor eta_work = eta.to(at::kDouble).contiguous();
+  const at::Tensor w_work = w.to(at::kDouble).contiguous();
+  const int eta_code = storage_code(eta.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.losses.scalar_type(), "drmoo_dual_step_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto div = make_divergence<acc_t>(code, param);
+    const scalar_t* losses = in.losses.data_ptr<scalar_t>();
+    const acc_t* omega = in.sample_weight.defined() ? in.sample_weight.data_ptr<acc_t>() : nullptr;
+    double* eta64 = eta_work.data_ptr<double>();
+    const double* w64 = w_work.data_ptr<double>();
+    std::vector<acc_t> eta_acc(m), direction(m);
+    std::vector<double> sum_grad(m);
+    for (int64_t i = 0; i < m; ++i) eta_acc[i] = static_cast<acc_t>(eta64[i]);
+
+    // Steps 1-2: z at eta_t, the clipped step mu, eta_{t+1}.
+    dual_pass<scalar_t, acc_t>(losses, omega, batch, m, eta_acc.data(), static_cast<acc_t>(lam),
+                               static_cast<acc_t>(scale), div, sum_grad.data(), nullptr, nullptr);
+    acc_t* z = z_out.data_ptr<acc_t>();
+    double norm_sq = 0.0;
+    for (int64_t i = 0; i < m; ++i) {
+      const acc_t mean_grad = static_cast<acc_t>(sum_grad[i] / static_cast<double>(batch));
+      z[i] = static_cast<acc_t>(scale) * (acc_t(1) - mean_grad);
+      direction[i] = z[i] * static_cast<acc_t>(w64[i]);
+      norm_sq += static_cast<double>(direction[i]) * static_cast<double>(direction[i]);
+    }
+    const acc_t mu = clip_factor(static_cast<acc_t>(f1), static_cast<acc_t>(f2),
+                                 static_cast<acc_t>(std::sqrt(norm_sq)));
+    *mu_out.data_ptr<acc_t>() = mu;
+    const acc_t step = static_cast<acc_t>(gamma) * mu;
+    for (int64_t i = 0; i < m; ++i) {
+      const double update = round_to(eta_code, static_cast<double>(step * direction[i]));
+      eta64[i] = round_to(eta_code, eta64[i] - update);
+      eta_acc[i] = static_cast<acc_t>(eta64[i]);
+    }
+
+    // Step 3's weights at eta_{t+1}.
+    dual_pass<scalar_t, acc_t>(losses, omega, batch, m, eta_acc.data(), static_cast<acc_t>(lam),
+                               static_cast<acc_t>(scale), div, sum_grad.data(), nullptr,
+                               weights.data_ptr<acc_t>());
+  });
+  eta.copy_(eta_work);
+  return {z_out, mu_out, weights};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(drmoo, CPU, m) {
+  m.impl("dual_forward", &dual_forward_cpu);
+  m.impl("dual_step", &dual_step_cpu);
+}
+
+}  // namespace drmoo

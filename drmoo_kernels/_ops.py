@@ -1,0 +1,229 @@
+"""The compiled ops (``drmoo_kernels._C``): lazy loading, fake kernels, and the wrappers behind the
+``cpp`` and ``cuda`` backends.
+
+The op schemas live in ``csrc/ops.cpp`` (``TORCH_LIBRARY(drmoo, ...)``) and the kernels in
+``csrc/cpu`` and ``csrc/cuda``.  This module imports the extension only when a backend asks for it,
+then registers a fake (meta) kernel per op so that the ops trace under ``torch.compile`` and pass
+``torch.library.opcheck``.
+
+The wrappers take the reference's arguments (a :class:`~drmoo_kernels.divergences.Divergence`, J as
+one [m, n] tensor or a list of [m, n_k] blocks, ``mu``/``lr`` as a float or a tensor) and translate
+them to the schemas' (``code, param`` for the divergence, 0-d tensors for ``mu``/``lr``).  Shapes,
+dtypes, devices and the empty batch are validated by the kernels themselves (see csrc/checks.h).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .divergences import Divergence, get_divergence
+
+__all__ = ["CompiledBackend", "availability", "load"]
+
+JacobianBlocks = Tensor | Sequence[Tensor]
+OPS: tuple[str, ...] = ("dual_forward", "dual_step", "gram", "combine", "gram_step")
+
+_load_reason: list[str | None] = []  # empty until the first load attempt; then [reason or None]
+
+
+def load() -> str | None:
+    """Import ``drmoo_kernels._C`` (once) and register the fake kernels; ``None`` or why it failed."""
+    if not _load_reason:
+        try:
+            importlib.import_module("drmoo_kernels._C")
+        except ImportError as error:
+            _load_reason.append(
+                f"the compiled extension drmoo_kernels._C is not built or does not load ({error}); "
+                "build it with `python setup.py build_ext --inplace` (or `pip install -e .`)"
+            )
+        else:
+            _register_fakes()
+            _load_reason.append(None)
+    return _load_reason[0]
+
+
+def _has_kernel(op: str, dispatch_key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"drmoo::{op}", dispatch_key)
+
+
+@torch.compiler.assume_constant_result  # a fixed fact of the process: dynamo need not trace it
+def availability(device_type: str) -> str | None:
+    """``None`` when the compiled kernels for ``device_type`` ('cpu' or 'cuda') can run, else why not."""
+    reason = load()
+    if reason is not None:
+        return reason
+    key = "CUDA" if device_type == "cuda" else "CPU"
+    if not all(_has_kernel(op, key) for op in OPS):
+        return (
+            f"drmoo_kernels._C was built without {key} kernels (no CUDA toolkit at build time, or "
+            "DRMOO_BUILD_CUDA=0)"
+        )
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device is available"
+    return None
+
+
+# ------------------------------------------------------------------------------------ fake kernels
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The math dtype of the kernels: float64 stays float64, other floats compute in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _register_fakes() -> None:
+    """Shape/dtype-only kernels: what each op returns, without computing it."""
+
+    @torch.library.register_fake("drmoo::dual_forward")
+    def _dual_forward_fake(losses, eta, lam, scale, code, param, sample_weight):
+        acc = _acc_dtype(losses.dtype)
+        m = losses.shape[1]
+        return losses.new_empty(m, dtype=acc), losses.new_empty(m, dtype=acc), losses.new_empty(losses.shape, dtype=acc)
+
+    @torch.library.register_fake("drmoo::dual_step")
+    def _dual_step_fake(losses, eta, w, lam, scale, code, param, gamma, f1, f2, sample_weight):
+        acc = _acc_dtype(losses.dtype)
+        m = losses.shape[1]
+        weights = losses.new_empty(losses.shape, dtype=acc)
+        return losses.new_empty(m, dtype=acc), losses.new_empty((), dtype=acc), weights
+
+    @torch.library.register_fake("drmoo::gram")
+    def _gram_fake(J):
+        m = J.shape[0]
+        return J.new_empty((m, m), dtype=_acc_dtype(J.dtype))
+
+    @torch.library.register_fake("drmoo::combine")
+    def _combine_fake(J, w, params, lr):
+        return None
+
+    @torch.library.register_fake("drmoo::gram_step")
+    def _gram_step_fake(J, w, params, gamma, c1, c2, beta, rho, mu, z):
+        m = J.shape[0]
+        gram_matrix = J.new_empty((m, m), dtype=_acc_dtype(J.dtype))
+        return gram_matrix, J.new_empty((), dtype=torch.float32), J.new_empty((), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------- wrappers
+def _require(device_type: str, op: str, **tensors: Tensor | None) -> None:
+    reason = availability(device_type)
+    if reason is not None:
+        raise RuntimeError(f"drmoo backend {'cpp' if device_type == 'cpu' else 'cuda'!r} is not available: {reason}")
+    backend = "cpp" if device_type == "cpu" else "cuda"
+    for name, tensor in tensors.items():
+        if tensor is None:
+            continue
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{op}: {name} must be a Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != device_type:
+            raise RuntimeError(
+                f"{op}: the {backend!r} backend runs on {device_type} tensors, but {name} is on {tensor.device}"
+            )
+
+
+def _flat_jacobian(jacobian: JacobianBlocks) -> Tensor:
+    """J as one [m, n] tensor; a list of [m, n_k] blocks is concatenated (a copy)."""
+    if isinstance(jacobian, Tensor):
+        return jacobian if jacobian.dim() == 2 else jacobian.reshape(jacobian.shape[0], -1)
+    blocks = [b.reshape(b.shape[0], -1) for b in jacobian]
+    if not blocks:
+        raise ValueError("J must be an [m, n] tensor or a non-empty list of [m, n_k] blocks")
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+
+
+def _scalar_tensor(value: Tensor | float, device: torch.device) -> Tensor:
+    """A 0-d tensor on ``device``; a float is filled in place there (no host-to-device copy)."""
+    if isinstance(value, Tensor):
+        return value.to(device)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
+
+
+class CompiledBackend:
+    """The five ops of :mod:`drmoo_kernels.reference` (same signatures) for one device type.
+
+    ``drmoo_kernels.backends.cpp`` and ``.cuda`` expose the bound methods of one instance each.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+
+    def availability(self) -> str | None:
+        """None when the compiled kernels for this device type can run here, else the reason."""
+        return availability(self.device_type)
+
+    def dual_forward(
+        self,
+        losses: Tensor,
+        eta: Tensor,
+        lam: float,
+        scale: float,
+        divergence: Divergence | str,
+        sample_weight: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-task dual objective, its eta-gradient z and the per-sample loss cotangents."""
+        _require(self.device_type, "dual_forward", losses=losses, eta=eta, sample_weight=sample_weight)
+        div = get_divergence(divergence)
+        return tuple(  # type: ignore[return-value]
+            torch.ops.drmoo.dual_forward(
+                losses, eta, float(lam), float(scale), div.code, float(div.param), sample_weight
+            )
+        )
+
+    def dual_step(
+        self,
+        losses: Tensor,
+        eta: Tensor,
+        w: Tensor,
+        lam: float,
+        scale: float,
+        divergence: Divergence | str,
+        gamma: float,
+        f1: float,
+        f2: float,
+        sample_weight: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Alg. 2 steps 1-3: z at eta_t, mu, eta_{t+1} (in place), weights at eta_{t+1}."""
+        _require(self.device_type, "dual_step", losses=losses, eta=eta, w=w, sample_weight=sample_weight)
+        div = get_divergence(divergence)
+        return tuple(  # type: ignore[return-value]
+            torch.ops.drmoo.dual_step(
+                losses, eta, w, float(lam), float(scale), div.code, float(div.param), float(gamma), float(f1),
+                float(f2), sample_weight,
+            )
+        )
+
+    def gram(self, jacobian: JacobianBlocks) -> Tensor:
+        """J J^T (float32, float64 for float64 J)."""
+        flat = _flat_jacobian(jacobian)
+        _require(self.device_type, "gram", J=flat)
+        return torch.ops.drmoo.gram(flat)
+
+    def combine(self, jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:
+        """params -= lr * J^T w, written in place through each parameter."""
+        flat = _flat_jacobian(jacobian)
+        _require(self.device_type, "combine", J=flat, w=w)
+        torch.ops.drmoo.combine(flat, w, list(params), _scalar_tensor(lr, flat.device))
+
+    def gram_step(
+        self,
+        jacobian: JacobianBlocks,
+        w: Tensor,
+        params: Sequence[Tensor],
+        gamma: float,
+        c1: float,
+        c2: float,
+        beta: float,
+        rho: float,
+        mu: Tensor | float,
+        z: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Alg. 2 steps 4-5 (Gram, clipped theta step, w update); writes nothing if the Gram is not finite."""
+        flat = _flat_jacobian(jacobian)
+        _require(self.device_type, "gram_step", J=flat, w=w, z=z)
+        return tuple(  # type: ignore[return-value]
+            torch.ops.drmoo.gram_step(
+                flat, w, list(params), float(gamma), float(c1), float(c2), float(beta), float(rho),
+                _scalar_tensor(mu, flat.device), z,
+            )
+        )

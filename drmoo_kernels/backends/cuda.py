@@ -1,0 +1,25 @@
+"""The ``cuda`` backend: the compiled CUDA kernels of csrc/cuda.
+
+Launched on the current stream with no host synchronisation: the m x m part of gram_step runs
+in a one-block kernel, and the update pass skips its writes when the device-side finiteness flag
+of the Gram is false.
+
+Same signatures, return values and in-place semantics as :mod:`drmoo_kernels.reference`; the
+extension ``drmoo_kernels._C`` is imported on first use (see :mod:`drmoo_kernels._ops`).
+Differences: the parameters must have J's dtype, and J given as a list of blocks is concatenated
+(one copy) before the kernels run.
+"""
+
+from __future__ import annotations
+
+from .._ops import CompiledBackend
+
+__all__ = ["availability", "combine", "dual_forward", "dual_step", "gram", "gram_step"]
+
+_OPS = CompiledBackend("cuda")
+availability = _OPS.availability
+dual_forward = _OPS.dual_forward
+dual_step = _OPS.dual_step
+gram = _OPS.gram
+combine = _OPS.combine
+gram_step = _OPS.gram_step
