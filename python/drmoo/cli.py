@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -80,6 +81,151 @@ def _run_synthetic(args: argparse.Namespace) -> int:
     return 0
 
 
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(item) for item in _comma_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``train`` and ``compare`` (None = take the preset's value)."""
+    parser.add_argument("--experiment", default="multimnist2", help="multimnist2 | multimnist3")
+    parser.add_argument("--preset", default="quick", help="quick (CPU demo) | paper (App. D settings)")
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--input-size", type=int, help="image side in pixels (paper: 128 for 2 digits, 96 for 3)")
+    parser.add_argument("--train-size", type=int, help="number of training composites (default: all / preset)")
+    parser.add_argument("--test-size", type=int, help="number of test composites (default: all / preset)")
+    parser.add_argument("--lr", type=float, help="the method's parameter learning rate")
+    parser.add_argument("--hp", type=_override, action="append", default=[], metavar="KEY=VALUE",
+                        help="override a method hyperparameter, e.g. --hp lam=0.8 (repeatable)")
+    parser.add_argument("--head-lr", type=float, default=1e-2, help="SGD learning rate of the task heads (1e-2)")
+    parser.add_argument("--weights", help="imagenet | none | PATH to a ResNet18 state dict (never downloaded)")
+    parser.add_argument("--data-root", help="torchvision MNIST root (raw idx files); default: the embedded digits")
+    parser.add_argument("--cache-dir", help="where generated data sets are cached (default ~/.cache/drmoo)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--backend", help="kernel backend: reference | cpp | cuda | triton (default: automatic)")
+    parser.add_argument("--jacobian", default="loop", help="per-task gradients: loop (m backward passes) | batched")
+    parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _run_config(args: argparse.Namespace, method: str, seed: int) -> Any:
+    import torch
+
+    from drmoo.experiments.multimnist import EXPERIMENTS, PRESETS, method_hparams
+    from drmoo.experiments.training import RunConfig
+
+    if args.experiment not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {args.experiment!r}; valid choices: {', '.join(EXPERIMENTS)}")
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; valid choices: {', '.join(PRESETS)}")
+    preset = dict(PRESETS[args.preset][args.experiment])
+    for key in ("epochs", "batch_size", "input_size", "train_size", "test_size", "weights"):
+        if getattr(args, key) is not None:
+            preset[key] = getattr(args, key)
+    overrides = dict(args.hp)
+    if args.lr is not None:
+        overrides["lr"] = args.lr
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return RunConfig(
+        experiment=args.experiment, method=method, preset=args.preset, seed=seed, head_lr=args.head_lr,
+        data_root=args.data_root, cache_dir=args.cache_dir, max_steps=args.max_steps, device=device,
+        backend=args.backend, jacobian=args.jacobian, hparams=method_hparams(method, overrides), **preset,
+    )
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("train", help="train one method on a Multi-MNIST experiment (checkpointed, resumable)")
+    _add_run_options(parser)
+    parser.add_argument("--method", default="double-clip", help="a registered method (see drmoo.optim.available())")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="run directory (default runs/<experiment>-<method>-seed<seed>)")
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the run saved in RUN_DIR exactly where it stopped")
+    parser.set_defaults(handler=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from drmoo.experiments.multimnist import build_multimnist
+    from drmoo.experiments.training import RunConfig, train
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        config_path = run_dir / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"cannot resume: {config_path} does not exist")
+        config = RunConfig.from_json(config_path.read_text())
+        if args.max_steps is not None:  # the only settings a resume may change: how far to go
+            config.max_steps = args.max_steps
+        if args.epochs is not None:
+            config.epochs = args.epochs
+    else:
+        config = _run_config(args, args.method, args.seed)
+        run_dir = Path(args.out or f"runs/{config.experiment}-{config.method}-seed{config.seed}")
+    summary = train(config, run_dir, build_multimnist, resume=bool(args.resume), progress=not args.quiet)
+    print(json.dumps(summary, indent=2))
+    print(f"run saved in {run_dir}")
+    return 0
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("eval", help="FGSM robustness of a trained run: accuracy per task and eps")
+    parser.add_argument("--run", required=True, metavar="RUN_DIR")
+    parser.add_argument("--attack", default="fgsm", help="fgsm (the paper's attack)")
+    parser.add_argument("--eps", type=_float_list, default=[0.0, 0.01, 0.03, 0.05, 0.08])
+    parser.add_argument("--device", help="override the run's device")
+    parser.add_argument("--quiet", action="store_true")
+    parser.set_defaults(handler=_run_eval)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from drmoo.experiments.multimnist import build_multimnist
+    from drmoo.experiments.robustness import eval_table
+    from drmoo.experiments.training import evaluate_robustness
+
+    if args.attack != "fgsm":
+        raise ValueError(f"unknown attack {args.attack!r}; valid choices: fgsm")
+    report = evaluate_robustness(Path(args.run), build_multimnist, args.eps, progress=not args.quiet,
+                                 device=args.device)
+    print(eval_table(report))
+    print(f"wrote {Path(args.run) / 'eval.json'}")
+    return 0
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("compare", help="train + FGSM-evaluate every method x seed; the paper's Table 1")
+    _add_run_options(parser)
+    parser.add_argument("--methods", type=_comma_list, default=["all"], help="all or a comma-separated list")
+    parser.add_argument("--seeds", type=_int_list, default=[0])
+    parser.add_argument("--eps", type=_float_list, default=[0.0, 0.01, 0.03, 0.05, 0.08])
+    parser.add_argument("--out", required=True, help="output directory (finished runs in it are reused)")
+    parser.set_defaults(handler=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from drmoo.experiments.robustness import compare
+    from drmoo.optim import available
+
+    methods = list(available()) if args.methods == ["all"] else args.methods
+    unknown = [m for m in methods if m not in available()]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; valid choices: {', '.join(available())}")
+    configs = [_run_config(args, method, seed) for method in methods for seed in args.seeds]
+    table = compare(configs, Path(args.out), args.eps, progress=not args.quiet)
+    print(table)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="drmoo", description="Distributionally robust multi-objective optimization: experiments and tools."
@@ -89,18 +235,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"drmoo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_synthetic(sub)
+    _add_train(sub)
+    _add_eval(sub)
+    _add_compare(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from drmoo.experiments.training import TrainingInterrupted
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))
-    except (ValueError, FileNotFoundError, FloatingPointError) as error:
+    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:
         # User-facing problems (bad names, missing files, divergence) get one clear line, not a traceback.
         print(f"drmoo {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as error:
+        print(f"drmoo {args.command}: {error}", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         print(f"drmoo {args.command}: interrupted; finished runs are kept in the output directory", file=sys.stderr)
         return 130

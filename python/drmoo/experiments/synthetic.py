@@ -101,8 +101,12 @@ def _run_one(
     optimizer = create(method, params, problem.num_tasks, **hparams)
     stream = BatchStream(problem.num_samples, batch_size, seed=10_000 + seed)
 
-    def closure() -> torch.Tensor:
-        rows = stream()
+    last_rows: list[torch.Tensor] = []
+
+    def closure(same_batch: bool = False) -> torch.Tensor:
+        # same_batch: recompute the previous call's batch (FAMO re-evaluates the losses after its step)
+        rows = last_rows[-1] if same_batch else stream()
+        last_rows[:] = [rows]
         return problem.loss_fn(params, problem.inputs[rows], problem.targets[rows])
 
     records: list[dict[str, Any]] = []

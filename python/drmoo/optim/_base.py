@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from drmoo.jacobian import STRATEGIES, task_jacobian
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
 
 Closure = Callable[[], Tensor]
@@ -75,6 +76,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         self.backend = resolve_backend(backend, self.device)
         self._ops = backend_module(self.backend)
         self._buffers: dict[str, Tensor] = {}
+        self._jacobian_strategy = "loop"
         self.stats: dict[str, Tensor] = {}
         # w and eta in float32 (float64 when the parameters are float64): they are tiny, and the
         # dual variables need the precision whatever the model's dtype.
@@ -100,6 +102,17 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
 
     def _shared_params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    @property
+    def jacobian_strategy(self) -> str:
+        """How per-task gradients are computed: ``"loop"`` (default) or ``"batched"``."""
+        return self._jacobian_strategy
+
+    @jacobian_strategy.setter
+    def jacobian_strategy(self, value: str) -> None:
+        if value not in STRATEGIES:
+            raise ValueError(f"unknown Jacobian strategy {value!r}; valid choices: {', '.join(STRATEGIES)}")
+        self._jacobian_strategy = value
 
     # ------------------------------------------------------------------------------------ state
     @property
@@ -200,34 +213,14 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
     def task_jacobian(self, losses: Tensor, cotangent: Tensor, slot: str, *, feed_heads: bool) -> Tensor:
         """Rows i = gradient of the shared parameters of sum_b cotangent[b, i] * losses[b, i].
 
-        The rows land in the preallocated flat buffer ``slot`` (one per role, reused across steps):
-        while task i's backward runs, each shared parameter's ``.grad`` is a view of row i, so
-        autograd accumulates straight into J with no copy.  With ``feed_heads`` every other leaf
-        also accumulates its gradient (the heads' gradients for the user's optimizer); otherwise
-        the backward is restricted to the shared parameters.
+        The rows land in the preallocated flat buffer ``slot`` (one per role, reused across steps)
+        through :func:`drmoo.jacobian.task_jacobian` with strategy ``self.jacobian_strategy``
+        (``"loop"``: no copy, the parameters' ``.grad`` are views of the buffer; ``"batched"``: one
+        vmapped backward).  With ``feed_heads`` every other leaf also accumulates its gradient (the
+        heads' gradients for the user's optimizer); otherwise only the shared parameters are touched.
         """
-        shared = self._shared_params()
-        jac = self._buffer(slot)
-        jac.zero_()
-        cotangent = cotangent.to(losses.dtype)
-        saved_grads = [p.grad for p in shared]
-        offsets = [0]
-        for p in shared:
-            offsets.append(offsets[-1] + p.numel())
-        try:
-            for task in range(self.num_tasks):
-                for p, start, stop in zip(shared, offsets[:-1], offsets[1:]):
-                    p.grad = jac[task, start:stop].view_as(p)
-                torch.autograd.backward(
-                    losses[:, task],
-                    grad_tensors=cotangent[:, task],
-                    retain_graph=task < self.num_tasks - 1,
-                    inputs=None if feed_heads else shared,
-                )
-        finally:
-            for p, grad in zip(shared, saved_grads):
-                p.grad = grad
-        return jac
+        return task_jacobian(losses, cotangent, self._shared_params(), self._buffer(slot),
+                             strategy=self.jacobian_strategy, feed_heads=feed_heads)
 
     def apply_direction(self, jacobian: Tensor, w: Tensor, lr: Tensor | float) -> None:
         """theta -= lr * J^T w through the shared parameters (the ``combine`` op)."""

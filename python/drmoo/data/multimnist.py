@@ -1,0 +1,151 @@
+"""Multi-MNIST: 2 or 3 MNIST digits overlapped on one canvas, one classification task per digit.
+
+Recipe (deterministic from ``seed``).  Each 28 x 28 digit is pasted with its top-left corner at
+the (row, column) positions below and overlapping pixels take the maximum:
+
+* 2 digits, canvas 36 x 36: top-left (0, 0) and bottom-right (8, 8) - a fixed diagonal offset;
+* 3 digits, canvas 42 x 42: top-left (0, 0), bottom-centre (14, 7) and top-right (0, 14).
+
+Task k's label is the class of the digit at position k.  Composite j of a split uses digit j of
+that split at position 0 and independently drawn digits of the same split at the other positions,
+so train composites are built from train digits only.  The canvas is resized (bilinear,
+antialiased) to ``input_size`` and kept as one uint8 channel; :meth:`MultiMnist.images` repeats
+it to 3 channels in [0, 1] for the ResNet.  Generated tensors are cached on disk, keyed by the
+recipe, the seed and the digit source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .mnist import DigitSplits, load_mnist
+
+__all__ = ["POSITIONS", "MultiMnist", "MultiMnistRecipe", "compose", "default_cache_dir", "load_multimnist"]
+
+CANVAS: dict[int, int] = {2: 36, 3: 42}
+POSITIONS: dict[int, tuple[tuple[int, int], ...]] = {
+    2: ((0, 0), (8, 8)),
+    3: ((0, 0), (14, 7), (0, 14)),
+}
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("DRMOO_CACHE", Path.home() / ".cache" / "drmoo"))
+
+
+@dataclass(frozen=True)
+class MultiMnistRecipe:
+    """Everything that determines the generated tensors."""
+
+    digits: int = 2
+    input_size: int = 128
+    seed: int = 0
+    train_size: int | None = None  # None: one composite per digit of the split
+    test_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.digits not in POSITIONS:
+            raise ValueError(f"Multi-MNIST has 2 or 3 digits, got {self.digits}")
+        if self.input_size < 8:
+            raise ValueError(f"input_size must be >= 8, got {self.input_size}")
+
+
+def compose(
+    images: Tensor, labels: Tensor, count: int, digits: int, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """``count`` canvases [count, C, C] uint8 (C = CANVAS[digits]) and their labels [count, digits]."""
+    if count > images.shape[0]:
+        raise ValueError(f"asked for {count} composites from {images.shape[0]} digits")
+    canvas = torch.zeros(count, CANVAS[digits], CANVAS[digits], dtype=torch.uint8)
+    chosen = [torch.arange(count)] + [
+        torch.randint(0, images.shape[0], (count,), generator=generator) for _ in range(digits - 1)
+    ]
+    for (row, col), index in zip(POSITIONS[digits], chosen):
+        window = canvas[:, row : row + 28, col : col + 28]
+        torch.maximum(window, images[index], out=window)
+    return canvas, torch.stack([labels[index] for index in chosen], dim=1)
+
+
+def _resize(canvas: Tensor, size: int, chunk: int = 2048) -> Tensor:
+    if size == canvas.shape[-1]:
+        return canvas.unsqueeze(1).clone()
+    out = torch.empty(canvas.shape[0], 1, size, size, dtype=torch.uint8)
+    for start in range(0, canvas.shape[0], chunk):
+        part = canvas[start : start + chunk].unsqueeze(1).float()
+        scaled = F.interpolate(part, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+        out[start : start + chunk] = scaled.round().clamp(0, 255).to(torch.uint8)
+    return out
+
+
+@dataclass
+class MultiMnist:
+    """Generated Multi-MNIST splits: uint8 images [N, 1, S, S] and int64 labels [N, digits]."""
+
+    recipe: MultiMnistRecipe
+    train_images: Tensor
+    train_labels: Tensor
+    test_images: Tensor
+    test_labels: Tensor
+    source: str
+
+    @property
+    def num_tasks(self) -> int:
+        return self.recipe.digits
+
+    @staticmethod
+    def images(batch: Tensor) -> Tensor:
+        """uint8 [B, 1, S, S] -> float [B, 3, S, S] in [0, 1] (the grey channel repeated)."""
+        return (batch.float() / 255.0).expand(-1, 3, -1, -1)
+
+    def describe(self) -> str:
+        r = self.recipe
+        return (f"Multi-MNIST {r.digits} digits, {r.input_size}x{r.input_size}, {self.train_images.shape[0]} train / "
+                f"{self.test_images.shape[0]} test composites from {self.source}, seed {r.seed}")
+
+
+def _generate(recipe: MultiMnistRecipe, digits: DigitSplits) -> dict[str, Tensor]:
+    generator = torch.Generator().manual_seed(recipe.seed)
+    out = {}
+    for split, images, labels, size in (
+        ("train", digits.train_images, digits.train_labels, recipe.train_size),
+        ("test", digits.test_images, digits.test_labels, recipe.test_size),
+    ):
+        count = images.shape[0] if size is None else min(size, images.shape[0])
+        canvas, targets = compose(images, labels, count, recipe.digits, generator)
+        out[f"{split}_images"] = _resize(canvas, recipe.input_size)
+        out[f"{split}_labels"] = targets
+    return out
+
+
+def load_multimnist(
+    recipe: MultiMnistRecipe, data_root: str | Path | None = None, cache_dir: str | Path | None = None
+) -> MultiMnist:
+    """Generate (or read from the cache) the Multi-MNIST splits of ``recipe``."""
+    digits = load_mnist(data_root)
+    key_text = json.dumps({**asdict(recipe), "source": digits.fingerprint, "version": 2}, sort_keys=True)
+    key = hashlib.sha1(key_text.encode()).hexdigest()[:16]
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = cache / "multimnist" / f"{recipe.digits}digit-{recipe.input_size}px-{key}.pt"
+    tensors = None
+    if path.is_file():
+        try:
+            tensors = torch.load(path, weights_only=True)
+        except Exception as error:  # a truncated cache file is regenerated, not fatal
+            warnings.warn(f"ignoring the unreadable cache file {path} ({error}); regenerating", stacklevel=2)
+    if tensors is None:
+        tensors = _generate(recipe, digits)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(tensors, tmp)
+        tmp.replace(path)
+    return MultiMnist(recipe, tensors["train_images"], tensors["train_labels"], tensors["test_images"],
+                      tensors["test_labels"], digits.source)

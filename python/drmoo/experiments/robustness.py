@@ -1,0 +1,121 @@
+"""Method comparison under FGSM (paper Table 1): train and evaluate every method x seed, tabulate."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .multimnist import build_multimnist
+from .training import RunConfig, evaluate_robustness, train
+
+__all__ = ["compare", "eval_table", "robustness_table"]
+
+
+def eval_table(report: dict[str, Any]) -> str:
+    """One run's FGSM accuracies as a markdown table (rows eps, columns tasks + mean)."""
+    tasks = len(report["results"][0]["task_acc"])
+    lines = [
+        f"FGSM on {report['test_samples']} test images "
+        f"({report['experiment']}, {report['method']}, seed {report['seed']})",
+        "",
+        "| eps | " + " | ".join(f"task {i + 1}" for i in range(tasks)) + " | mean |",
+        "|---|" + "---:|" * (tasks + 1),
+    ]
+    for row in report["results"]:
+        cells = " | ".join(f"{100 * a:.2f}" for a in row["task_acc"])
+        lines.append(f"| {row['eps']:g} | {cells} | {100 * row['mean_acc']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1))
+
+
+def robustness_table(reports: list[dict[str, Any]], eps_values: list[float], header: str) -> tuple[str, list[dict]]:
+    """Table 1 layout: methods x eps, mean ± std over seeds of the task-averaged accuracy (%)."""
+    methods = list(dict.fromkeys(r["method"] for r in reports))
+    columns = ["Clean" if eps == 0 else f"{eps:g}" for eps in eps_values]
+    lines = [header, "", "| method | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    rows = []
+    for method in methods:
+        cells = []
+        for eps in eps_values:
+            values = [100 * res["mean_acc"] for r in reports if r["method"] == method
+                      for res in r["results"] if abs(res["eps"] - eps) < 1e-12]
+            mean, std = _mean_std(values)
+            cells.append(f"{mean:.2f} ± {std:.2f}" if len(values) > 1 else f"{mean:.2f}")
+            rows.append({"method": method, "eps": eps, "mean_acc": mean, "std_acc": std, "seeds": len(values)})
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n", rows
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(6.5, 4.2), constrained_layout=True)
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        xs, ys, err = [r["eps"] for r in mine], [r["mean_acc"] for r in mine], [r["std_acc"] for r in mine]
+        axis.errorbar(xs, ys, yerr=err if any(r["seeds"] > 1 for r in mine) else None, marker="o", ms=3,
+                      capsize=2, label=method, linewidth=1.2)
+    axis.set_xlabel("FGSM eps")
+    axis.set_ylabel("mean task accuracy (%)")
+    axis.set_title(title, fontsize=10)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _finished(run_dir: Path, config: RunConfig) -> bool:
+    saved = run_dir / "config.json"
+    return (run_dir / "done").is_file() and saved.is_file() and json.loads(saved.read_text()) == asdict(config)
+
+
+def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progress: bool = True) -> str:
+    """Train (skipping finished runs, resuming interrupted ones) and evaluate each config; write the tables."""
+    out.mkdir(parents=True, exist_ok=True)
+    reports, started = [], time.perf_counter()
+    for config in tqdm(configs, desc="compare", disable=not progress):
+        run_dir = out / f"{config.method}-seed{config.seed}"
+        if not _finished(run_dir, config):
+            resume = (run_dir / "checkpoint.pt").is_file() and (run_dir / "config.json").is_file() and json.loads(
+                (run_dir / "config.json").read_text()) == asdict(config)
+            if not resume and run_dir.exists():  # stale settings: start that run again
+                for stale in ("checkpoint.pt", "done", "eval.json"):
+                    (run_dir / stale).unlink(missing_ok=True)
+            train(config, run_dir, build_multimnist, resume=resume, progress=progress)
+            (run_dir / "eval.json").unlink(missing_ok=True)
+        eval_path = run_dir / "eval.json"
+        report = json.loads(eval_path.read_text()) if eval_path.is_file() else None
+        if report is None or [r["eps"] for r in report["results"]] != list(eps_values):
+            report = evaluate_robustness(run_dir, build_multimnist, list(eps_values), progress=False)
+        reports.append(report)
+    first = configs[0]
+    seeds = sorted({c.seed for c in configs})
+    seed_text = f"mean ± std over seeds {','.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    header = (
+        f"### {first.experiment}: accuracy (%) under FGSM, mean over tasks ({seed_text})\n\n"
+        f"preset `{first.preset}`: {first.input_size}px inputs, {first.epochs} epoch(s), batch {first.batch_size}, "
+        f"train composites {first.train_size or 'all'}, test composites {reports[0]['test_samples']}, weights "
+        f"`{first.weights}`, device {first.device}; wall time {time.perf_counter() - started:.0f}s"
+    )
+    table, rows = robustness_table(reports, list(eps_values), header)
+    (out / "table.md").write_text(table)
+    with (out / "table.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    _plot(rows, out / "robustness.png", f"{first.experiment} ({first.preset} preset): accuracy vs FGSM eps")
+    return table

@@ -1,0 +1,311 @@
+"""Training and evaluating the deep multi-task experiments, with checkpoints and exact resume.
+
+A run directory holds:
+
+* ``config.json`` - every setting of the run (the resolved preset, method hyperparameters, data);
+* ``checkpoint.pt`` - model, both optimizers, data-stream and RNG states, step counters and the
+  metrics so far; written atomically at the end of every epoch, at ``--max-steps`` and on
+  SIGINT/SIGTERM, so ``--resume RUN_DIR`` continues bit-identically;
+* ``steps.csv`` (per iteration) and ``metrics.csv`` / ``metrics.json`` (per epoch);
+* ``eval.json`` after ``drmoo eval``; ``done`` marks a finished training run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from drmoo.attacks import fgsm
+from drmoo.optim import create
+
+__all__ = ["IndexStream", "RunConfig", "TrainingInterrupted", "evaluate_robustness", "train"]
+
+CHECKPOINT = "checkpoint.pt"
+
+
+class TrainingInterrupted(RuntimeError):
+    """Raised after a SIGINT/SIGTERM once the checkpoint is safely on disk."""
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a training run (saved as config.json)."""
+
+    experiment: str
+    method: str
+    preset: str
+    seed: int = 0
+    epochs: int = 1
+    batch_size: int = 256
+    input_size: int = 128
+    train_size: int | None = None
+    test_size: int | None = None
+    weights: str = "none"
+    data_root: str | None = None
+    cache_dir: str | None = None
+    head_lr: float = 1e-2
+    max_steps: int | None = None
+    device: str = "cpu"
+    backend: str | None = None
+    jacobian: str = "loop"
+    hparams: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        return cls(**json.loads(text))
+
+
+class IndexStream:
+    """Shuffled passes over ``size`` rows, ``batch_size`` at a time; every call is a fresh batch.
+
+    Its whole state (generator, current permutation, position) goes into checkpoints.
+    """
+
+    def __init__(self, size: int, batch_size: int, seed: int) -> None:
+        if size < 1:
+            raise ValueError("the training split is empty")
+        self.size, self.batch_size = size, min(batch_size, size)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(size, generator=self.generator)
+        self.position = 0
+        self.samples_drawn = 0
+
+    def __call__(self) -> Tensor:
+        if self.position + self.batch_size > self.size:  # drop the ragged tail, reshuffle
+            self.order = torch.randperm(self.size, generator=self.generator)
+            self.position = 0
+        rows = self.order[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        self.samples_drawn += self.batch_size
+        return rows
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state(), "order": self.order.clone(), "position": self.position,
+                "samples_drawn": self.samples_drawn}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.order, self.position, self.samples_drawn = state["order"], state["position"], state["samples_drawn"]
+
+
+def per_sample_losses(logits: list[Tensor], labels: Tensor) -> Tensor:
+    """Cross-entropy per sample and task: [B, m]."""
+    return torch.stack([F.cross_entropy(z, labels[:, i], reduction="none") for i, z in enumerate(logits)], dim=1)
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+class _StopFlag:
+    """Turns SIGINT/SIGTERM into a flag checked between steps (the step in flight completes)."""
+
+    def __init__(self) -> None:
+        self.raised: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.raised = signum
+
+    def __exit__(self, *_: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int, device: torch.device,
+             to_input: Callable[[Tensor], Tensor], eps: float = 0.0) -> list[float]:
+    """Per-task accuracy over a split, optionally under FGSM with budget ``eps``."""
+    model.eval()
+    correct = torch.zeros(labels.shape[1], dtype=torch.long)
+    for start in range(0, labels.shape[0], batch_size):
+        x = to_input(images[start : start + batch_size]).to(device)
+        y = labels[start : start + batch_size].to(device)
+        if eps > 0:
+            x = fgsm(model, x, y, eps)
+        logits = model(x)
+        correct += torch.stack([(z.argmax(1) == y[:, i]).sum() for i, z in enumerate(logits)]).cpu()
+    return (correct.double() / labels.shape[0]).tolist()
+
+
+def train(
+    config: RunConfig,
+    run_dir: Path,
+    build: Callable[[RunConfig], tuple[nn.Module, Any]],
+    *,
+    resume: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train (or continue) the run in ``run_dir``; returns the last epoch's metrics.
+
+    ``build(config)`` returns the model and the data object (with ``train_images``,
+    ``train_labels``, ``test_images``, ``test_labels``, ``images()``).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(config.device)
+    checkpoint_path = run_dir / CHECKPOINT
+    if resume:
+        if not checkpoint_path.is_file():
+            raise FileNotFoundError(f"cannot resume: {checkpoint_path} does not exist")
+    elif checkpoint_path.exists():
+        raise FileExistsError(
+            f"{run_dir} already holds a run; pass --resume {run_dir} to continue it or pick a new --out"
+        )
+    (run_dir / "config.json").write_text(config.to_json())
+
+    torch.manual_seed(config.seed)
+    model, data = build(config)
+    model.to(device)
+    shared = model.shared_parameters()
+    optimizer = create(config.method, shared, data.num_tasks, backend=config.backend, **config.hparams)
+    optimizer.jacobian_strategy = config.jacobian
+    heads = torch.optim.SGD(model.task_parameters(), lr=config.head_lr)
+    stream = IndexStream(data.train_labels.shape[0], config.batch_size, seed=config.seed)
+    steps_per_epoch = math.ceil(data.train_labels.shape[0] / stream.batch_size)
+    total = config.epochs * steps_per_epoch
+    if config.max_steps is not None:
+        total = min(total, config.max_steps)
+    step, epoch_rows, step_rows = 0, [], []
+    if resume:
+        state = torch.load(checkpoint_path, weights_only=False, map_location="cpu")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        heads.load_state_dict(state["heads"])
+        stream.load_state_dict(state["stream"])
+        torch.set_rng_state(state["rng"])
+        if torch.cuda.is_available() and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        step, epoch_rows, step_rows = state["step"], state["epochs"], state["steps"]
+
+    def save() -> None:
+        _atomic_save({
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "heads": heads.state_dict(),
+            "stream": stream.state_dict(), "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "step": step, "epochs": epoch_rows, "steps": step_rows, "config": asdict(config),
+        }, checkpoint_path)
+        _write_csv(run_dir / "steps.csv", step_rows)
+        _write_csv(run_dir / "metrics.csv", epoch_rows)
+        (run_dir / "metrics.json").write_text(json.dumps(epoch_rows, indent=2))
+
+    last: dict[str, Tensor] = {}
+
+    def closure(same_batch: bool = False) -> Tensor:
+        # same_batch: recompute the previous call's batch (FAMO re-evaluates the losses after its step)
+        rows = last["rows"] if same_batch else stream()
+        last["rows"] = rows
+        x = data.images(data.train_images[rows]).to(device, non_blocking=True)
+        y = data.train_labels[rows].to(device, non_blocking=True)
+        logits = model(x)
+        last["logits"], last["labels"] = [z.detach() for z in logits], y
+        return per_sample_losses(logits, y)
+
+    model.train()
+    started = time.perf_counter()
+    bar = tqdm(total=total, initial=step, desc=f"{config.method} seed {config.seed}", disable=not progress,
+               dynamic_ncols=True, mininterval=1.0)
+    with _StopFlag() as stop:
+        while step < total:
+            heads.zero_grad(set_to_none=True)
+            objective = optimizer.step(closure)
+            heads.step()
+            step += 1
+            stats = optimizer.stats
+            labels = last["labels"]
+            task_acc = [float((z.argmax(1) == labels[:, i]).float().mean()) for i, z in enumerate(last["logits"])]
+            row = {"step": step, "epoch": (step - 1) // steps_per_epoch + 1, "samples": stream.samples_drawn,
+                   "dual_objective": float(objective.mean()), "train_acc": sum(task_acc) / len(task_acc),
+                   "balanced_grad_norm": float(stats["balanced_grad_norm"])}
+            row.update({f"w_{i + 1}": v for i, v in enumerate(stats["w"].tolist())})
+            row.update({f"eta_{i + 1}": v for i, v in enumerate(stats["eta"].tolist())})
+            step_rows.append(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['dual_objective']:.3f}", acc=f"{row['train_acc']:.2f}",
+                            bgn=f"{row['balanced_grad_norm']:.3g}", refresh=False)
+            epoch_done = step % steps_per_epoch == 0 or step == total
+            if epoch_done:
+                rows = [r for r in step_rows if r["epoch"] == row["epoch"]]
+                test_acc = accuracy(model, data.test_images, data.test_labels, 2 * config.batch_size, device,
+                                    data.images)
+                model.train()
+                epoch_rows = [r for r in epoch_rows if r["epoch"] != row["epoch"]] + [{
+                    "epoch": row["epoch"], "step": step, "samples": stream.samples_drawn,
+                    "dual_objective": sum(r["dual_objective"] for r in rows) / len(rows),
+                    "train_acc": sum(r["train_acc"] for r in rows) / len(rows),
+                    "balanced_grad_norm": sum(r["balanced_grad_norm"] for r in rows) / len(rows),
+                    "test_acc": sum(test_acc) / len(test_acc),
+                    **{f"test_acc_{i + 1}": a for i, a in enumerate(test_acc)},
+                    "wall_time_s": time.perf_counter() - started,
+                }]
+                save()
+            if stop.raised is not None:
+                save()
+                bar.close()
+                raise TrainingInterrupted(
+                    f"stopped by signal {stop.raised} after step {step}; checkpoint saved, continue with "
+                    f"drmoo train --resume {run_dir}"
+                )
+    bar.close()
+    save()
+    if step >= config.epochs * steps_per_epoch or (config.max_steps is not None and step >= config.max_steps):
+        (run_dir / "done").write_text(f"{step}\n")
+    return epoch_rows[-1] if epoch_rows else {}
+
+
+def evaluate_robustness(
+    run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], eps_values: list[float],
+    progress: bool = True, device: str | None = None,
+) -> dict[str, Any]:
+    """FGSM accuracy per task and on average for each eps; writes and returns eval.json's content."""
+    config = RunConfig.from_json((run_dir / "config.json").read_text())
+    checkpoint = run_dir / CHECKPOINT
+    if not checkpoint.is_file():
+        raise FileNotFoundError(f"{checkpoint} does not exist: train the run first")
+    target = torch.device(device or config.device)
+    model, data = build(config)
+    model.load_state_dict(torch.load(checkpoint, weights_only=False, map_location="cpu")["model"])
+    model.to(target)
+    results = []
+    for eps in tqdm(eps_values, desc="FGSM", disable=not progress):
+        task_acc = accuracy(model, data.test_images, data.test_labels, 2 * config.batch_size, target, data.images, eps)
+        results.append({"eps": eps, "mean_acc": sum(task_acc) / len(task_acc), "task_acc": task_acc})
+    report = {"run": str(run_dir), "method": config.method, "seed": config.seed, "experiment": config.experiment,
+              "attack": "fgsm", "test_samples": int(data.test_labels.shape[0]), "results": results}
+    (run_dir / "eval.json").write_text(json.dumps(report, indent=2))
+    return report
