@@ -6,7 +6,7 @@ found, GPU or not, so that a CPU-only CI still proves they compile; ``DRMOO_BUIL
 them.  A compiler error fails the install.
 
 ``TORCH_CUDA_ARCH_LIST`` picks the GPU architectures; when it is unset we build for Ampere (8.0)
-and Hopper (9.0) plus PTX for newer cards, rather than torch's default of probing a local GPU
+and Hopper (9.0), rather than torch's default of probing a local GPU
 (there is none in CI) or compiling every architecture the toolkit knows (slow).
 """
 
@@ -14,16 +14,38 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 
 from setuptools import find_packages, setup
 
-DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+DEFAULT_CUDA_ARCHS = "8.0;9.0"
+
+
+def _locate_cuda_home() -> None:
+    """Point CUDA_HOME at the toolkit that owns the nvcc on PATH when it is not set.
+
+    torch guesses CUDA_HOME from nvcc's location: /usr/local/bin/nvcc (a symlink or a wrapper
+    script on these machines) -> /usr/local, where libcudart is not, and the link fails.  Take the
+    first candidate that holds the runtime library.  Must run before torch.utils.cpp_extension is
+    imported.
+    """
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+    candidates = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "/usr/local/cuda"]
+    for home in candidates:
+        if glob.glob(os.path.join(home, "lib*", "libcudart.so*")):
+            os.environ["CUDA_HOME"] = home
+            return
 
 
 def _extensions() -> tuple[list, dict]:
     cpp_sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     if not cpp_sources:
         return [], {}
+    _locate_cuda_home()
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
     cuda_sources = sorted(glob.glob("csrc/**/*.cu", recursive=True))
