@@ -68,7 +68,8 @@ class FAMO(JointBaseline):
 
     Cost per step: 1 closure call (one fresh batch, B samples) + 1 re-evaluation of it (a forward
     without graph), one backward pass (plus a backward through the heads only, which get their raw
-    gradient), O(m) state: the logits and their Adam moments (in ``state_dict``).
+    gradient), O(m) state: the logits and their Adam moments (in ``state_dict``); theta is copied
+    once per step (n entries, freed at its end) so that a failed re-evaluation can restore it.
 
     ``stats``: ``w`` (= c, on the simplex), ``eta``, ``dual_objective`` (before the step),
     ``dual_objective_after``, ``balanced_grad_norm`` = ||[d_theta ; z (.) c]||, ``theta_grad_norm``

@@ -87,7 +87,8 @@ def _min_norm_by_faces(K: Tensor, start: Tensor) -> Tensor:
     values = torch.einsum("fi,ij,fj->f", candidates, K, candidates)
     near_best = values <= values.min() + 1e-12
     distance = torch.where(near_best, ((candidates - start) ** 2).sum(dim=1), torch.full_like(values, float("inf")))
-    return candidates[torch.argmin(distance)]
+    # index_select, not candidates[argmin]: a 0-d index tensor would be read on the host (a sync)
+    return candidates.index_select(0, torch.argmin(distance).reshape(1))[0]
 
 
 def _min_norm_by_projected_gradient(K: Tensor, start: Tensor, max_iter: int, tol: float) -> Tensor:

@@ -10,34 +10,41 @@ from torch import Tensor
 from ._base import STATE_KEY, Closure, ParamsT, check_positive
 from ._joint import TINY, JointBaseline, check_count, common_defaults, joint_gram, joint_norm
 
-# Ridge on the unit-diagonal (Jacobi-scaled) Gram matrix: keeps K alpha = 1/alpha solvable when a
-# task's joint gradient vanishes (its alpha is then huge but finite, and multiplies a zero g_i).
+# Ridge on the unit-diagonal (Jacobi-scaled) Gram matrix.  When the joint gradients are linearly
+# dependent with conflicting signs (e.g. g_2 = -g_1), F below is unbounded and no alpha solves the
+# system; the ridge makes the problem well posed (alpha then grows like 1/sqrt(ridge), while the
+# direction keeps norm sqrt(m) and is clipped).  Elsewhere it perturbs alpha by ~1e-12 relative.
 NASH_RIDGE = 1e-12
 # A diagonal entry below this fraction of the largest one counts as a vanished task gradient.
 VANISHED = 1e-20
 
 
 def nash_weights(gram: Tensor, *, iters: int = 100) -> Tensor:
-    r"""alpha > 0 with K alpha = 1/alpha (element-wise), float64, on K's device, no host sync.
+    r"""alpha >= 0 with K alpha = 1/alpha on the tasks whose gradient is nonzero; float64, no host sync.
 
     alpha is the minimizer of F(a) = 1/2 a^T K a - sum_i log a_i, which is strictly convex (the log
     barrier) even for singular K, and self-concordant.  The problem is equivariant under diagonal
     scaling: with S = diag(K)^(-1/2), alpha = S a where a solves the same system for the
-    unit-diagonal S K S -- so the solver works on S K S (plus a 1e-12 ridge, and a floor on the
-    diagonal for vanished task gradients), whatever the spread of the task gradients' norms.
+    unit-diagonal S K S -- so the solver works on S K S (plus a 1e-12 ridge), whatever the spread
+    of the task gradients' norms.  A task whose joint gradient vanishes (K_ii <= 1e-20 max_j K_jj)
+    has no finite bargaining weight (its utility is -inf for every direction): it is left out,
+    alpha_i = 0 (it contributes nothing to the direction either way).
     Damped Newton:  a <- a - Delta / (1 + lambda), with Delta the Newton step (Cholesky of
     K + diag(1/a^2)) and lambda = sqrt(grad^T Delta) the Newton decrement: every iterate stays
-    positive, F decreases, and the convergence is quadratic once lambda < 1/4.  Start: a = 1 (exact
-    for orthogonal gradients); ``iters`` iterations (a fixed count: a convergence test would need a
-    host sync; converged iterations do not move).
+    positive, F decreases, and the convergence is quadratic once lambda < 1/4 (well-conditioned
+    problems converge to 1e-12 in <= 20 iterations).  Start: a = 1 (exact for orthogonal
+    gradients); ``iters`` iterations (a fixed count: a convergence test would need a host sync;
+    converged iterations do not move).
     """
     K = gram.double()
     m = K.shape[0]
     diagonal = torch.diagonal(K)
-    floor = torch.clamp(VANISHED * diagonal.max(), min=TINY)
-    inv_sqrt = torch.rsqrt(torch.clamp(diagonal, min=floor))
-    K = inv_sqrt[:, None] * K * inv_sqrt[None, :] + NASH_RIDGE * torch.eye(m, dtype=K.dtype, device=K.device)
-    a = torch.ones(m, dtype=K.dtype, device=K.device)
+    active = diagonal > torch.clamp(VANISHED * diagonal.max(), min=TINY)
+    ones = torch.ones(m, dtype=K.dtype, device=K.device)
+    inv_sqrt = torch.where(active, torch.rsqrt(torch.where(active, diagonal, ones)), 0.0 * ones)
+    # Vanished tasks become decoupled unit rows (their a stays at the start value 1, then is zeroed).
+    K = inv_sqrt[:, None] * K * inv_sqrt[None, :] + torch.diag(torch.where(active, NASH_RIDGE * ones, ones))
+    a = ones
     for _ in range(iters):
         gradient = K @ a - 1.0 / a
         factor, _ = torch.linalg.cholesky_ex(K + torch.diag(1.0 / (a * a)))
@@ -61,7 +68,8 @@ class NashMTL(JointBaseline):
         batch xi (closure call 1) at (theta_t, eta_t); z = dL/deta
         if t % k == 0:                                                   # weight update step
             J[i] = grad_theta L^i  (m backward passes);  K = J J^T + diag(z^2)
-            alpha = the solution of K alpha = 1/alpha, alpha > 0      (:func:`nash_weights`)
+            alpha = the solution of K alpha = 1/alpha, alpha > 0      (:func:`nash_weights`;
+                    alpha_i = 0 for a task whose joint gradient vanishes)
             d = [J^T alpha ; z (.) alpha]
         else:                                                            # reuse step
             d = [grad_theta sum_i alpha_i L^i ; z (.) alpha]     (ONE backward pass, alpha kept)
@@ -153,10 +161,12 @@ class NashMTL(JointBaseline):
         self.step_eta(batch.z, clip * alpha, h["lr"])
 
         total = alpha.sum()
-        normalized = alpha / total
+        # every task gradient vanished (alpha = 0): report uniform weights, the direction is 0 anyway
+        normalized = torch.where(total > 0, alpha / torch.where(total > 0, total, 1.0), 1.0 / self.num_tasks)
         state["alpha"] = alpha.clone()
         self.set_w(normalized)
+        safe_total = torch.where(total > 0, total, 1.0)
         return self.finish_step(
-            batch, clip * alpha, theta_norm / total, eta_part / total,
+            batch, clip * alpha, theta_norm / safe_total, eta_part / safe_total,
             alpha=alpha.clone(), clip=clip.float(), weights_updated=torch.tensor(update),
         )
