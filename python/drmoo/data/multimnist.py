@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .mnist import DigitSplits, load_mnist
+from .mnist import DigitSplits, digit_source_fingerprint, load_mnist
 
 __all__ = ["POSITIONS", "MultiMnist", "MultiMnistRecipe", "compose", "default_cache_dir", "load_multimnist"]
 
@@ -112,9 +112,9 @@ class MultiMnist:
                 f"{self.test_images.shape[0]} test composites from {self.source}, seed {r.seed}")
 
 
-def _generate(recipe: MultiMnistRecipe, digits: DigitSplits) -> dict[str, Tensor]:
+def _generate(recipe: MultiMnistRecipe, digits: DigitSplits) -> dict[str, Tensor | str]:
     generator = torch.Generator().manual_seed(recipe.seed)
-    out = {}
+    out: dict[str, Tensor | str] = {"source": digits.source}
     for split, images, labels, size in (
         ("train", digits.train_images, digits.train_labels, recipe.train_size),
         ("test", digits.test_images, digits.test_labels, recipe.test_size),
@@ -130,8 +130,8 @@ def load_multimnist(
     recipe: MultiMnistRecipe, data_root: str | Path | None = None, cache_dir: str | Path | None = None
 ) -> MultiMnist:
     """Generate (or read from the cache) the Multi-MNIST splits of ``recipe``."""
-    digits = load_mnist(data_root)
-    key_text = json.dumps({**asdict(recipe), "source": digits.fingerprint, "version": 2}, sort_keys=True)
+    fingerprint = digit_source_fingerprint(data_root)
+    key_text = json.dumps({**asdict(recipe), "source": fingerprint, "version": 3}, sort_keys=True)
     key = hashlib.sha1(key_text.encode()).hexdigest()[:16]
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cache / "multimnist" / f"{recipe.digits}digit-{recipe.input_size}px-{key}.pt"
@@ -142,10 +142,10 @@ def load_multimnist(
         except Exception as error:  # a truncated cache file is regenerated, not fatal
             warnings.warn(f"ignoring the unreadable cache file {path} ({error}); regenerating", stacklevel=2)
     if tensors is None:
-        tensors = _generate(recipe, digits)
+        tensors = _generate(recipe, load_mnist(data_root))  # the digits are read only on a cache miss
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save(tensors, tmp)
         tmp.replace(path)
     return MultiMnist(recipe, tensors["train_images"], tensors["train_labels"], tensors["test_images"],
-                      tensors["test_labels"], digits.source)
+                      tensors["test_labels"], tensors["source"])

@@ -49,6 +49,8 @@ def method_hparams(method: str, overrides: dict[str, Any] | None = None) -> dict
 
     The common settings apply only where the method has them (NashMTL has no rho, for instance).
     """
+    if method not in available():
+        raise ValueError(f"unknown method {method!r}; valid choices: {', '.join(available())}")
     accepted = inspect.signature(available()[method].__init__).parameters
     common = {key: value for key, value in COMMON.items() if key in accepted}
     return {**common, **PAPER_METHOD_HPARAMS.get(method, {}), **(overrides or {})}
