@@ -103,7 +103,8 @@ def test_compare_writes_table_one_and_reuses_finished_runs(tmp_path: Path, cache
     printed = capsys.readouterr().out
     assert "| method | Clean | 0.03 |" in printed and "| double-clip |" in printed and " ± " in printed
     rows = list(csv.DictReader((out / "table.csv").open()))
-    assert {(r["method"], float(r["eps"])) for r in rows} == {(m, e) for m in ("double-clip", "mgda") for e in (0, 0.03)}
+    expected = {(m, e) for m in ("double-clip", "mgda") for e in (0, 0.03)}
+    assert {(r["method"], float(r["eps"])) for r in rows} == expected
     assert all(int(r["seeds"]) == 2 for r in rows)
     assert (out / "robustness.png").read_bytes()[:4] == b"\x89PNG"
     stamp = (out / "mgda-seed1" / "checkpoint.pt").stat().st_mtime_ns

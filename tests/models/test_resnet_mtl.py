@@ -56,7 +56,7 @@ def test_heads_shapes_and_normalisation_inside() -> None:
 def test_weights_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_weights("none") is None and resolve_weights(None) is None
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    with pytest.raises(FileNotFoundError, match="never downloads.*--weights none"):
+    with pytest.raises(FileNotFoundError, match=r"never downloads.*--weights none"):
         resolve_weights("imagenet")
     with pytest.raises(FileNotFoundError, match="no such file"):
         resolve_weights(str(tmp_path / "nope.pth"))
