@@ -11,6 +11,28 @@ import torch
 from torch import Tensor
 
 
+def _import_triton_for_this_machine() -> None:
+    """Without a GPU, triton must be imported in interpreter mode (TRITON_INTERPRET=1) before anything
+    else imports it: triton fixes its mode at first import, and the Triton backend's tests run on the
+    CPU through the interpreter.  The variable itself is put back; only the import's mode remains."""
+    if torch.cuda.is_available():
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_import_triton_for_this_machine()
+
+
 class ToyProblem:
     """tanh(x A + c) -> one linear head per task (columns of H); squared error per sample and task.
 

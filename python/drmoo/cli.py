@@ -226,6 +226,48 @@ def _run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("bench-iter", help="seconds per iteration of every method vs the 1 fwd + m bwd floor")
+    parser.add_argument("--experiment", default="multimnist2", help="multimnist2 | multimnist3")
+    parser.add_argument("--methods", type=_comma_list, default=["all"])
+    parser.add_argument("--batch-size", type=int, default=256, help="paper: 256 (use less on a CPU)")
+    parser.add_argument("--input-size", type=int, help="default: the paper's (128 for 2 digits, 96 for 3)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--backend", help="kernel backend (default: automatic)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quiet", action="store_true")
+    parser.set_defaults(handler=_run_bench_iter)
+
+
+def _run_bench_iter(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from drmoo.experiments.multimnist import EXPERIMENTS, PRESETS
+    from drmoo.experiments.wallclock import machine_name, measure_iterations, write_outputs
+    from drmoo.optim import available
+
+    if args.experiment not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {args.experiment!r}; valid choices: {', '.join(EXPERIMENTS)}")
+    methods = list(available()) if args.methods == ["all"] else args.methods
+    unknown = [m for m in methods if m not in available()]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; valid choices: {', '.join(available())}")
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    size = args.input_size or PRESETS["paper"][args.experiment]["input_size"]
+    rows = measure_iterations(args.experiment, methods, args.batch_size, size, device, warmup=args.warmup,
+                              repeats=args.repeats, backend=args.backend, progress=not args.quiet)
+    title = (f"{args.experiment}, ResNet18, batch {args.batch_size}, {size}px, {machine_name(device)}; "
+             f"median of {args.repeats} iterations")
+    write_outputs(rows, Path(args.out), title)
+    print((Path(args.out) / "wallclock.md").read_text())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="drmoo", description="Distributionally robust multi-objective optimization: experiments and tools."
@@ -238,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_eval(sub)
     _add_compare(sub)
+    _add_bench_iter(sub)
     return parser
 
 

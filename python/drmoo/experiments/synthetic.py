@@ -45,6 +45,15 @@ PAPER_PRESETS: dict[str, dict[str, Any]] = {
             "double-clip": {"lr": 1e-2, "pref_lr": 1e-2, "c1": 0.5, "f1": 0.5, "c2": 0.1, "f2": 0.1, "rho": 1e-5},
             # App. E.1: D = 20, gamma = 5e-3, alpha = beta = 5e-5, rho = 1e-5.
             "double-loop": {"inner_steps": 20, "dual_lr": 5e-3, "lr": 5e-5, "pref_lr": 5e-5, "rho": 1e-5},
+            # App. E.1: stochastic MGDA lr 1e-5 for (theta, eta) and w, rho = 0; MoDo and MoCo the same
+            # with rho = 1e-5; SDMGrad D = 10 inner steps, 1e-4 / 5e-4, rho = 1e-5.
+            "mgda": {"lr": 1e-5, "pref_lr": 1e-5, "rho": 0.0},
+            "modo": {"lr": 1e-5, "pref_lr": 1e-5, "rho": 1e-5},
+            "moco": {"lr": 1e-5, "pref_lr": 1e-5, "rho": 1e-5},
+            "sdmgrad": {"inner_steps": 10, "lr": 1e-4, "pref_lr": 5e-4, "rho": 1e-5},
+            # Not in App. E.1 (the paper's synthetic figure has no NashMTL/FAMO line): the MGDA-family lr.
+            "nashmtl": {"lr": 1e-5},
+            "famo": {"lr": 1e-5, "pref_lr": 2.5e-3},
         },
         "common": {"lam": 0.6},
     },
@@ -56,6 +65,15 @@ PAPER_PRESETS: dict[str, dict[str, Any]] = {
             "double-clip": {"lr": 1e-2, "pref_lr": 1e-2, "c1": 0.5, "f1": 0.5, "c2": 0.1, "f2": 0.1, "rho": 1e-5},
             # App. E.2: D = 15, gamma = 5e-3, alpha = 1e-3, beta = 6e-4, rho = 1e-6.
             "double-loop": {"inner_steps": 15, "dual_lr": 5e-3, "lr": 1e-3, "pref_lr": 6e-4, "rho": 1e-6},
+            # App. E.2: MGDA, MoDo, MoCo lr 1e-3 / pref 6e-4, rho 1e-6 (MoCo, MoDo) and 0 (MGDA);
+            # SDMGrad D = 15, 1e-3 / 5e-4, rho = 1e-4.
+            "mgda": {"lr": 1e-3, "pref_lr": 6e-4, "rho": 0.0},
+            "modo": {"lr": 1e-3, "pref_lr": 6e-4, "rho": 1e-6},
+            "moco": {"lr": 1e-3, "pref_lr": 6e-4, "rho": 1e-6},
+            "sdmgrad": {"inner_steps": 15, "lr": 1e-3, "pref_lr": 5e-4, "rho": 1e-4},
+            # Not in App. E.2: the baselines' lr 1e-3, FAMO's Multi-MNIST logit lr.
+            "nashmtl": {"lr": 1e-3},
+            "famo": {"lr": 1e-3, "pref_lr": 2.5e-3},
         },
         "common": {"lam": 0.6},
     },

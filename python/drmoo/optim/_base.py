@@ -2,8 +2,10 @@
 
 The closure protocol.  ``optimizer.step(closure)`` calls ``closure()`` as often as its algorithm
 needs; every call must draw a *fresh* batch and return the per-sample losses ``[B, m]`` (one column
-per task) with their autograd graph.  The optimizer, not the user, turns those losses into the DR
-dual objective, its weights and its per-task gradients.
+per task) with their autograd graph - or a pair ``(losses, sample_weight)`` with importance weights
+omega ``[B, m]`` >= 0 (e.g. CelebA's label balancing), which then enter every expectation of the
+dual objective.  The optimizer, not the user, turns those losses into the DR dual objective, its
+weights and its per-task gradients.
 
 Shared vs task-specific parameters.  The parameters handed to the optimizer are the *shared* ones
 and go through the multi-objective update.  Every other trainable leaf that takes part in the losses
@@ -76,6 +78,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         self.backend = resolve_backend(backend, self.device)
         self._ops = backend_module(self.backend)
         self._buffers: dict[str, Tensor] = {}
+        # importance weights omega [B, m] of the most recent closure call (None = uniform)
+        self.batch_weight: Tensor | None = None
         self._jacobian_strategy = "loop"
         self.stats: dict[str, Tensor] = {}
         # w and eta in float32 (float64 when the parameters are float64): they are tiny, and the
@@ -164,7 +168,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}.step needs a closure that draws a fresh batch and returns "
                 "per-sample losses [B, num_tasks]"
             )
-        losses = closure()
+        result = closure()
+        losses, weights = (result if isinstance(result, tuple) and len(result) == 2 else (result, None))
         m = self.num_tasks
         if not isinstance(losses, Tensor):
             raise TypeError(
@@ -190,6 +195,17 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                 "detached, or from parameters that do not require grad); the optimizer needs their "
                 "gradients"
             )
+        if weights is not None:
+            if not isinstance(weights, Tensor) or tuple(weights.shape) != tuple(losses.shape):
+                shape = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
+                raise ValueError(
+                    f"the closure returned sample weights of shape {shape}; they must match the losses "
+                    f"{tuple(losses.shape)} (one importance weight per sample and task)"
+                )
+            if not bool((torch.isfinite(weights) & (weights >= 0)).all()):
+                raise ValueError("the closure returned sample weights that are negative, NaN or Inf")
+            weights = weights.detach()
+        self.batch_weight = weights
         # One host sync per closure call: a NaN must stop the step before anything is updated.
         finite = torch.isfinite(losses.detach()).all(dim=0)
         if not bool(finite.all()):

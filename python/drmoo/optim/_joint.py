@@ -201,7 +201,9 @@ class JointBaseline(MultiObjectiveOptimizer):
         losses = self.draw_losses(closure, need_graph=True)
         self._batches_drawn += 1
         h = self.param_groups[0]
-        objective, z, cotangent = self._ops.dual_forward(losses.detach(), self.eta, h["lam"], 1.0, self.divergence)
+        objective, z, cotangent = self._ops.dual_forward(
+            losses.detach(), self.eta, h["lam"], 1.0, self.divergence, self.batch_weight
+        )
         return TaskGradients(losses, objective, z, cotangent, None)
 
     def task_gradients(self, closure: Closure | None, slot: str, *, feed_heads: bool) -> TaskGradients:

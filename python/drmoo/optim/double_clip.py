@@ -105,11 +105,15 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         else:
             losses = self.draw_losses(closure, need_graph=True)
         eta_next = eta.clone()
-        z, mu, _ = ops.dual_step(losses.detach(), eta_next, w, lam, scale, divergence, gamma, h["f1"], h["f2"])
+        z, mu, _ = ops.dual_step(
+            losses.detach(), eta_next, w, lam, scale, divergence, gamma, h["f1"], h["f2"], self.batch_weight
+        )
 
         # Step 3: per-task gradients of the shared parameters at eta_{t+1}, into the flat buffer J.
         grad_losses = self.draw_losses(closure, need_graph=True) if h["resample"] else losses
-        objective, z_next, cotangent = ops.dual_forward(grad_losses.detach(), eta_next, lam, scale, divergence)
+        objective, z_next, cotangent = ops.dual_forward(
+            grad_losses.detach(), eta_next, lam, scale, divergence, self.batch_weight
+        )
         self.check_dual(z, eta_next, z_next, objective)
         jacobian = self.task_jacobian(grad_losses, cotangent, "X", feed_heads=True)
 

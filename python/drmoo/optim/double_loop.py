@@ -111,7 +111,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         with torch.no_grad():
             for _ in range(h["inner_steps"]):
                 losses = self.draw_losses(closure, need_graph=False)
-                _, grad_eta, _ = ops.dual_forward(losses, etas[-1], lam, 1.0, divergence)
+                _, grad_eta, _ = ops.dual_forward(losses, etas[-1], lam, 1.0, divergence, self.batch_weight)
                 etas.append(etas[-1] - h["dual_lr"] * grad_eta)
             self.check_dual(*etas)
         rng_before = self._generator.get_state()
@@ -146,7 +146,9 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         jacobians, objective, z_main = [], None, None
         for role, index in zip(("Y", "Y_bar", "Y_tilde"), indices):
             losses = self.draw_losses(closure, need_graph=True)
-            obj, z, cotangent = ops.dual_forward(losses.detach(), etas[index], h["lam"], 1.0, self.divergence)
+            obj, z, cotangent = ops.dual_forward(
+                losses.detach(), etas[index], h["lam"], 1.0, self.divergence, self.batch_weight
+            )
             self.check_dual(obj, z)
             jacobians.append(self.task_jacobian(losses, cotangent, role, feed_heads=role == "Y"))
             if role == "Y":

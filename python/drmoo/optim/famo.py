@@ -177,7 +177,9 @@ class FAMO(JointBaseline):
                     p.copy_(saved)
                 self.eta.copy_(eta_backup)
             raise
-        objective_after, _, _ = self._ops.dual_forward(after, self.eta, h["lam"], 1.0, self.divergence)
+        objective_after, _, _ = self._ops.dual_forward(
+            after, self.eta, h["lam"], 1.0, self.divergence, self.batch_weight
+        )
         distance_after = torch.clamp(objective_after.double() - floor, min=0.0) + eps
         decrease = torch.log(distance) - torch.log(distance_after)
         logit_grad = priorities * (decrease - priorities @ decrease)
