@@ -107,6 +107,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--backend", help="kernel backend: reference | cpp | cuda | triton (default: automatic)")
     parser.add_argument("--jacobian", default="loop", help="per-task gradients: loop (m backward passes) | batched")
+    parser.add_argument("--amp", default="none", help="autocast the model's forward: none | bf16 | fp16")
     parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -134,7 +135,8 @@ def _run_config(args: argparse.Namespace, method: str, seed: int) -> Any:
     return RunConfig(
         experiment=args.experiment, method=method, preset=args.preset, seed=seed, head_lr=args.head_lr,
         data_root=args.data_root, cache_dir=args.cache_dir, max_steps=args.max_steps, device=device,
-        backend=args.backend, jacobian=args.jacobian, hparams=method_hparams(method, overrides), **preset,
+        backend=args.backend, jacobian=args.jacobian, amp=args.amp, hparams=method_hparams(method, overrides),
+        **preset,
     )
 
 
@@ -146,11 +148,41 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", help="run directory (default runs/<experiment>-<method>-seed<seed>)")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run saved in RUN_DIR exactly where it stopped")
+    parser.add_argument("--nproc", type=int, help="data-parallel processes: relaunches itself under torchrun "
+                        "(gloo on CPU, nccl on GPUs); the batch size is the global one")
     parser.set_defaults(handler=_run_train)
 
 
+def _launch_torchrun(nproc: int, argv: list[str]) -> int:
+    """Re-run this very command under torchrun with ``nproc`` processes (minus --nproc)."""
+    import os
+    import subprocess
+
+    forwarded, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        if item == "--nproc":
+            skip = True
+            continue
+        if not item.startswith("--nproc="):
+            forwarded.append(item)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "drmoo", *forwarded]
+    print("launching:", " ".join(command), file=sys.stderr)
+    return subprocess.call(command, env=os.environ.copy())
+
+
 def _run_train(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
+
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+        if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+            return _launch_torchrun(args.nproc, args.argv)
 
     from drmoo.experiments.multimnist import build_multimnist
     from drmoo.experiments.training import RunConfig, train
@@ -169,8 +201,9 @@ def _run_train(args: argparse.Namespace) -> int:
         config = _run_config(args, args.method, args.seed)
         run_dir = Path(args.out or f"runs/{config.experiment}-{config.method}-seed{config.seed}")
     summary = train(config, run_dir, build_multimnist, resume=bool(args.resume), progress=not args.quiet)
-    print(json.dumps(summary, indent=2))
-    print(f"run saved in {run_dir}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, one report
+        print(json.dumps(summary, indent=2))
+        print(f"run saved in {run_dir}")
     return 0
 
 
@@ -288,7 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from drmoo.experiments.training import TrainingInterrupted
 
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     try:
         return int(args.handler(args))
     except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:

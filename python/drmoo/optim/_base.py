@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from drmoo import distributed
+from drmoo.distributed import all_reduce_max
 from drmoo.jacobian import STRATEGIES, task_jacobian
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
 
@@ -206,8 +208,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                 raise ValueError("the closure returned sample weights that are negative, NaN or Inf")
             weights = weights.detach()
         self.batch_weight = weights
-        # One host sync per closure call: a NaN must stop the step before anything is updated.
+        # One host sync per closure call: a NaN must stop the step before anything is updated
+        # (on every rank: the flags are agreed on, so no rank waits forever in a collective).
         finite = torch.isfinite(losses.detach()).all(dim=0)
+        if distributed.is_distributed():
+            finite = all_reduce_max((~finite).to(torch.int32)) == 0
         if not bool(finite.all()):
             bad = [i for i, ok in enumerate(finite.tolist()) if not ok]
             raise ValueError(
@@ -235,8 +240,22 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         vmapped backward).  With ``feed_heads`` every other leaf also accumulates its gradient (the
         heads' gradients for the user's optimizer); otherwise only the shared parameters are touched.
         """
-        return task_jacobian(losses, cotangent, self._shared_params(), self._buffer(slot),
-                             strategy=self.jacobian_strategy, feed_heads=feed_heads)
+        jacobian = task_jacobian(losses, cotangent, self._shared_params(), self._buffer(slot),
+                                 strategy=self.jacobian_strategy, feed_heads=feed_heads)
+        return distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
+
+    def dual_forward(self, losses: Tensor, eta: Tensor, lam: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        """The ``dual_forward`` op on the latest batch (with its importance weights), over all ranks.
+
+        Returns the per-task objective, z and the loss cotangents.  Under torch.distributed the
+        objective and z are averaged over ranks and the cotangents divided by the world size, so
+        that they are those of the global batch (see :mod:`drmoo.distributed`).
+        """
+        objective, z, cotangent = self._ops.dual_forward(losses, eta, lam, scale, self.divergence, self.batch_weight)
+        if distributed.is_distributed():
+            distributed.all_reduce_mean(objective, z)
+            cotangent = cotangent / distributed.world_size()
+        return objective, z, cotangent
 
     def apply_direction(self, jacobian: Tensor, w: Tensor, lr: Tensor | float) -> None:
         """theta -= lr * J^T w through the shared parameters (the ``combine`` op)."""

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from drmoo import distributed
 from drmoo_kernels.reference import project_simplex
 
 from ._base import STATE_KEY, Closure, MultiObjectiveOptimizer, check_positive
@@ -201,9 +202,7 @@ class JointBaseline(MultiObjectiveOptimizer):
         losses = self.draw_losses(closure, need_graph=True)
         self._batches_drawn += 1
         h = self.param_groups[0]
-        objective, z, cotangent = self._ops.dual_forward(
-            losses.detach(), self.eta, h["lam"], 1.0, self.divergence, self.batch_weight
-        )
+        objective, z, cotangent = self.dual_forward(losses.detach(), self.eta, h["lam"], 1.0)
         return TaskGradients(losses, objective, z, cotangent, None)
 
     def task_gradients(self, closure: Closure | None, slot: str, *, feed_heads: bool) -> TaskGradients:
@@ -237,7 +236,7 @@ class JointBaseline(MultiObjectiveOptimizer):
                 p.grad = grad
         if heads:
             torch.autograd.backward(batch.losses, grad_tensors=batch.cotangent.to(batch.losses.dtype), inputs=heads)
-        return flat
+        return distributed.all_reduce_sum_(flat)  # shard gradients -> the global batch's
 
     def _vector(self, name: str) -> Tensor:
         shared = self._shared_params()

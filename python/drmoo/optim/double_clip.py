@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from drmoo import distributed
+from drmoo_kernels.reference import clip_factor
+
 from ._base import Closure, MultiObjectiveOptimizer, ParamsT, check_positive
 
 
@@ -105,15 +108,19 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         else:
             losses = self.draw_losses(closure, need_graph=True)
         eta_next = eta.clone()
-        z, mu, _ = ops.dual_step(
-            losses.detach(), eta_next, w, lam, scale, divergence, gamma, h["f1"], h["f2"], self.batch_weight
-        )
+        if distributed.is_distributed():  # z must be the global batch's before eta moves
+            _, z, _ = self.dual_forward(losses.detach(), eta, lam, scale)
+            direction = z * w.to(z.dtype)
+            mu = clip_factor(h["f1"], h["f2"], torch.linalg.vector_norm(direction))
+            eta_next -= (gamma * mu * direction).to(eta.dtype)
+        else:
+            z, mu, _ = ops.dual_step(
+                losses.detach(), eta_next, w, lam, scale, divergence, gamma, h["f1"], h["f2"], self.batch_weight
+            )
 
         # Step 3: per-task gradients of the shared parameters at eta_{t+1}, into the flat buffer J.
         grad_losses = self.draw_losses(closure, need_graph=True) if h["resample"] else losses
-        objective, z_next, cotangent = ops.dual_forward(
-            grad_losses.detach(), eta_next, lam, scale, divergence, self.batch_weight
-        )
+        objective, z_next, cotangent = self.dual_forward(grad_losses.detach(), eta_next, lam, scale)
         self.check_dual(z, eta_next, z_next, objective)
         jacobian = self.task_jacobian(grad_losses, cotangent, "X", feed_heads=True)
 

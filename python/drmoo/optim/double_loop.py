@@ -103,7 +103,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         eta, w) changes if any check fails.
         """
         h = self.param_groups[0]
-        lam, divergence, ops = h["lam"], self.divergence, self._ops
+        lam = h["lam"]
         w = self.w
 
         # Inner loop (lines 3-6): SGD on each task's one-dimensional convex dual problem.
@@ -111,7 +111,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         with torch.no_grad():
             for _ in range(h["inner_steps"]):
                 losses = self.draw_losses(closure, need_graph=False)
-                _, grad_eta, _ = ops.dual_forward(losses, etas[-1], lam, 1.0, divergence, self.batch_weight)
+                _, grad_eta, _ = self.dual_forward(losses, etas[-1], lam, 1.0)
                 etas.append(etas[-1] - h["dual_lr"] * grad_eta)
             self.check_dual(*etas)
         rng_before = self._generator.get_state()
@@ -146,9 +146,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         jacobians, objective, z_main = [], None, None
         for role, index in zip(("Y", "Y_bar", "Y_tilde"), indices):
             losses = self.draw_losses(closure, need_graph=True)
-            obj, z, cotangent = ops.dual_forward(
-                losses.detach(), etas[index], h["lam"], 1.0, self.divergence, self.batch_weight
-            )
+            obj, z, cotangent = self.dual_forward(losses.detach(), etas[index], h["lam"], 1.0)
             self.check_dual(obj, z)
             jacobians.append(self.task_jacobian(losses, cotangent, role, feed_heads=role == "Y"))
             if role == "Y":

@@ -177,9 +177,7 @@ class FAMO(JointBaseline):
                     p.copy_(saved)
                 self.eta.copy_(eta_backup)
             raise
-        objective_after, _, _ = self._ops.dual_forward(
-            after, self.eta, h["lam"], 1.0, self.divergence, self.batch_weight
-        )
+        objective_after, _, _ = self.dual_forward(after, self.eta, h["lam"], 1.0)
         distance_after = torch.clamp(objective_after.double() - floor, min=0.0) + eps
         decrease = torch.log(distance) - torch.log(distance_after)
         logit_grad = priorities * (decrease - priorities @ decrease)

@@ -1,0 +1,88 @@
+"""Data parallelism on torch.distributed for the multi-objective optimizers.
+
+The scheme (one process per device, launched by ``torchrun``): every rank draws the same global
+batch, keeps its shard (rank r takes rows r, r + W, r + 2W, ... - the DistributedSampler rule applied
+to each batch the closure draws), and computes
+
+* its dual statistics on the shard - the per-task objective and z = s (1 - mean_b v) are means over
+  the batch, so the global ones are the mean over ranks (one all-reduce of 2m numbers), and the loss
+  cotangents v / B_global are the local ones divided by W;
+* its per-task Jacobian on the shard with those cotangents - the global J is the sum over ranks (one
+  all-reduce of the flat [m, n] buffer);
+
+after which every rank runs the identical (fused) update.  The heads' gradients are summed the same
+way (:func:`all_reduce_grads`).  With equal shard sizes this equals one process on the whole batch
+up to the order of floating-point sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["all_reduce_grads", "all_reduce_max", "all_reduce_mean", "is_distributed", "rank", "shard", "world_size"]
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def shard(rows: Tensor) -> Tensor:
+    """This rank's share of a global batch of row indices (every W-th, starting at the rank)."""
+    size = world_size()
+    if size == 1:
+        return rows
+    if rows.shape[0] % size != 0:
+        raise ValueError(f"the batch size {rows.shape[0]} must be divisible by the number of processes {size}")
+    return rows[rank() :: size]
+
+
+def all_reduce_mean(*tensors: Tensor) -> None:
+    """In place: each tensor becomes its mean over ranks (one collective for all of them)."""
+    if not is_distributed() or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= world_size()
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
+def all_reduce_sum_(tensor: Tensor) -> Tensor:
+    if is_distributed():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def all_reduce_max(value: Tensor) -> Tensor:
+    """Elementwise maximum over ranks (used to agree on flags: a failure anywhere is a failure everywhere)."""
+    if is_distributed():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
+
+
+def all_reduce_grads(params: Iterable[Tensor]) -> None:
+    """Sum the ``.grad`` of parameters outside the multi-objective update (the heads) over ranks."""
+    if not is_distributed():
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()

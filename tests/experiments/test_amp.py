@@ -1,0 +1,39 @@
+"""Mixed precision: the model's forward under bf16 autocast, the dual math and the step in float32."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from drmoo.cli import main
+from drmoo.experiments.multimnist import build_multimnist, method_hparams
+from drmoo.experiments.training import RunConfig, train
+
+
+def test_bf16_autocast_trains_with_float32_parameters(tmp_path: Path) -> None:
+    seen: list[torch.dtype] = []
+
+    def build(config: RunConfig):
+        model, data = build_multimnist(config)
+        model.trunk.layer3.register_forward_hook(lambda _m, _i, output: seen.append(output.dtype))
+        return model, data
+
+    config = RunConfig(experiment="multimnist2", method="double-clip", preset="quick", input_size=16, train_size=48,
+                       test_size=16, batch_size=16, max_steps=2, amp="bf16", cache_dir=str(tmp_path / "cache"),
+                       hparams=method_hparams("double-clip"))
+    train(config, tmp_path / "run", build, progress=False)
+    assert torch.bfloat16 in seen, "the forward should run in bfloat16 under autocast"
+    rows = list(csv.DictReader((tmp_path / "run" / "steps.csv").open()))
+    assert len(rows) == 2 and all(math.isfinite(float(r["balanced_grad_norm"])) for r in rows)
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert all(v.dtype == torch.float32 for k, v in state["model"].items() if v.is_floating_point())
+
+
+def test_unknown_amp_mode_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code = main(["train", "--amp", "fp8", "--max-steps", "1", "--input-size", "16", "--train-size", "48",
+                 "--batch-size", "16", "--out", str(tmp_path / "r"), "--quiet"])
+    assert code == 2 and "unknown --amp 'fp8'" in capsys.readouterr().err
