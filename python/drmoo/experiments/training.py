@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -27,12 +28,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from drmoo import distributed
 from drmoo.attacks import fgsm
 from drmoo.optim import create
 
-__all__ = ["IndexStream", "RunConfig", "TrainingInterrupted", "evaluate_robustness", "train"]
+__all__ = ["Experiment", "IndexStream", "RunConfig", "TrainingInterrupted", "evaluate_robustness", "experiments",
+           "get_experiment", "train"]
 
 CHECKPOINT = "checkpoint.pt"
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class TrainingInterrupted(RuntimeError):
@@ -60,6 +64,7 @@ class RunConfig:
     device: str = "cpu"
     backend: str | None = None
     jacobian: str = "loop"
+    amp: str = "none"  # autocast the model's forward: none | bf16 | fp16
     hparams: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -171,14 +176,20 @@ def train(
     *,
     resume: bool = False,
     progress: bool = True,
+    sample_weight: Callable[[Tensor], Tensor] | None = None,
 ) -> dict[str, Any]:
     """Train (or continue) the run in ``run_dir``; returns the last epoch's metrics.
 
     ``build(config)`` returns the model and the data object (with ``train_images``,
-    ``train_labels``, ``test_images``, ``test_labels``, ``images()``).
+    ``train_labels``, ``test_images``, ``test_labels``, ``images()``).  ``sample_weight(labels)``,
+    when given, maps a batch's labels ``[B, m]`` to importance weights ``[B, m]`` that the closure
+    returns with the losses (CelebA's label balancing).
     """
+    if config.amp not in AMP_DTYPES:
+        raise ValueError(f"unknown --amp {config.amp!r}; valid choices: {', '.join(AMP_DTYPES)}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device(config.device)
+    created_group, device = _setup_distributed(config)
+    is_main = distributed.rank() == 0  # only rank 0 writes checkpoints, logs and progress
     checkpoint_path = run_dir / CHECKPOINT
     if resume:
         if not checkpoint_path.is_file():
@@ -187,7 +198,8 @@ def train(
         raise FileExistsError(
             f"{run_dir} already holds a run; pass --resume {run_dir} to continue it or pick a new --out"
         )
-    (run_dir / "config.json").write_text(config.to_json())
+    if is_main:
+        (run_dir / "config.json").write_text(config.to_json())
 
     torch.manual_seed(config.seed)
     model, data = build(config)
@@ -214,6 +226,8 @@ def train(
         step, epoch_rows, step_rows = state["step"], state["epochs"], state["steps"]
 
     def save() -> None:
+        if not is_main:
+            return
         _atomic_save({
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "heads": heads.state_dict(),
             "stream": stream.state_dict(), "rng": torch.get_rng_state(),
@@ -226,24 +240,28 @@ def train(
 
     last: dict[str, Tensor] = {}
 
-    def closure(same_batch: bool = False) -> Tensor:
+    def closure(same_batch: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         # same_batch: recompute the previous call's batch (FAMO re-evaluates the losses after its step)
-        rows = last["rows"] if same_batch else stream()
+        rows = last["rows"] if same_batch else distributed.shard(stream())  # this rank's share
         last["rows"] = rows
         x = data.images(data.train_images[rows]).to(device, non_blocking=True)
         y = data.train_labels[rows].to(device, non_blocking=True)
-        logits = model(x)
+        with torch.autocast(device.type, dtype=AMP_DTYPES.get(config.amp), enabled=config.amp != "none"):
+            logits = model(x)
+        logits = [z.float() for z in logits]  # losses and the dual math in float32 whatever the forward's dtype
         last["logits"], last["labels"] = [z.detach() for z in logits], y
-        return per_sample_losses(logits, y)
+        losses = per_sample_losses(logits, y)
+        return losses if sample_weight is None else (losses, sample_weight(y))
 
     model.train()
     started = time.perf_counter()
-    bar = tqdm(total=total, initial=step, desc=f"{config.method} seed {config.seed}", disable=not progress,
-               dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(total=total, initial=step, desc=f"{config.method} seed {config.seed}",
+               disable=not progress or not is_main, dynamic_ncols=True, mininterval=1.0)
     with _StopFlag() as stop:
         while step < total:
             heads.zero_grad(set_to_none=True)
             objective = optimizer.step(closure)
+            distributed.all_reduce_grads(model.task_parameters())
             heads.step()
             step += 1
             stats = optimizer.stats
@@ -274,7 +292,7 @@ def train(
                     "wall_time_s": time.perf_counter() - started,
                 }]
                 save()
-            if stop.raised is not None:
+            if _agreed(stop.raised is not None, device):  # every rank stops after the same step
                 save()
                 bar.close()
                 raise TrainingInterrupted(
@@ -283,9 +301,31 @@ def train(
                 )
     bar.close()
     save()
-    if step >= config.epochs * steps_per_epoch or (config.max_steps is not None and step >= config.max_steps):
+    finished = step >= config.epochs * steps_per_epoch or (config.max_steps is not None and step >= config.max_steps)
+    if finished and is_main:
         (run_dir / "done").write_text(f"{step}\n")
+    if created_group:
+        torch.distributed.destroy_process_group()
     return epoch_rows[-1] if epoch_rows else {}
+
+
+def _setup_distributed(config: RunConfig) -> tuple[bool, torch.device]:
+    """Join the process group torchrun describes (WORLD_SIZE > 1); returns (created it, device)."""
+    device = torch.device(config.device)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.distributed.is_initialized():
+        return False, device
+    if device.type == "cuda":  # one GPU per process, NCCL between them
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return True, device
+
+
+def _agreed(flag: bool, device: torch.device) -> bool:
+    """True on every rank as soon as it is true on one (a no-op in a single process)."""
+    if not distributed.is_distributed():
+        return flag
+    return bool(distributed.all_reduce_max(torch.tensor([int(flag)], device=device)).item())
 
 
 def evaluate_robustness(
@@ -309,3 +349,53 @@ def evaluate_robustness(
               "attack": "fgsm", "test_samples": int(data.test_labels.shape[0]), "results": results}
     (run_dir / "eval.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """What ``drmoo train / eval / compare`` need to know about one deep experiment.
+
+    ``evaluate(run_dir, eps=..., progress=..., device=...)`` writes and returns eval.json's report,
+    ``eval_table(report)`` prints it, ``compare(configs, out, eps=..., progress=...)`` trains and
+    evaluates every config and returns the markdown table.  ``eps`` matters to FGSM experiments only.
+    """
+
+    name: str
+    build: Callable[[RunConfig], tuple[nn.Module, Any]]
+    presets: dict[str, dict[str, Any]]  # preset name -> RunConfig fields
+    method_hparams: Callable[[str, dict[str, Any] | None], dict[str, Any]]
+    evaluate: Callable[..., dict[str, Any]]
+    eval_table: Callable[[dict[str, Any]], str]
+    compare: Callable[..., str]
+    sample_weight: Callable[[Tensor], Tensor] | None = None  # labels [B, m] -> importance weights [B, m]
+
+
+def _multimnist_experiment(name: str) -> Experiment:
+    from . import multimnist, robustness
+
+    def evaluate(run_dir: Path, *, eps: list[float], progress: bool = True, device: str | None = None
+                 ) -> dict[str, Any]:
+        return evaluate_robustness(run_dir, multimnist.build_multimnist, eps, progress=progress, device=device)
+
+    def compare(configs: list[RunConfig], out: Path, *, eps: list[float], progress: bool = True) -> str:
+        return robustness.compare(configs, out, eps, progress=progress)
+
+    presets = {preset: values[name] for preset, values in multimnist.PRESETS.items()}
+    return Experiment(name, multimnist.build_multimnist, presets, multimnist.method_hparams, evaluate,
+                      robustness.eval_table, compare)
+
+
+def experiments() -> dict[str, Experiment]:
+    """Every experiment the deep-learning commands run, by ``--experiment`` name."""
+    # Imported here: those modules import this one.
+    from .celeba import CELEBA
+    from .multimnist import EXPERIMENTS as MULTIMNIST
+
+    return {**{name: _multimnist_experiment(name) for name in MULTIMNIST}, CELEBA.name: CELEBA}
+
+
+def get_experiment(name: str) -> Experiment:
+    known = experiments()
+    if name not in known:
+        raise ValueError(f"unknown experiment {name!r}; valid choices: {', '.join(known)}")
+    return known[name]
