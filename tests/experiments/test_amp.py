@@ -37,3 +37,29 @@ def test_unknown_amp_mode_is_a_clear_error(tmp_path: Path, capsys: pytest.Captur
     code = main(["train", "--amp", "fp8", "--max-steps", "1", "--input-size", "16", "--train-size", "48",
                  "--batch-size", "16", "--out", str(tmp_path / "r"), "--quiet"])
     assert code == 2 and "unknown --amp 'fp8'" in capsys.readouterr().err
+
+
+def test_fp16_overflowing_step_is_skipped_not_applied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from drmoo.experiments import training
+
+    calls = [0]
+    original = training.per_sample_losses
+
+    def overflow_once(logits, labels):
+        calls[0] += 1
+        losses = original(logits, labels)
+        return losses * float("inf") if calls[0] == 1 else losses  # the first batch "overflows"
+
+    monkeypatch.setattr(training, "per_sample_losses", overflow_once)
+    config = RunConfig(experiment="multimnist2", method="double-clip", preset="quick", input_size=16, train_size=48,
+                       test_size=16, batch_size=16, max_steps=2, amp="fp16", cache_dir=str(tmp_path / "cache"),
+                       hparams=method_hparams("double-clip"))
+    train(config, tmp_path / "run", build_multimnist, progress=False)
+    rows = list(csv.DictReader((tmp_path / "run" / "steps.csv").open()))
+    assert [int(r["step"]) for r in rows] == [1, 2]  # the overflow did not count as a step
+    assert calls[0] == 1 + 2 * 2  # one abandoned draw, then two steps of two draws each
+    # without fp16 the same overflow is an error, not a silent skip
+    calls[0] = 0
+    config.amp, config.max_steps = "none", 1
+    with pytest.raises(ValueError, match="non-finite"):
+        train(config, tmp_path / "run2", build_multimnist, progress=False)

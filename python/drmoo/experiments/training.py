@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from drmoo import distributed
 from drmoo.attacks import fgsm
-from drmoo.optim import create
+from drmoo.optim import NonFiniteStepError, create
 
 __all__ = ["Experiment", "IndexStream", "RunConfig", "TrainingInterrupted", "evaluate_robustness", "experiments",
            "get_experiment", "train"]
@@ -239,6 +239,7 @@ def train(
         (run_dir / "metrics.json").write_text(json.dumps(epoch_rows, indent=2))
 
     last: dict[str, Tensor] = {}
+    skipped: list[dict[str, Any]] = []  # fp16 steps abandoned on overflow
 
     def closure(same_batch: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         # same_batch: recompute the previous call's batch (FAMO re-evaluates the losses after its step)
@@ -260,7 +261,17 @@ def train(
     with _StopFlag() as stop:
         while step < total:
             heads.zero_grad(set_to_none=True)
-            objective = optimizer.step(closure)
+            try:
+                objective = optimizer.step(closure)
+            except NonFiniteStepError as error:
+                if config.amp != "fp16":
+                    raise
+                # An fp16 overflow: the optimizer changed nothing; skip the step as a gradient
+                # scaler would, and draw the next batch (the skipped one counts as consumed).
+                skipped.append({"step": step + 1, "reason": str(error)})
+                if len(skipped) > 50 and len(skipped) > step // 2:
+                    raise RuntimeError(f"{len(skipped)} of {step + 1} fp16 steps overflowed; use --amp bf16") from error
+                continue
             distributed.all_reduce_grads(model.task_parameters())
             heads.step()
             step += 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._base import MultiObjectiveOptimizer, ParamsT
+from ._base import MultiObjectiveOptimizer, NonFiniteStepError, ParamsT
 from .double_clip import DoubleClipMGDA
 from .double_loop import DoubleLoopMGDA
 from .famo import FAMO
@@ -27,6 +27,7 @@ __all__ = [
     "MoDo",
     "MultiObjectiveOptimizer",
     "NashMTL",
+    "NonFiniteStepError",
     "SDMGrad",
     "available",
     "create",

@@ -37,6 +37,14 @@ ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 STATE_KEY = "drmoo"
 
 
+class NonFiniteStepError(ValueError):
+    """A step met a NaN/Inf (losses, dual quantities or gradients) and was abandoned: nothing changed.
+
+    A ``ValueError``, so callers that treat it as bad input keep working; mixed-precision training
+    catches it to skip an overflowing step, as a gradient scaler would.
+    """
+
+
 def check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
     """Reject non-finite, negative (or zero) hyperparameters with a message naming them."""
     try:
@@ -215,7 +223,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             finite = all_reduce_max((~finite).to(torch.int32)) == 0
         if not bool(finite.all()):
             bad = [i for i, ok in enumerate(finite.tolist()) if not ok]
-            raise ValueError(
+            raise NonFiniteStepError(
                 f"non-finite (NaN or Inf) per-sample losses for task(s) {bad} at step {self.steps_taken}; "
                 "the step was abandoned and nothing was updated"
             )
@@ -271,7 +279,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         """The dual step's outputs (z, weights' means) must be finite before anything is written."""
         finite = torch.stack([torch.isfinite(q).all() for q in dual_quantities]).all()
         if not bool(finite):
-            raise ValueError(
+            raise NonFiniteStepError(
                 f"non-finite dual quantities (the worst-case weights f*'((loss - eta)/lam) overflowed) at step "
                 f"{self.steps_taken}; the step was abandoned and nothing was updated{self._overflow_hint()}"
             )
@@ -282,7 +290,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         if not bool(finite.all()):
             bad = [i for i, ok in enumerate(finite.tolist()) if not ok]
             hint = self._overflow_hint()
-            raise ValueError(
+            raise NonFiniteStepError(
                 f"non-finite gradients of the shared parameters for task(s) {bad} ({role}) at step "
                 f"{self.steps_taken}; the step was abandoned and nothing was updated{hint}"
             )

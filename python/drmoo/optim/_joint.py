@@ -30,7 +30,7 @@ from torch import Tensor
 from drmoo import distributed
 from drmoo_kernels.reference import project_simplex
 
-from ._base import STATE_KEY, Closure, MultiObjectiveOptimizer, check_positive
+from ._base import STATE_KEY, Closure, MultiObjectiveOptimizer, NonFiniteStepError, check_positive
 
 __all__ = [
     "JointBaseline",
@@ -261,7 +261,7 @@ class JointBaseline(MultiObjectiveOptimizer):
         rows = flags.tolist()
         bad = [f"{role}: task(s) {[i for i, ok in enumerate(row) if not ok]}" for (role, _), row in zip(checks, rows)
                if not all(row)]
-        raise ValueError(
+        raise NonFiniteStepError(
             f"non-finite gradients of the shared parameters ({'; '.join(bad)}) at step {self.steps_taken}; "
             "the step was abandoned and nothing was updated"
         )

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from drmoo_kernels.reference import project_simplex
 
-from ._base import STATE_KEY, Closure, MultiObjectiveOptimizer, ParamsT, check_positive
+from ._base import STATE_KEY, Closure, MultiObjectiveOptimizer, NonFiniteStepError, ParamsT, check_positive
 
 
 class DoubleLoopMGDA(MultiObjectiveOptimizer):
@@ -157,7 +157,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         self.check_jacobian(gram, "Y")
         for role, other in (("Y_bar", jac_bar), ("Y_tilde", jac_tilde)):
             if not bool(torch.isfinite(other).all()):
-                raise ValueError(
+                raise NonFiniteStepError(
                     f"non-finite gradients of the shared parameters ({role}) at step {self.steps_taken}; "
                     "the step was abandoned and nothing was updated"
                 )
