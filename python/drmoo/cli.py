@@ -301,6 +301,77 @@ def _run_bench_iter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_ablate(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "ablate", help="the paper's ablations (App. F): lambda, learning rate, batch size, inner steps",
+        description="Vary one hyperparameter over the paper's grid and write ablation-<what>.csv/.md/.png/.json "
+        "in --out (one sub-directory per grid value; finished values are skipped on a rerun). Supported: "
+        "lambda on linear, wine and multimnist2 (Double-Clip; FGSM accuracy on multimnist2, balanced-gradient-norm "
+        "curves otherwise); lr, batch and inner on linear and wine only (their measure is the balanced gradient "
+        "norm; asking for them on multimnist2 is refused).",
+    )
+    parser.add_argument("--what", required=True, help="lambda | lr | batch | inner")
+    parser.add_argument("--experiment", required=True, help="linear | wine | multimnist2 (lambda only)")
+    parser.add_argument("--out", required=True, help="output directory (finished grid values in it are reused)")
+    parser.add_argument("--data-root", help="wine: the UCI CSV or its directory; multimnist2: torchvision MNIST root")
+    parser.add_argument("--seeds", type=_int_list, default=[0], help="comma-separated seeds (default 0)")
+    parser.add_argument("--grid", type=_float_list, help="values to run instead of the paper's grid")
+    parser.add_argument("--steps", type=int, help="linear/wine iterations (default: the paper's, 600 / 1000)")
+    parser.add_argument("--batch-size", type=int, help="batch size where it is not the ablated value")
+    parser.add_argument("--methods", type=_comma_list,
+                        help="lr only: methods (default double-clip,double-loop,mgda,modo,moco,sdmgrad)")
+    parser.add_argument("--backend", help="kernel backend: reference | cpp | cuda | triton (default: automatic)")
+    parser.add_argument("--preset", default="quick", help="multimnist2: quick (CPU demo) | paper (App. D)")
+    parser.add_argument("--max-steps", type=int, help="multimnist2: stop each run after this many steps")
+    for flag in ("--epochs", "--input-size", "--train-size", "--test-size"):
+        parser.add_argument(flag, type=int, help="multimnist2: override the preset's value")
+    parser.add_argument("--weights", help="multimnist2: imagenet | none | PATH (default: the preset's)")
+    parser.add_argument("--cache-dir", help="multimnist2: where generated data sets are cached")
+    parser.add_argument("--device", default="auto", help="multimnist2: auto | cpu | cuda | cuda:N")
+    parser.add_argument("--eps", type=_float_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
+                        help="multimnist2: FGSM eps values")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.set_defaults(handler=_run_ablate)
+
+
+def _run_ablate(args: argparse.Namespace) -> int:
+    from drmoo.experiments.ablations import AblationConfig, run_ablation
+
+    run_overrides = {key: getattr(args, key) for key in ("epochs", "input_size", "train_size", "test_size",
+                                                         "weights") if getattr(args, key) is not None}
+    config = AblationConfig(
+        what=args.what, experiment=args.experiment, seeds=args.seeds, steps=args.steps, batch_size=args.batch_size,
+        data_root=args.data_root, grid=args.grid, methods=args.methods, backend=args.backend, preset=args.preset,
+        max_steps=args.max_steps, run_overrides=run_overrides, cache_dir=args.cache_dir, device=args.device,
+        eps=args.eps,
+    )
+    print(run_ablation(config, args.out, progress=not args.quiet))
+    print(f"wrote {args.out}/ablation-{args.what}.csv, .md, .png, .json")
+    return 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "report", help="collect the tables and figures of result directories into one markdown file",
+        description="Walk the given directories, recognise synthetic comparisons, robustness comparisons, "
+        "ablations, wall-clock and kernel-benchmark results and single training runs, and write one markdown "
+        "file that embeds their tables and links their PNGs (paths relative to the report), with the machine, "
+        "backend and settings each records. Directories holding none of these are listed as skipped.",
+    )
+    parser.add_argument("--runs", nargs="+", required=True, metavar="DIR", help="result directories to collect")
+    parser.add_argument("--out", required=True, help="the markdown file to write, e.g. report.md")
+    parser.add_argument("--title", default="drmoo results", help="the report's title")
+    parser.set_defaults(handler=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from drmoo.experiments.report import write_report
+
+    sections, skipped = write_report(args.runs, args.out, title=args.title)
+    print(f"wrote {args.out}: {sections} section(s), {skipped} skipped")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="drmoo", description="Distributionally robust multi-objective optimization: experiments and tools."
@@ -314,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_compare(sub)
     _add_bench_iter(sub)
+    _add_ablate(sub)
+    _add_report(sub)
     return parser
 
 

@@ -1,0 +1,508 @@
+"""The paper's ablation studies (App. F): one hyperparameter varied over the paper's grid at a time.
+
+========  =================================  ==========================================================
+what      experiments                        what is varied, what is measured
+========  =================================  ==========================================================
+lambda    linear, wine, multimnist2          lambda in {0.4, 0.8, 1.6} for Double-Clip (F.1); FGSM
+                                             accuracy on multimnist2, balanced-gradient-norm curves
+                                             on linear / wine
+lr        linear, wine                       the step size of (theta, eta) and of w, both set to the
+                                             grid value (F.2); mean balanced gradient norm of the last
+                                             20 iterations per method
+batch     linear, wine                       N1 = N2 in {32, ..., 1024} for Double-Clip (F.3); curves
+inner     linear, wine                       D in {5, ..., 25} for Double-Loop (F.4); curves
+========  =================================  ==========================================================
+
+Every grid point is trained in its own sub-directory of ``out`` by :func:`run_synthetic` or
+:func:`compare`, which keep finished runs; ``point.json`` there records the point's settings
+once it is done, so a rerun with the same settings skips it.  ``out`` then holds
+``ablation-<what>.csv`` (one row per grid point), ``.md``, ``.png`` and ``.json`` (the settings,
+machine and backend, read by ``drmoo report``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from drmoo_kernels import resolve_backend
+
+from .reporting import aggregate_curves
+from .synthetic import PAPER_PRESETS, SyntheticConfig, run_synthetic
+from .training import _write_csv  # atomic CSV write, shared with the training runs
+
+__all__ = ["GRIDS", "SUPPORTED", "AblationConfig", "grid_points", "run_ablation"]
+
+WHATS = ("lambda", "lr", "batch", "inner")
+EXPERIMENTS = ("linear", "wine", "multimnist2")
+SYNTHETIC = ("linear", "wine")
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "lambda": EXPERIMENTS,
+    # The paper runs these three on the synthetic problems only: their measure is the balanced
+    # gradient norm curve, which a deep run's FGSM table does not show.
+    "lr": SYNTHETIC,
+    "batch": SYNTHETIC,
+    "inner": SYNTHETIC,
+}
+
+GRIDS: dict[str, tuple[float, ...]] = {
+    "lambda": (0.4, 0.8, 1.6),
+    "lr-unclipped": (1e-5, 5e-5, 5e-4, 1e-3, 5e-3, 1e-2),
+    "lr-double-clip": (1e-3, 5e-3, 1e-2, 5e-2, 1e-1),  # App. F.2 lists the same set for wine, unordered
+    "batch": (32, 64, 128, 256, 512, 1024),
+    "inner": (5, 10, 15, 20, 25),
+}
+
+# The methods of the paper's synthetic figures (NashMTL and FAMO have no synthetic settings there).
+LR_METHODS = ("double-clip", "double-loop", "mgda", "modo", "moco", "sdmgrad")
+
+# App. F.2: B = 256, rho = 1e-5 for every method; gamma = 1e-3 is Double-Loop's inner (eta) step.
+# For Double-Clip gamma *is* the (theta, eta) step, the rate being varied, so only rho is fixed.
+LR_FIXED: dict[str, Any] = {"rho": 1e-5}
+LR_FIXED_DOUBLE_LOOP: dict[str, Any] = {"dual_lr": 1e-3}
+# App. F.3: beta = gamma = 1e-2, c1 = f1 = 1.0, c2 = f2 = 0.5, rho = 1e-5 for every batch size.
+BATCH_FIXED: dict[str, Any] = {"lr": 1e-2, "pref_lr": 1e-2, "c1": 1.0, "f1": 1.0, "c2": 0.5, "f2": 0.5, "rho": 1e-5}
+# App. F.4: linear alpha = beta = 5e-5, gamma = 1e-3, rho = 1e-5; wine alpha = gamma = 1e-3,
+# beta = 6e-4, rho = 1e-6.
+INNER_FIXED: dict[str, dict[str, Any]] = {
+    "linear": {"lr": 5e-5, "pref_lr": 5e-5, "dual_lr": 1e-3, "rho": 1e-5},
+    "wine": {"lr": 1e-3, "pref_lr": 6e-4, "dual_lr": 1e-3, "rho": 1e-6},
+}
+DEFAULT_EPS = (0.0, 0.01, 0.03, 0.05, 0.08)
+
+
+@dataclass
+class AblationConfig:
+    """One ablation: ``what`` on ``experiment``; None = the paper's value (or the preset's)."""
+
+    what: str
+    experiment: str
+    seeds: Sequence[int] = (0,)
+    steps: int | None = None  # linear / wine iterations (paper: 600 / 1000)
+    batch_size: int | None = None  # linear / wine: B when B is not the ablated value; multimnist2: training B
+    data_root: str | None = None
+    grid: Sequence[float] | None = None  # a subset / other values instead of the paper's grid
+    methods: Sequence[str] | None = None  # lr only (default: LR_METHODS)
+    backend: str | None = None
+    # multimnist2 only (see drmoo.experiments.multimnist.PRESETS)
+    preset: str = "quick"
+    max_steps: int | None = None
+    run_overrides: dict[str, Any] = field(default_factory=dict)  # epochs, input_size, train/test_size, weights
+    cache_dir: str | None = None
+    device: str = "auto"
+    eps: Sequence[float] = DEFAULT_EPS
+
+    def validate(self) -> None:
+        if self.what not in WHATS:
+            raise ValueError(f"unknown ablation --what {self.what!r}; valid choices: {', '.join(WHATS)}")
+        if self.experiment not in EXPERIMENTS:
+            raise ValueError(f"unknown --experiment {self.experiment!r}; valid choices: {', '.join(EXPERIMENTS)}")
+        if self.experiment not in SUPPORTED[self.what]:
+            raise ValueError(
+                f"--what {self.what} is not supported on {self.experiment} (the paper measures it by the balanced "
+                f"gradient norm of the synthetic problems); supported: {', '.join(SUPPORTED[self.what])}"
+            )
+        deep = self.experiment == "multimnist2"
+        if deep and self.steps is not None:
+            raise ValueError("--steps applies to linear/wine; on multimnist2 use --max-steps or --epochs")
+        if not deep and (self.max_steps is not None or self.run_overrides):
+            raise ValueError("--max-steps/--epochs/--input-size/--train-size/--test-size/--weights apply to "
+                             "multimnist2; on linear/wine use --steps")
+        if self.what == "batch" and self.batch_size is not None:
+            raise ValueError("--batch-size cannot be fixed when the batch size is the ablated value (--what batch)")
+        if self.methods is not None and self.what != "lr":
+            raise ValueError("--methods applies to --what lr only (the other ablations use one method each)")
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One training setting of an ablation: its sub-directory, label, method and overrides."""
+
+    name: str
+    label: str
+    value: float
+    method: str
+    overrides: dict[str, Any]
+    batch_size: int | None = None
+
+
+def _fmt(value: float) -> str:
+    return f"{value:g}"
+
+
+def grid_points(config: AblationConfig) -> list[GridPoint]:
+    """The grid of ``config`` as points, in the order they are run and tabulated."""
+    config.validate()
+    what = config.what
+
+    def values(default: Sequence[float]) -> list[float]:
+        return [float(v) for v in (config.grid if config.grid is not None else default)]
+
+    if what == "lambda":
+        return [GridPoint(f"lam{_fmt(v)}", f"λ={_fmt(v)}", v, "double-clip", {"lam": v}) for v in values(GRIDS[what])]
+    if what == "batch":
+        return [GridPoint(f"batch{int(v)}", f"B={int(v)}", v, "double-clip", dict(BATCH_FIXED), batch_size=int(v))
+                for v in values(GRIDS[what])]
+    if what == "inner":
+        fixed = INNER_FIXED[config.experiment]
+        return [GridPoint(f"inner{int(v)}", f"D={int(v)}", v, "double-loop", {**fixed, "inner_steps": int(v)})
+                for v in values(GRIDS[what])]
+    return _lr_points(config, values)
+
+
+def _lr_points(config: AblationConfig, values: Any) -> list[GridPoint]:
+    methods = list(config.methods or LR_METHODS)
+    known = PAPER_PRESETS[config.experiment]["methods"]
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise ValueError(f"no synthetic preset for method(s) {unknown}; valid choices: {', '.join(known)}")
+    points = []
+    for method in methods:
+        grid = values(GRIDS["lr-double-clip" if method == "double-clip" else "lr-unclipped"])
+        fixed = {**LR_FIXED, **(LR_FIXED_DOUBLE_LOOP if method == "double-loop" else {})}
+        for value in grid:
+            points.append(GridPoint(f"{method}-lr{_fmt(value)}", f"{method} lr={_fmt(value)}", value, method,
+                                    {**fixed, "lr": value, "pref_lr": value}))
+    return points
+
+
+# ---------------------------------------------------------------------------- grid points, resumable
+
+
+def _point_done(directory: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The saved outcome of a finished point with exactly these settings, else None."""
+    marker = directory / "point.json"
+    if not marker.is_file():
+        return None
+    saved = json.loads(marker.read_text())
+    return saved if saved.get("settings") == settings else None
+
+
+def _mark_done(directory: Path, settings: dict[str, Any], outcome: dict[str, Any]) -> None:
+    tmp = directory / "point.json.tmp"
+    tmp.write_text(json.dumps({"settings": settings, **outcome}, indent=2))
+    tmp.replace(directory / "point.json")  # written last and atomically: its presence means "finished"
+
+
+def _synthetic_point(config: AblationConfig, point: GridPoint, out: Path, progress: bool) -> dict[str, Any]:
+    """Train one grid point on linear / wine; returns its row of the ablation table."""
+    overrides = dict(point.overrides)
+    if config.backend is not None:
+        overrides["backend"] = config.backend
+    synthetic = SyntheticConfig(
+        problem=config.experiment, methods=[point.method], seeds=list(config.seeds), steps=config.steps,
+        batch_size=point.batch_size or config.batch_size, overrides=overrides, data_root=config.data_root,
+    )
+    resolved = synthetic.resolved()
+    settings = {key: resolved[key] for key in ("problem", "steps", "batch_size", "seeds", "methods")}
+    directory = out / point.name
+    outcome = _point_done(directory, settings)
+    if outcome is None:
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            summary = run_synthetic(synthetic, directory, progress=progress)
+            outcome = {"status": "ok", "result": summary["methods"][point.method]}
+        except (FloatingPointError, ValueError) as error:
+            # A divergent learning rate is a result of the lr ablation, not a failure of the command:
+            # run_synthetic stops on a non-finite gradient norm (FloatingPointError), the optimizers on
+            # non-finite losses (a ValueError naming them).  Any other ValueError is a real mistake.
+            if isinstance(error, ValueError) and "non-finite" not in str(error):
+                raise
+            outcome = {"status": "diverged", "error": str(error)}
+        _mark_done(directory, settings, outcome)
+    return _synthetic_row(config, point, resolved, outcome)
+
+
+def _synthetic_row(config: AblationConfig, point: GridPoint, resolved: dict[str, Any],
+                   outcome: dict[str, Any]) -> dict[str, Any]:
+    result = outcome.get("result", {})
+
+    def stat(key: str, part: str) -> float:
+        return float(result[key][part]) if key in result else math.nan
+
+    return {
+        "what": config.what, "experiment": config.experiment, "value": point.value, "method": point.method,
+        "label": point.label, "status": outcome["status"], "steps": resolved["steps"],
+        "batch_size": resolved["batch_size"], "seeds": len(resolved["seeds"]),
+        "first_bgn": stat("first_balanced_grad_norm", "mean"),
+        "final_bgn_mean": stat("final_balanced_grad_norm", "mean"),
+        "final_bgn_std": stat("final_balanced_grad_norm", "std"),
+        "last20_bgn_mean": stat("mean_last20_balanced_grad_norm", "mean"),
+        "last20_bgn_std": stat("mean_last20_balanced_grad_norm", "std"),
+        "samples_per_iteration": result.get("samples_per_iteration", 0),
+        "wall_time_s": stat("wall_time_s", "mean"),
+        "dir": point.name,
+    }
+
+
+def _multimnist_configs(config: AblationConfig, point: GridPoint) -> list[Any]:
+    from .multimnist import PRESETS, method_hparams
+    from .training import RunConfig
+
+    if config.preset not in PRESETS:
+        raise ValueError(f"unknown --preset {config.preset!r}; valid choices: {', '.join(PRESETS)}")
+    preset = {**PRESETS[config.preset]["multimnist2"],
+              **{k: v for k, v in config.run_overrides.items() if v is not None}}
+    if config.batch_size is not None:
+        preset["batch_size"] = config.batch_size
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return [
+        RunConfig(experiment="multimnist2", method=point.method, preset=config.preset, seed=int(seed),
+                  data_root=config.data_root, cache_dir=config.cache_dir, max_steps=config.max_steps, device=device,
+                  backend=config.backend, hparams=method_hparams(point.method, point.overrides), **preset)
+        for seed in config.seeds
+    ]
+
+
+def _multimnist_point(config: AblationConfig, point: GridPoint, out: Path, progress: bool) -> list[dict[str, Any]]:
+    """Train + FGSM-evaluate one lambda with ``compare`` (every seed); returns the runs' eval reports."""
+    from .robustness import compare
+
+    configs = _multimnist_configs(config, point)
+    eps = [float(e) for e in config.eps]
+    settings = {"runs": [asdict(c) for c in configs], "eps": eps}
+    directory = out / point.name
+    if _point_done(directory, settings) is None:
+        compare(configs, directory, eps, progress=progress)
+        _mark_done(directory, settings, {"status": "ok"})
+    reports = []
+    for run in configs:
+        report = json.loads((directory / f"{run.method}-seed{run.seed}" / "eval.json").read_text())
+        reports.append({**report, "method": point.label})  # the table's row label is the lambda
+    return reports
+
+
+# ---------------------------------------------------------------------------- outputs
+
+
+def _point_records(out: Path, point: GridPoint) -> list[dict[str, Any]]:
+    """Per-iteration records of a finished synthetic point, labelled by the grid value."""
+    path = out / point.name / "metrics.csv"
+    if not path.is_file():  # a diverged point has no metrics.csv
+        return []
+    with path.open(newline="") as handle:
+        return [{**row, "method": point.label} for row in csv.DictReader(handle)]
+
+
+def _running_mean(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value - (values[index - window] if index >= window else 0.0)
+        out.append(total / min(index + 1, window))
+    return out
+
+
+def _plot_curves(curves: list[dict[str, Any]], labels: list[str], path: Path, title: str,
+                 window: int = 20) -> None:
+    """Balanced gradient norm vs iterations and vs samples, one colour per grid value in grid order.
+
+    The per-iteration norm is measured on stochastic batches and fluctuates by an order of magnitude,
+    so each value's raw curve is drawn faint and its running mean over ``window`` iterations solid.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = "balanced_grad_norm_mean"
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
+    for index, label in enumerate(labels):
+        rows = [c for c in curves if c["method"] == label]
+        if not rows:  # diverged: nothing to draw
+            continue
+        values = [float(c[key]) for c in rows]
+        for axis, x_key in zip(axes, ("iteration", "samples")):
+            xs = [float(c[x_key]) for c in rows]
+            axis.plot(xs, values, color=f"C{index}", linewidth=0.6, alpha=0.25)
+            axis.plot(xs, _running_mean(values, window), color=f"C{index}", linewidth=1.6, label=label)
+    for axis, x_label in zip(axes, ("iteration", "samples consumed")):
+        axis.set_xlabel(x_label)
+        axis.set_ylabel("balanced gradient norm ||∇L w||")
+        axis.set_yscale("log")
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    seeds = max((int(c["seeds"]) for c in curves), default=1)
+    fig.suptitle(f"{title} (mean over {seeds} seed{'s' if seeds > 1 else ''}; "
+                 f"faint: per iteration, solid: running mean of {window})", fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_lr(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Mean balanced gradient norm of the last 20 iterations vs the learning rate, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(6.5, 4.2), constrained_layout=True)
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method and r["status"] == "ok"]
+        if not mine:
+            continue
+        axis.errorbar([r["value"] for r in mine], [r["last20_bgn_mean"] for r in mine],
+                      yerr=[r["last20_bgn_std"] for r in mine] if mine[0]["seeds"] > 1 else None,
+                      marker="o", ms=3, capsize=2, linewidth=1.2, label=method)
+    diverged = [f"{r['method']} {r['value']:g}" for r in rows if r["status"] != "ok"]
+    if diverged:
+        axis.text(0.01, 0.01, "diverged: " + ", ".join(diverged), transform=axis.transAxes, fontsize=6, va="bottom")
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("learning rate of (θ, η) and w")
+    axis.set_ylabel("balanced gradient norm, mean of last 20 iterations")
+    axis.set_title(title, fontsize=9)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _synthetic_table(rows: list[dict[str, Any]], header: str) -> str:
+    lines = [header, "", "| value | method | status | first | final | mean of last 20 | "
+             "samples / iteration |", "|---:|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["status"] == "ok":
+            spread = f" ± {r['final_bgn_std']:.2g}" if r["seeds"] > 1 else ""
+            cells = (f"{r['first_bgn']:.4g} | {r['final_bgn_mean']:.4g}{spread} | "
+                     f"{r['last20_bgn_mean']:.4g} | {r['samples_per_iteration']}")
+        else:
+            cells = "– | – | – | –"
+        lines.append(f"| {r['value']:g} | {r['method']} | {r['status']} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+VARIED = {"lambda": "λ (Double-Clip)", "lr": "learning rate", "batch": "batch size N1 = N2 (Double-Clip)",
+          "inner": "inner steps D (Double-Loop)"}
+
+
+def _header(config: AblationConfig, rows: list[dict[str, Any]], environment: dict[str, Any]) -> str:
+    what = VARIED[config.what]
+    fixed = {"lambda": "the problem's paper preset", "batch": _kv(BATCH_FIXED),
+             "inner": _kv(INNER_FIXED.get(config.experiment, {})),
+             "lr": f"B = 256, {_kv(LR_FIXED)}, Double-Loop {_kv(LR_FIXED_DOUBLE_LOOP)}; lr = pref_lr = grid value"}
+    first = rows[0]
+    return (f"### Ablation on {what}: {config.experiment} (paper App. F)\n\n"
+            f"{first['steps']} iterations, seeds {','.join(map(str, config.seeds))}; fixed: {fixed[config.what]}; "
+            f"machine {environment['machine']}, backend {environment['backend']}, torch {environment['torch']}")
+
+
+def _kv(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}" for k, v in values.items())
+
+
+def _environment(config: AblationConfig) -> dict[str, Any]:
+    from .wallclock import machine_name
+
+    if config.experiment == "multimnist2":
+        device = torch.device(_multimnist_device(config))
+    else:
+        device = torch.device("cpu")  # the synthetic problems live on the CPU
+    return {"machine": machine_name(device), "device": str(device), "torch": torch.__version__,
+            "backend": resolve_backend(config.backend, device)}
+
+
+def _multimnist_device(config: AblationConfig) -> str:
+    if config.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return config.device
+
+
+def _finish_synthetic(config: AblationConfig, points: list[GridPoint], rows: list[dict[str, Any]], out: Path,
+                      environment: dict[str, Any]) -> str:
+    stem = out / f"ablation-{config.what}"
+    _write_csv(stem.with_suffix(".csv"), rows)
+    header = _header(config, rows, environment)
+    if config.what == "lr":
+        _plot_lr(rows, stem.with_suffix(".png"), f"{config.experiment}: balanced gradient norm vs learning rate")
+    else:
+        records = [r for point in points for r in _point_records(out, point)]
+        curves = aggregate_curves(records)
+        _write_csv(out / f"ablation-{config.what}-curves.csv", curves)
+        _plot_curves(curves, [p.label for p in points], stem.with_suffix(".png"),
+                     f"{config.experiment}: ablation on {VARIED[config.what]}")
+    return _synthetic_table(rows, header)
+
+
+def _finish_multimnist(config: AblationConfig, reports: list[dict[str, Any]], out: Path,
+                       environment: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    from .robustness import _plot as plot_accuracy  # accuracy vs eps, one line per row label
+    from .robustness import robustness_table
+
+    eps = [float(e) for e in config.eps]
+    first = _multimnist_configs(config, grid_points(config)[0])[0]
+    header = (f"### Ablation on λ (Double-Clip): multimnist2, accuracy (%) under FGSM, mean over tasks "
+              f"(paper App. F.1)\n\npreset `{config.preset}`: {first.input_size}px, {first.epochs} epoch(s)"
+              f"{f' (max {first.max_steps} steps)' if first.max_steps else ''}, batch {first.batch_size}, "
+              f"test composites {reports[0]['test_samples']}, seeds {','.join(map(str, config.seeds))}; "
+              f"machine {environment['machine']}, device {environment['device']}, backend {environment['backend']}")
+    table, long_rows = robustness_table(reports, eps, header)
+    stem = out / f"ablation-{config.what}"
+    plot_accuracy(long_rows, stem.with_suffix(".png"), "multimnist2: Double-Clip accuracy vs FGSM eps per λ")
+    rows = []
+    for point in grid_points(config):
+        mine = {r["eps"]: r for r in long_rows if r["method"] == point.label}
+        row: dict[str, Any] = {"what": "lambda", "experiment": "multimnist2", "value": point.value,
+                               "seeds": len(config.seeds)}
+        for value in eps:
+            column = "clean" if value == 0 else f"eps{value:g}"
+            row[f"acc_{column}"] = mine[value]["mean_acc"]
+            row[f"std_{column}"] = mine[value]["std_acc"]
+        rows.append({**row, "dir": point.name})
+    _write_csv(stem.with_suffix(".csv"), rows)
+    return table, rows
+
+
+def _settings(config: AblationConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The settings that apply to this experiment (the other experiment's options are left out)."""
+    deep_only = ("preset", "max_steps", "run_overrides", "cache_dir", "device", "eps")
+    skip = ("what", "experiment", "grid") + (("steps", "methods") if config.experiment == "multimnist2"
+                                            else deep_only)
+    settings = {k: v for k, v in asdict(config).items() if k not in skip and v not in (None, {}, [])}
+    if config.experiment != "multimnist2":
+        settings["steps"] = rows[0]["steps"]  # resolved: the paper's when --steps is not given
+        settings["batch_size"] = rows[0]["batch_size"] if config.what != "batch" else "ablated"
+    return settings
+
+
+def run_ablation(config: AblationConfig, out: str | Path, progress: bool = True) -> str:
+    """Run (or finish) every grid point of ``config`` under ``out``; write the outputs; return the table."""
+    points = grid_points(config)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    environment = _environment(config)
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    reports: list[dict[str, Any]] = []
+    for point in tqdm(points, desc=f"ablate {config.what}", disable=not progress):
+        if config.experiment == "multimnist2":
+            reports.extend(_multimnist_point(config, point, out, progress))
+        else:
+            rows.append(_synthetic_point(config, point, out, progress))
+    if config.experiment == "multimnist2":
+        table, rows = _finish_multimnist(config, reports, out, environment)
+    else:
+        table = _finish_synthetic(config, points, rows, out, environment)
+    stem = out / f"ablation-{config.what}"
+    stem.with_suffix(".md").write_text(table)
+    grid: dict[str, list[float]] = {}
+    for point in points:
+        grid.setdefault(point.method, []).append(point.value)
+    manifest = {
+        "kind": "ablation", "what": config.what, "experiment": config.experiment,
+        "grid": grid, "points": [p.name for p in points], "settings": _settings(config, rows),
+        **environment, "wall_time_s": time.perf_counter() - started,
+        "outputs": [f"{stem.name}.{ext}" for ext in ("csv", "md", "png")],
+    }
+    stem.with_suffix(".json").write_text(json.dumps(manifest, indent=2, default=str))
+    return table

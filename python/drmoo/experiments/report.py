@@ -1,0 +1,360 @@
+"""One markdown report from the result directories the other ``drmoo`` commands write.
+
+Each directory given is walked; a directory is recognised by the files a command leaves in it:
+
+====================  ==========================================================  ================
+kind                  recognised by                                               written by
+====================  ==========================================================  ================
+ablation              ``ablation-<what>.json`` (+ ``.md``, ``.csv``, ``.png``)     ``drmoo ablate``
+synthetic comparison  ``summary.json`` + ``summary.md`` (+ ``convergence.png``)    ``drmoo synthetic``
+robustness comparison ``table.md`` + ``table.csv`` (+ ``robustness.png``)          ``drmoo compare``
+wall-clock            ``wallclock.md`` (+ ``wallclock.csv``, ``.png``)             ``drmoo bench-iter``
+kernel benchmarks     a ``*.md`` whose first line is ``# drmoo kernel benchmarks``  ``bench/run.py``
+training run          ``config.json`` + ``metrics.csv`` (+ ``eval.json``)          ``drmoo train``
+====================  ==========================================================  ================
+
+A recognised directory is not descended into (a comparison's run sub-directories are its own
+inputs); an unrecognised one is, and if nothing below it is recognised it is listed as skipped
+with the reason.  Tables are embedded, PNGs linked with paths relative to the report.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Section", "collect", "render", "write_report"]
+
+BENCH_PREFIX = "# drmoo kernel benchmarks"
+MAX_DEPTH = 8  # deeper trees are not result layouts any command writes
+LOOKED_FOR = ("ablation-*.json, summary.json + summary.md, table.md + table.csv, wallclock.md, "
+              f"a '{BENCH_PREFIX}' .md, config.json + metrics.csv")
+
+
+@dataclass
+class Section:
+    """One recognised result: what it is, where, its provenance and the files to embed or link."""
+
+    kind: str
+    directory: Path
+    title: str
+    provenance: dict[str, str]
+    tables: list[str] = field(default_factory=list)
+    images: list[Path] = field(default_factory=list)
+    links: list[Path] = field(default_factory=list)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # unreadable or half-written: the directory is treated as not holding that result
+    return data if isinstance(data, dict) else None
+
+
+def _existing(directory: Path, *names: str) -> list[Path]:
+    return [directory / name for name in names if (directory / name).is_file()]
+
+
+def _compact(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+
+
+NOT_RECORDED = "not recorded by this command"
+
+
+# ---------------------------------------------------------------------------- recognisers
+
+
+def _grid_text(grid: dict[str, list[float]] | list[float]) -> str:
+    if isinstance(grid, list):
+        return ", ".join(f"{v:g}" for v in grid)
+    return "; ".join(f"{method}: {', '.join(f'{v:g}' for v in values)}" for method, values in grid.items())
+
+
+def _ablations(directory: Path) -> list[Section]:
+    sections = []
+    for manifest_path in sorted(directory.glob("ablation-*.json")):
+        manifest = _read_json(manifest_path)
+        if manifest is None or manifest.get("kind") != "ablation":
+            continue
+        stem = manifest_path.with_suffix("")
+        settings = manifest.get("settings", {})
+        shown = {k: v for k, v in settings.items() if v not in (None, {}, [], "")}
+        table = stem.with_suffix(".md")
+        sections.append(Section(
+            kind="ablation", directory=directory,
+            title=f"Ablation on {manifest.get('what')} ({manifest.get('experiment')})",
+            provenance={
+                "machine": str(manifest.get("machine", NOT_RECORDED)),
+                "backend": str(manifest.get("backend", NOT_RECORDED)),
+                "device": str(manifest.get("device", NOT_RECORDED)),
+                "torch": str(manifest.get("torch", NOT_RECORDED)),
+                "grid": _grid_text(manifest.get("grid", {})),
+                "settings": _compact(shown),
+            },
+            tables=[table.read_text()] if table.is_file() else [],
+            images=_existing(directory, f"{stem.name}.png"),
+            links=_existing(directory, f"{stem.name}.csv", f"{stem.name}-curves.csv", manifest_path.name),
+        ))
+    return sections
+
+
+def _synthetic(directory: Path) -> list[Section]:
+    summary = _read_json(directory / "summary.json")
+    if summary is None or "problem" not in summary or not (directory / "summary.md").is_file():
+        return []
+    methods = summary.get("methods", {})
+    backends = {str(info.get("hparams", {}).get("backend")) for info in methods.values()} - {"None"}
+    return [Section(
+        kind="synthetic comparison", directory=directory, title=f"Synthetic comparison: {summary['problem']}",
+        provenance={
+            "machine": NOT_RECORDED + " (drmoo synthetic runs on the CPU)",
+            "backend": ", ".join(sorted(backends)) if backends else "automatic (" + NOT_RECORDED + ")",
+            "problem": str(summary.get("description", summary["problem"])),
+            "settings": f"{summary.get('steps')} iterations, batch {summary.get('batch_size')}, "
+                        f"seeds {', '.join(map(str, summary.get('seeds', [])))}",
+            **{f"hyperparameters of {m}": _compact(info.get("hparams", {})) for m, info in methods.items()},
+        },
+        tables=[(directory / "summary.md").read_text()],
+        images=_existing(directory, "convergence.png"),
+        links=_existing(directory, "metrics.csv", "convergence.csv", "summary.json"),
+    )]
+
+
+def _run_configs(directory: Path) -> list[dict[str, Any]]:
+    configs = []
+    for path in sorted(directory.glob("*/config.json")):
+        config = _read_json(path)
+        if config is not None:
+            configs.append(config)
+    return configs
+
+
+def _run_provenance(configs: list[dict[str, Any]]) -> dict[str, str]:
+    """Machine, backend and settings from the config.json of one or more training runs."""
+    if not configs:
+        return {"settings": "no run config.json found"}
+    first = configs[0]
+    backends = sorted({str(c.get("backend") or "automatic") for c in configs})
+    keys = ("experiment", "preset", "epochs", "max_steps", "batch_size", "input_size", "train_size", "test_size",
+            "weights", "jacobian", "amp")
+    provenance = {
+        "machine": f"device {first.get('device', '?')} (machine model " + NOT_RECORDED + ")",
+        "backend": ", ".join(backends),
+        "settings": _compact({k: first[k] for k in keys if first.get(k) is not None}),
+    }
+    for config in configs:
+        provenance.setdefault(f"hyperparameters of {config.get('method')}", _compact(config.get("hparams", {})))
+    return provenance
+
+
+def _robustness(directory: Path) -> list[Section]:
+    if not ((directory / "table.md").is_file() and (directory / "table.csv").is_file()):
+        return []
+    return [Section(
+        kind="robustness comparison", directory=directory, title=f"Robustness comparison: {directory.name}",
+        provenance=_run_provenance(_run_configs(directory)),
+        tables=[(directory / "table.md").read_text()],
+        images=_existing(directory, "robustness.png"),
+        links=_existing(directory, "table.csv"),
+    )]
+
+
+def _wallclock(directory: Path) -> list[Section]:
+    table = directory / "wallclock.md"
+    if not table.is_file():
+        return []
+    backends: set[str] = set()
+    if (directory / "wallclock.csv").is_file():
+        with (directory / "wallclock.csv").open(newline="") as handle:
+            backends = {row.get("backend") or "" for row in csv.DictReader(handle)} - {""}
+    text = table.read_text()
+    title_line = text.splitlines()[0].lstrip("# ").strip() if text.strip() else ""
+    return [Section(
+        kind="wall-clock", directory=directory, title="Wall-clock time per iteration",
+        provenance={
+            # bench-iter puts model, batch, input size and the machine in its title line
+            "machine and settings": title_line or NOT_RECORDED,
+            "backend": ", ".join(sorted(backends)) or NOT_RECORDED,
+        },
+        tables=[text], images=_existing(directory, "wallclock.png"), links=_existing(directory, "wallclock.csv"),
+    )]
+
+
+def _kernel_benchmarks(directory: Path) -> list[Section]:
+    sections = []
+    for path in sorted(directory.glob("*.md")):
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError):
+            continue
+        first, _, rest = text.partition("\n")
+        if not first.startswith(BENCH_PREFIX):
+            continue
+        machine = first[len(BENCH_PREFIX):].lstrip(": ").strip()
+        backends = sorted({cells[3].strip() for cells in (line.split("|") for line in rest.splitlines())
+                           if len(cells) > 4 and cells[1].strip() not in ("op", "") and not cells[1].startswith("-")})
+        sections.append(Section(
+            kind="kernel benchmarks", directory=directory, title=f"Kernel benchmarks: {path.stem}",
+            provenance={"machine": machine or NOT_RECORDED, "backend": ", ".join(backends) or NOT_RECORDED},
+            tables=[rest.strip() + "\n"], links=_existing(directory, path.with_suffix(".json").name, path.name),
+        ))
+    return sections
+
+
+def _csv_table(path: Path, max_rows: int = 40) -> str:
+    """A CSV as a markdown table (numbers to 4 significant digits), the last ``max_rows`` rows."""
+    with path.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    if not rows:
+        return ""
+
+    def cell(value: str) -> str:
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return value if number.is_integer() and "." not in value else f"{number:.4g}"
+
+    columns = list(rows[0])
+    lines = [f"`{path.name}`" + (f" (last {max_rows} of {len(rows)} rows)" if len(rows) > max_rows else ""), "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row[c] or "") for c in columns) + " |" for row in rows[-max_rows:]]
+    return "\n".join(lines) + "\n"
+
+
+def _training_run(directory: Path) -> list[Section]:
+    config = _read_json(directory / "config.json")
+    if config is None or not (directory / "metrics.csv").is_file():
+        return []
+    tables = [_csv_table(directory / "metrics.csv")]
+    report = _read_json(directory / "eval.json")
+    if report is not None and report.get("results"):
+        from .robustness import eval_table
+
+        tables.append(eval_table(report))
+    return [Section(
+        kind="training run", directory=directory,
+        title=f"Training run: {config.get('experiment')}, {config.get('method')}, seed {config.get('seed')}",
+        provenance=_run_provenance([config]), tables=[t for t in tables if t],
+        images=sorted(directory.glob("*.png")),
+        links=_existing(directory, "metrics.csv", "steps.csv", "eval.json", "config.json"),
+    )]
+
+
+RECOGNISERS: tuple[Callable[[Path], list[Section]], ...] = (
+    _ablations, _synthetic, _robustness, _wallclock, _kernel_benchmarks, _training_run,
+)
+
+
+# ---------------------------------------------------------------------------- walking
+
+
+def _walk(directory: Path, depth: int) -> tuple[list[Section], list[tuple[Path, str]]]:
+    sections = [s for recognise in RECOGNISERS for s in recognise(directory)]
+    if sections:
+        return sections, []
+    children = sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
+    found: list[Section] = []
+    skipped: list[tuple[Path, str]] = []
+    if depth < MAX_DEPTH:
+        for child in children:
+            child_sections, child_skipped = _walk(child, depth + 1)
+            found += child_sections
+            skipped += child_skipped
+    if found:
+        return found, skipped
+    # Nothing here or below: report this directory once, not each empty descendant.
+    files = sorted(p.name for p in directory.iterdir() if p.is_file())
+    held = f"it holds {len(files)} file(s)" + (f": {', '.join(files[:5])}{', ...' if len(files) > 5 else ''}"
+                                              if files else "")
+    depth_note = f" (not searched below depth {MAX_DEPTH})" if depth >= MAX_DEPTH and children else ""
+    return [], [(directory, f"no recognised results (looked for {LOOKED_FOR}); {held}{depth_note}")]
+
+
+def collect(paths: Sequence[str | Path]) -> tuple[list[Section], list[tuple[Path, str]]]:
+    """The recognised sections under ``paths`` (in the given order) and the skipped paths with reasons."""
+    sections: list[Section] = []
+    skipped: list[tuple[Path, str]] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            skipped.append((path, "does not exist"))
+        elif not path.is_dir():
+            skipped.append((path, "is not a directory (give the directory that holds it)"))
+        else:
+            found, missed = _walk(path, 0)
+            sections += found
+            skipped += missed
+    return sections, skipped
+
+
+# ---------------------------------------------------------------------------- rendering
+
+_HEADING = re.compile(r"^#{1,6}\s+")
+
+
+def _demote(markdown: str) -> str:
+    """Embedded headings become level 4, below the report's section headings."""
+    return "\n".join(_HEADING.sub("#### ", line) for line in markdown.strip().splitlines())
+
+
+def _relative(target: Path, base: Path) -> str:
+    link = Path(os.path.relpath(target.resolve(), base.resolve())).as_posix()
+    return f"<{link}>" if any(ch in link for ch in " ()") else link  # CommonMark form for awkward paths
+
+
+def _render_section(number: int, section: Section, base: Path) -> list[str]:
+    lines = [f"## {number}. {section.title}", "", f"*{section.kind}* in `{_relative(section.directory, base)}`", ""]
+    lines += [f"- **{key}**: {value}" for key, value in section.provenance.items() if value]
+    if section.links:
+        lines.append("- **files**: " + " · ".join(f"[{p.name}]({_relative(p, base)})" for p in section.links))
+    lines.append("")
+    for table in section.tables:
+        lines += [_demote(table), ""]
+    for image in section.images:
+        lines += [f"![{section.title}]({_relative(image, base)})", ""]
+    return lines
+
+
+def render(sections: list[Section], skipped: list[tuple[Path, str]], base: Path, title: str,
+           sources: Sequence[str | Path]) -> str:
+    """The report's markdown; links are relative to ``base`` (the report's directory)."""
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"# {title}", "", f"Collected {stamp} by `drmoo report` from: "
+             + ", ".join(f"`{s}`" for s in sources) + ".", ""]
+    if sections:
+        lines += ["| # | kind | result | directory |", "|---:|---|---|---|"]
+        lines += [f"| {i} | {s.kind} | {s.title} | `{_relative(s.directory, base)}` |"
+                  for i, s in enumerate(sections, 1)]
+        lines.append("")
+    else:
+        lines += ["No recognised results were found.", ""]
+    for number, section in enumerate(sections, 1):
+        lines += _render_section(number, section, base)
+    if skipped:
+        lines += ["## Skipped", ""]
+        lines += [f"- `{path}`: {reason}" for path, reason in skipped]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(paths: Sequence[str | Path], out: str | Path, title: str = "drmoo results") -> tuple[int, int]:
+    """Collect ``paths`` into the markdown file ``out``; returns (sections written, paths skipped)."""
+    if not paths:
+        raise ValueError("no result directories given (--runs DIR [DIR ...])")
+    out = Path(out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; give the markdown file to write, e.g. {out / 'report.md'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sections, skipped = collect(paths)
+    out.write_text(render(sections, skipped, out.parent, title, paths))
+    return len(sections), len(skipped)
