@@ -79,6 +79,26 @@ inline void check_dual_inputs(const char* op, const at::Tensor& losses, const at
   check_divergence(op, code, param, lam);
 }
 
+// The dual ops' inputs after validation, as both kernels (csrc/cpu/dual_cpu.cpp,
+// csrc/cuda/dual_cuda.cu) consume them: losses with contiguous rows, the math dtype, and the sample
+// weights (if any) converted to the math dtype, as the reference converts them before use.
+struct DualInputs {
+  at::Tensor losses, sample_weight;
+  at::ScalarType acc;
+};
+
+// Validates the dual ops' arguments (the caller checks the device type first) and prepares them.
+inline DualInputs prepare_dual_inputs(const char* op, const at::Tensor& losses, const at::Tensor& eta,
+                                      const c10::optional<at::Tensor>& sample_weight, int64_t code, double param,
+                                      double lam) {
+  check_dual_inputs(op, losses, eta, sample_weight, code, param, lam);
+  DualInputs in;
+  in.losses = losses.contiguous();  // no copy (and no ATen call beyond a flag check) when contiguous
+  in.acc = acc_dtype(losses.scalar_type());
+  if (sample_weight.has_value()) in.sample_weight = sample_weight->to(in.acc).contiguous();
+  return in;
+}
+
 // J [m, n] (m >= 1), returned as a 2-D tensor whose rows are contiguous.
 inline at::Tensor check_jacobian(const char* op, const at::Tensor& J) {
   check_float(op, "J", J);

@@ -118,12 +118,37 @@ def _register_fakes() -> None:
 
 
 # ----------------------------------------------------------------------------------------- wrappers
-def _require(device_type: str, op: str, **tensors: Tensor | None) -> None:
+# Per-call overhead matters: the optimizers call these ops once per step, often on small inputs,
+# so the wrappers keep to cheap attribute checks and call the op overloads directly (resolving
+# torch.ops.drmoo.<op> and its overload packet costs ~2-4 us per call).
+_overloads: dict[str, torch._ops.OpOverload] = {}
+
+
+def _op(name: str) -> torch._ops.OpOverload:
+    """The ``drmoo::<name>`` overload (after :func:`load` succeeded), resolved once."""
+    overload = _overloads.get(name)
+    if overload is None:
+        overload = _overloads[name] = getattr(torch.ops.drmoo, name).default
+    return overload
+
+
+def _require(device_type: str, op: str, names: tuple[str, ...], *tensors: Tensor | None) -> None:
+    """Raise unless the backend is available and every given tensor is on ``device_type``."""
+    if availability(device_type) is None:
+        for tensor in tensors:
+            if tensor is not None and (not isinstance(tensor, Tensor) or tensor.device.type != device_type):
+                break
+        else:
+            return  # the common case: nothing to report
+    _raise_requirement(device_type, op, names, tensors)
+
+
+def _raise_requirement(device_type: str, op: str, names: tuple[str, ...], tensors: tuple[Tensor | None, ...]) -> None:
     reason = availability(device_type)
-    if reason is not None:
-        raise RuntimeError(f"drmoo backend {'cpp' if device_type == 'cpu' else 'cuda'!r} is not available: {reason}")
     backend = "cpp" if device_type == "cpu" else "cuda"
-    for name, tensor in tensors.items():
+    if reason is not None:
+        raise RuntimeError(f"drmoo backend {backend!r} is not available: {reason}")
+    for name, tensor in zip(names, tensors):
         if tensor is None:
             continue
         if not isinstance(tensor, Tensor):
@@ -145,10 +170,17 @@ def _flat_jacobian(jacobian: JacobianBlocks) -> Tensor:
 
 
 def _scalar_tensor(value: Tensor | float, device: torch.device) -> Tensor:
-    """A 0-d tensor on ``device``; a float is filled in place there (no host-to-device copy)."""
+    """A 0-d tensor on ``device``; a float is created there (no host-to-device copy)."""
     if isinstance(value, Tensor):
-        return value.to(device)
-    return torch.full((), float(value), dtype=torch.float64, device=device)
+        return value if value.device == device else value.to(device)
+    return torch.scalar_tensor(float(value), dtype=torch.float64, device=device)
+
+
+_FORWARD_NAMES = ("losses", "eta", "sample_weight")
+_STEP_NAMES = ("losses", "eta", "w", "sample_weight")
+_GRAM_NAMES = ("J",)
+_COMBINE_NAMES = ("J", "w")
+_GRAM_STEP_NAMES = ("J", "w", "z")
 
 
 class CompiledBackend:
@@ -174,12 +206,10 @@ class CompiledBackend:
         sample_weight: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Per-task dual objective, its eta-gradient z and the per-sample loss cotangents."""
-        _require(self.device_type, "dual_forward", losses=losses, eta=eta, sample_weight=sample_weight)
+        _require(self.device_type, "dual_forward", _FORWARD_NAMES, losses, eta, sample_weight)
         div = get_divergence(divergence)
-        return tuple(  # type: ignore[return-value]
-            torch.ops.drmoo.dual_forward(
-                losses, eta, float(lam), float(scale), div.code, float(div.param), sample_weight
-            )
+        return _op("dual_forward")(  # type: ignore[return-value]
+            losses, eta, float(lam), float(scale), div.code, float(div.param), sample_weight
         )
 
     def dual_step(
@@ -196,26 +226,24 @@ class CompiledBackend:
         sample_weight: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Alg. 2 steps 1-3: z at eta_t, mu, eta_{t+1} (in place), weights at eta_{t+1}."""
-        _require(self.device_type, "dual_step", losses=losses, eta=eta, w=w, sample_weight=sample_weight)
+        _require(self.device_type, "dual_step", _STEP_NAMES, losses, eta, w, sample_weight)
         div = get_divergence(divergence)
-        return tuple(  # type: ignore[return-value]
-            torch.ops.drmoo.dual_step(
-                losses, eta, w, float(lam), float(scale), div.code, float(div.param), float(gamma), float(f1),
-                float(f2), sample_weight,
-            )
+        return _op("dual_step")(  # type: ignore[return-value]
+            losses, eta, w, float(lam), float(scale), div.code, float(div.param), float(gamma), float(f1),
+            float(f2), sample_weight,
         )
 
     def gram(self, jacobian: JacobianBlocks) -> Tensor:
         """J J^T (float32, float64 for float64 J)."""
         flat = _flat_jacobian(jacobian)
-        _require(self.device_type, "gram", J=flat)
-        return torch.ops.drmoo.gram(flat)
+        _require(self.device_type, "gram", _GRAM_NAMES, flat)
+        return _op("gram")(flat)
 
     def combine(self, jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:
         """params -= lr * J^T w, written in place through each parameter."""
         flat = _flat_jacobian(jacobian)
-        _require(self.device_type, "combine", J=flat, w=w)
-        torch.ops.drmoo.combine(flat, w, list(params), _scalar_tensor(lr, flat.device))
+        _require(self.device_type, "combine", _COMBINE_NAMES, flat, w)
+        _op("combine")(flat, w, list(params), _scalar_tensor(lr, flat.device))
 
     def gram_step(
         self,
@@ -232,10 +260,8 @@ class CompiledBackend:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Alg. 2 steps 4-5 (Gram, clipped theta step, w update); writes nothing if the Gram is not finite."""
         flat = _flat_jacobian(jacobian)
-        _require(self.device_type, "gram_step", J=flat, w=w, z=z)
-        return tuple(  # type: ignore[return-value]
-            torch.ops.drmoo.gram_step(
-                flat, w, list(params), float(gamma), float(c1), float(c2), float(beta), float(rho),
-                _scalar_tensor(mu, flat.device), z,
-            )
+        _require(self.device_type, "gram_step", _GRAM_STEP_NAMES, flat, w, z)
+        return _op("gram_step")(  # type: ignore[return-value]
+            flat, w, list(params), float(gamma), float(c1), float(c2), float(beta), float(rho),
+            _scalar_tensor(mu, flat.device), z,
         )

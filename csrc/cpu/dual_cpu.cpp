@@ -5,11 +5,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "../checks.h"
 #include "../drmoo_math.h"
+#include "cpu_util.h"
 
 namespace drmoo {
 namespace {
@@ -17,6 +19,9 @@ namespace {
 // Rows per parallel task.  Fixed (not derived from the thread count) so that the order of the
 // floating-point sums, and hence the result, is the same whatever the number of threads.
 constexpr int64_t kRowsPerTask = 1024;
+// A second thread joins only when each thread gets at least this many loss entries (~50-100 us of
+// work): below that, its wake-up and the join cost more than they save (see cpu_util.h).
+constexpr int64_t kMinEntriesPerThread = 64 * 1024;
 
 // Over the batch, per task i, with u = (loss - scale*eta) / lam and omega the sample weight:
 //   sum_grad[i] = sum_b omega f*'(u),  sum_conj[i] = sum_b omega f*(u)  (float64 accumulators),
@@ -30,23 +35,25 @@ void dual_pass(const scalar_t* losses, const acc_t* sample_weight, int64_t batch
   const int64_t tasks = (batch + kRowsPerTask - 1) / kRowsPerTask;
   std::vector<double> partial(static_cast<size_t>(tasks * 2 * m), 0.0);
   const acc_t count = static_cast<acc_t>(batch);
-  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) {
-      double* grad_acc = partial.data() + t * 2 * m;
-      double* conj_acc = grad_acc + m;
-      const int64_t row_end = std::min(batch, (t + 1) * kRowsPerTask);
-      for (int64_t b = t * kRowsPerTask; b < row_end; ++b) {
-        const int64_t row = b * m;
-        for (int64_t i = 0; i < m; ++i) {
-          const acc_t u = (static_cast<acc_t>(losses[row + i]) - shift[i]) / lam;
-          const acc_t omega = sample_weight != nullptr ? sample_weight[row + i] : acc_t(1);
-          const acc_t g = conj_grad(div, u) * omega;
-          grad_acc[i] += static_cast<double>(g);
-          if (sum_conj != nullptr) conj_acc[i] += static_cast<double>(conj(div, u) * omega);
-          if (weights != nullptr) weights[row + i] = g / count;
-        }
+  run_tasks(tasks, tasks_for(kMinEntriesPerThread, kRowsPerTask * m), [&](int64_t t) {
+    // Accumulate in task-local memory and store once: neighbouring tasks' partials share cache
+    // lines, and two threads updating them per element would keep stealing the lines.
+    std::vector<double> local(static_cast<size_t>(2 * m), 0.0);
+    double* grad_acc = local.data();
+    double* conj_acc = grad_acc + m;
+    const int64_t row_end = std::min(batch, (t + 1) * kRowsPerTask);
+    for (int64_t b = t * kRowsPerTask; b < row_end; ++b) {
+      const int64_t row = b * m;
+      for (int64_t i = 0; i < m; ++i) {
+        const acc_t u = (static_cast<acc_t>(losses[row + i]) - shift[i]) / lam;
+        const acc_t omega = sample_weight != nullptr ? sample_weight[row + i] : acc_t(1);
+        const acc_t g = conj_grad(div, u) * omega;
+        grad_acc[i] += static_cast<double>(g);
+        if (sum_conj != nullptr) conj_acc[i] += static_cast<double>(conj(div, u) * omega);
+        if (weights != nullptr) weights[row + i] = g / count;
       }
     }
+    std::copy(local.begin(), local.end(), partial.begin() + t * 2 * m);
   });
   for (int64_t i = 0; i < m; ++i) {
     double g = 0.0, c = 0.0;
@@ -59,21 +66,10 @@ void dual_pass(const scalar_t* losses, const acc_t* sample_weight, int64_t batch
   }
 }
 
-struct DualInputs {
-  at::Tensor losses, sample_weight;
-  at::ScalarType acc;
-};
-
 DualInputs prepare(const char* op, const at::Tensor& losses, const at::Tensor& eta,
                    const c10::optional<at::Tensor>& sample_weight, int64_t code, double param, double lam) {
-  check_dual_inputs(op, losses, eta, sample_weight, code, param, lam);
   TORCH_CHECK(losses.device().is_cpu(), "drmoo.", op, ": the CPU kernel got tensors on ", losses.device());
-  DualInputs in;
-  in.losses = losses.contiguous();
-  in.acc = acc_dtype(losses.scalar_type());
-  // The reference converts the sample weights to the math dtype before using them.
-  if (sample_weight.has_value()) in.sample_weight = sample_weight->to(in.acc).contiguous();
-  return in;
+  return prepare_dual_inputs(op, losses, eta, sample_weight, code, param, lam);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_forward_cpu(const at::Tensor& losses_in, const at::Tensor& eta,
@@ -86,12 +82,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_forward_cpu(const at::Tensor
   at::Tensor objective = at::empty({m}, options);
   at::Tensor grad_eta = at::empty({m}, options);
   at::Tensor weights = at::empty({batch, m}, options);
-  const at::Tensor eta_acc = eta.to(in.acc).contiguous();
+  std::vector<double> eta64(m);
+  read_f64(eta, eta64.data());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.losses.scalar_type(), "drmoo_dual_forward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto div = make_divergence<acc_t>(code, param);
     std::vector<double> sum_grad(m), sum_conj(m);
-    const acc_t* eta_ptr = eta_acc.data_ptr<acc_t>();
+    // eta in the math dtype, rounded once as the reference's eta.to(acc) rounds it
+    std::vector<acc_t> eta_acc(eta64.begin(), eta64.end());
+    const acc_t* eta_ptr = eta_acc.data();
     dual_pass<scalar_t, acc_t>(in.losses.data_ptr<scalar_t>(),
                                in.sample_weight.defined() ? in.sample_weight.data_ptr<acc_t>() : nullptr, batch, m,
                                eta_ptr, static_cast<acc_t>(lam), static_cast<acc_t>(scale), div, sum_grad.data(),
@@ -122,16 +121,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_step_cpu(const at::Tensor& l
   at::Tensor weights = at::empty({batch, m}, options);
   // eta is updated through a float64 copy whose values are rounded to eta's dtype at each write,
   // i.e. exactly the values an in-place update of eta itself would hold.
-  at::Tensor eta_work = eta.to(at::kDouble).contiguous();
-  const at::Tensor w_work = w.to(at::kDouble).contiguous();
+  std::vector<double> eta_work(m), w_work(m);
+  read_f64(eta, eta_work.data());
+  read_f64(w, w_work.data());
   const int eta_code = storage_code(eta.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.losses.scalar_type(), "drmoo_dual_step_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto div = make_divergence<acc_t>(code, param);
     const scalar_t* losses = in.losses.data_ptr<scalar_t>();
     const acc_t* omega = in.sample_weight.defined() ? in.sample_weight.data_ptr<acc_t>() : nullptr;
-    double* eta64 = eta_work.data_ptr<double>();
-    const double* w64 = w_work.data_ptr<double>();
+    double* eta64 = eta_work.data();
+    const double* w64 = w_work.data();
     std::vector<acc_t> eta_acc(m), direction(m);
     std::vector<double> sum_grad(m);
     for (int64_t i = 0; i < m; ++i) eta_acc[i] = static_cast<acc_t>(eta64[i]);
@@ -162,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_step_cpu(const at::Tensor& l
                                static_cast<acc_t>(scale), div, sum_grad.data(), nullptr,
                                weights.data_ptr<acc_t>());
   });
-  eta.copy_(eta_work);
+  write_f64(eta, eta_work.data());
   return {z_out, mu_out, weights};
 }
 

@@ -20,6 +20,7 @@
 
 #include "../checks.h"
 #include "../drmoo_math.h"
+#include "cpu_util.h"
 
 namespace drmoo {
 namespace {
@@ -28,57 +29,57 @@ constexpr int64_t kChunkBytes = 64 * 1024;  // math-dtype bytes of one chunk (al
 constexpr int64_t kChunksPerTask = 8;       // chunks per parallel task (fixed: deterministic sums)
 constexpr int64_t kCombineGrain = 16384;    // columns per parallel task of the update pass
 constexpr int64_t kCombineBlock = 512;      // columns per inner block of the update pass
+// A second thread joins a pass only when each thread gets at least this many bytes of traffic
+// (~50-100 us at this machine's bandwidth); for less, waking it and joining it costs more than it
+// saves, and far more when the other core is busy (see cpu_util.h).
+constexpr int64_t kMinBytesPerThread = 1 << 20;
 
 int64_t chunk_columns(int64_t m, int64_t elem_bytes) {
   const int64_t cols = kChunkBytes / (m * elem_bytes) / 64 * 64;
   return std::clamp<int64_t>(cols, 64, 4096);
 }
 
-// out[k] += x . y[k] for K rows y at once, so that x is loaded once per K products.  The simd
-// reduction pragma lets the compiler vectorize the sums (it may reassociate them).
-template <int K, typename T>
-inline void dot_rows(const T* x, const T* const* y, int64_t len, double* out) {
-  const T* y0 = y[0];
-  const T* y1 = y[K > 1 ? 1 : 0];
-  const T* y2 = y[K > 2 ? 2 : 0];
-  const T* y3 = y[K > 3 ? 3 : 0];
-  T a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-  for (int64_t c = 0; c < len; ++c) {
-    const T xv = x[c];
-    a0 += xv * y0[c];
-    if constexpr (K > 1) a1 += xv * y1[c];
-    if constexpr (K > 2) a2 += xv * y2[c];
-    if constexpr (K > 3) a3 += xv * y3[c];
-  }
-  out[0] += static_cast<double>(a0);
-  if constexpr (K > 1) out[1] += static_cast<double>(a1);
-  if constexpr (K > 2) out[2] += static_cast<double>(a2);
-  if constexpr (K > 3) out[3] += static_cast<double>(a3);
+// The inner loops, compiled twice (see gram_kernels.inc): kernels::avx2 for CPUs with AVX2 and
+// FMA, kernels::base for any x86-64 (and other architectures).
+namespace kernels {
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define DRMOO_HAVE_AVX2_KERNELS 1
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#include "gram_kernels.inc"
+#pragma GCC pop_options
+}  // namespace avx2
+#endif
+namespace base {
+#include "gram_kernels.inc"
+}  // namespace base
+}  // namespace kernels
+
+bool use_avx2() {
+#ifdef DRMOO_HAVE_AVX2_KERNELS
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+#else
+  return false;
+#endif
 }
 
-// acc[p] += chunk dot product of pair p = (i, j), i <= j, in pair_from_index order.
 template <typename T>
 void chunk_gram(const T* const* rows, int64_t m, int64_t len, double* acc) {
-  int64_t p = 0;
-  for (int64_t i = 0; i < m; ++i) {
-    int64_t j = i;
-    for (; j + 4 <= m; j += 4, p += 4) dot_rows<4>(rows[i], rows + j, len, acc + p);
-    switch (m - j) {
-      case 3:
-        dot_rows<3>(rows[i], rows + j, len, acc + p);
-        break;
-      case 2:
-        dot_rows<2>(rows[i], rows + j, len, acc + p);
-        break;
-      case 1:
-        dot_rows<1>(rows[i], rows + j, len, acc + p);
-        break;
-      default:
-        break;
-    }
-    p += m - j;
-  }
+#ifdef DRMOO_HAVE_AVX2_KERNELS
+  if (use_avx2()) return kernels::avx2::chunk_gram(rows, m, len, acc);
+#endif
+  kernels::base::chunk_gram(rows, m, len, acc);
+}
+
+template <typename scalar_t, typename acc_t>
+void combine_columns(const scalar_t* J_cols, int64_t ld, int64_t m, const acc_t* w, acc_t lr, scalar_t* out,
+                     int64_t first, int64_t last) {
+#ifdef DRMOO_HAVE_AVX2_KERNELS
+  if (use_avx2()) return kernels::avx2::combine_columns(J_cols, ld, m, w, lr, out, first, last);
+#endif
+  kernels::base::combine_columns(J_cols, ld, m, w, lr, out, first, last);
 }
 
 // The m(m+1)/2 Gram entries of J (row stride ld) as float64 sums.
@@ -91,27 +92,29 @@ std::vector<double> gram_sums(const scalar_t* J, int64_t ld, int64_t m, int64_t 
   const int64_t chunks = (n + cols - 1) / cols;
   const int64_t tasks = (chunks + kChunksPerTask - 1) / kChunksPerTask;
   std::vector<double> partial(static_cast<size_t>(tasks * pairs), 0.0);
-  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+  const int64_t task_bytes = kChunksPerTask * cols * m * static_cast<int64_t>(sizeof(scalar_t));
+  run_tasks(tasks, tasks_for(kMinBytesPerThread, task_bytes), [&](int64_t t) {
     std::vector<acc_t> buffer(convert ? static_cast<size_t>(m * cols) : 0);
     std::vector<const acc_t*> rows(m);
-    for (int64_t t = first; t < last; ++t) {
-      const int64_t chunk_end = std::min(chunks, (t + 1) * kChunksPerTask);
-      for (int64_t c = t * kChunksPerTask; c < chunk_end; ++c) {
-        const int64_t col0 = c * cols;
-        const int64_t len = std::min(cols, n - col0);
-        for (int64_t i = 0; i < m; ++i) {
-          const scalar_t* src = J + i * ld + col0;
-          if constexpr (convert) {
-            acc_t* dst = buffer.data() + i * cols;
-            for (int64_t k = 0; k < len; ++k) dst[k] = static_cast<acc_t>(src[k]);
-            rows[i] = dst;
-          } else {
-            rows[i] = src;
-          }
+    // Task-local sums, stored once at the end (partials of neighbouring tasks share cache lines).
+    std::vector<double> local(static_cast<size_t>(pairs), 0.0);
+    const int64_t chunk_end = std::min(chunks, (t + 1) * kChunksPerTask);
+    for (int64_t c = t * kChunksPerTask; c < chunk_end; ++c) {
+      const int64_t col0 = c * cols;
+      const int64_t len = std::min(cols, n - col0);
+      for (int64_t i = 0; i < m; ++i) {
+        const scalar_t* src = J + i * ld + col0;
+        if constexpr (convert) {
+          acc_t* dst = buffer.data() + i * cols;
+          for (int64_t k = 0; k < len; ++k) dst[k] = static_cast<acc_t>(src[k]);
+          rows[i] = dst;
+        } else {
+          rows[i] = src;
         }
-        chunk_gram(rows.data(), m, len, partial.data() + t * pairs);
       }
+      chunk_gram(rows.data(), m, len, local.data());
     }
+    std::copy(local.begin(), local.end(), partial.begin() + t * pairs);
   });
   std::vector<double> sums(pairs, 0.0);
   for (int64_t t = 0; t < tasks; ++t) {
@@ -132,53 +135,57 @@ void fill_gram(const std::vector<double>& sums, int64_t m, acc_t* out) {
   }
 }
 
-// params -= lr * J^T w, parameter by parameter (J's columns follow the parameters' order).
+// One task of the update pass: columns [first, last) of parameter `param`.
+struct CombineTask {
+  int64_t param, first, last;
+};
+
+// params -= lr * J^T w (J's columns follow the parameters' order), in one parallel region over
+// fixed column blocks of all parameters: one fork/join per call instead of one per parameter.
 template <typename scalar_t>
 void combine_impl(const scalar_t* J, int64_t ld, int64_t m, const std::vector<at::opmath_type<scalar_t>>& w,
                   at::TensorList params, at::opmath_type<scalar_t> lr) {
-  using acc_t = at::opmath_type<scalar_t>;
+  // A non-contiguous parameter is updated through a contiguous copy that is written back.
+  std::vector<at::Tensor> targets;
+  std::vector<scalar_t*> outs(params.size());
+  std::vector<int64_t> offsets(params.size());
+  std::vector<CombineTask> tasks;
+  targets.reserve(params.size());
   int64_t offset = 0;
-  for (const at::Tensor& param : params) {
+  for (size_t k = 0; k < params.size(); ++k) {
+    const at::Tensor& param = params[k];
     const int64_t count = param.numel();
-    if (count == 0) continue;
-    // A non-contiguous parameter is updated through a contiguous copy that is written back.
-    at::Tensor target = param.is_contiguous() ? param : param.contiguous();
-    scalar_t* out = target.data_ptr<scalar_t>();
-    const scalar_t* J_cols = J + offset;
-    at::parallel_for(0, count, kCombineGrain, [&](int64_t first, int64_t last) {
-      acc_t d[kCombineBlock];
-      for (int64_t c0 = first; c0 < last; c0 += kCombineBlock) {
-        const int64_t len = std::min(kCombineBlock, last - c0);
-        const scalar_t* row = J_cols + c0;
-        for (int64_t k = 0; k < len; ++k) d[k] = w[0] * static_cast<acc_t>(row[k]);
-        for (int64_t i = 1; i < m; ++i) {
-          row = J_cols + i * ld + c0;
-          const acc_t wi = w[i];
-          for (int64_t k = 0; k < len; ++k) d[k] += wi * static_cast<acc_t>(row[k]);
-        }
-        scalar_t* dst = out + c0;
-        for (int64_t k = 0; k < len; ++k) dst[k] = static_cast<scalar_t>(static_cast<acc_t>(dst[k]) - lr * d[k]);
-      }
-    });
-    if (!target.is_same(param)) param.copy_(target);
+    targets.push_back(count == 0 || param.is_contiguous() ? param : param.contiguous());
+    outs[k] = count == 0 ? nullptr : targets.back().mutable_data_ptr<scalar_t>();
+    offsets[k] = offset;
+    for (int64_t first = 0; first < count; first += kCombineGrain) {
+      tasks.push_back({static_cast<int64_t>(k), first, std::min(count, first + kCombineGrain)});
+    }
     offset += count;
+  }
+  // Traffic per full task: m rows of J read, the parameter read and written.
+  const int64_t task_bytes = kCombineGrain * (m + 2) * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  run_tasks(ntasks, tasks_for(kMinBytesPerThread, task_bytes), [&](int64_t t) {
+    // Last task first: after gram_step's Gram pass, the end of J is what is still in the cache.
+    const CombineTask& task = tasks[ntasks - 1 - t];
+    combine_columns(J + offsets[task.param], ld, m, w.data(), lr, outs[task.param], task.first, task.last);
+  });
+  for (size_t k = 0; k < params.size(); ++k) {
+    if (!targets[k].is_same(params[k])) params[k].copy_(targets[k]);
   }
 }
 
+// A small CPU vector (w, z: one value per task) in the math dtype, read in place.
 template <typename acc_t>
 std::vector<acc_t> to_acc_vector(const at::Tensor& t) {
-  const at::Tensor t64 = t.to(at::kDouble).contiguous();
-  const double* src = t64.data_ptr<double>();
-  return std::vector<acc_t>(src, src + t64.numel());
+  std::vector<double> values(static_cast<size_t>(t.numel()));
+  read_f64(t, values.data());
+  return std::vector<acc_t>(values.begin(), values.end());
 }
 
 void check_cpu(const char* op, const at::Tensor& J) {
   TORCH_CHECK(J.device().is_cpu(), "drmoo.", op, ": the CPU kernel got tensors on ", J.device());
-}
-
-double scalar_value(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.numel() == 1, "drmoo.", op, ": ", name, " must hold one value, got shape ", t.sizes());
-  return t.item<double>();
 }
 
 at::Tensor gram_cpu(const at::Tensor& J_in) {
@@ -199,7 +206,7 @@ void combine_cpu(const at::Tensor& J_in, const at::Tensor& w, at::TensorList par
   const int64_t m = J.size(0);
   check_vector("combine", "w", w, m, J);
   check_params("combine", J, params);
-  const double lr_value = scalar_value("combine", "lr", lr);
+  const double lr_value = scalar_f64("combine", "lr", lr);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, J.scalar_type(), "drmoo_combine_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     combine_impl<scalar_t>(J.data_ptr<scalar_t>(), J.stride(0), m, to_acc_vector<acc_t>(w), params,
@@ -217,7 +224,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gram_step_cpu(const at::Tensor& J
   check_vector("gram_step", "w", w, m, J);
   check_vector("gram_step", "z", z, m, J);
   check_params("gram_step", J, params);
-  const double mu_value = scalar_value("gram_step", "mu", mu);
+  const double mu_value = scalar_f64("gram_step", "mu", mu);
   at::Tensor gram = at::empty({m, m}, J.options().dtype(acc_dtype(J.scalar_type())));
   GramStepResult result{};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, J.scalar_type(), "drmoo_gram_step_cpu", [&] {
@@ -236,7 +243,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gram_step_cpu(const at::Tensor& J
     if (!result.finite) return;  // the no-write guard: params and w keep their values
 
     combine_impl<scalar_t>(J_ptr, J.stride(0), m, w_acc, params, static_cast<acc_t>(gamma * result.alpha));
-    w.copy_(at::from_blob(w64.data(), {m}, at::TensorOptions().dtype(at::kDouble)));
+    write_f64(w, w64.data());  // rounds to w's dtype like the reference's copy_
   });
   const auto scalar_options = J.options().dtype(at::kFloat);
   return {gram, at::scalar_tensor(result.d_norm, scalar_options), at::scalar_tensor(result.alpha, scalar_options)};

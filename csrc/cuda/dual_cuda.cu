@@ -84,20 +84,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-struct DualInputs {
-  at::Tensor losses, sample_weight;
-  at::ScalarType acc;
-};
-
 DualInputs prepare(const char* op, const at::Tensor& losses, const at::Tensor& eta,
                    const c10::optional<at::Tensor>& sample_weight, int64_t code, double param, double lam) {
-  check_dual_inputs(op, losses, eta, sample_weight, code, param, lam);
   check_cuda(op, losses);
-  DualInputs in;
-  in.losses = losses.contiguous();
-  in.acc = acc_dtype(losses.scalar_type());
-  if (sample_weight.has_value()) in.sample_weight = sample_weight->to(in.acc).contiguous();
-  return in;
+  return prepare_dual_inputs(op, losses, eta, sample_weight, code, param, lam);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_forward_cuda(const at::Tensor& losses_in, const at::Tensor& eta,
