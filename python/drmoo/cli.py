@@ -90,7 +90,7 @@ def _float_list(text: str) -> list[float]:
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``train`` and ``compare`` (None = take the preset's value)."""
-    parser.add_argument("--experiment", default="multimnist2", help="multimnist2 | multimnist3")
+    parser.add_argument("--experiment", default="multimnist2", help="multimnist2 | multimnist3 | celeba")
     parser.add_argument("--preset", default="quick", help="quick (CPU demo) | paper (App. D settings)")
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--batch-size", type=int)
@@ -102,8 +102,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="override a method hyperparameter, e.g. --hp lam=0.8 (repeatable)")
     parser.add_argument("--head-lr", type=float, default=1e-2, help="SGD learning rate of the task heads (1e-2)")
     parser.add_argument("--weights", help="imagenet | none | PATH to a ResNet18 state dict (never downloaded)")
-    parser.add_argument("--data-root", help="torchvision MNIST root (raw idx files); default: the embedded digits")
-    parser.add_argument("--cache-dir", help="where generated data sets are cached (default ~/.cache/drmoo)")
+    parser.add_argument("--data-root", help="torchvision MNIST root (raw idx files); default: the embedded digits. "
+                        "celeba: the folder with img_align_celeba/ and the list_*.txt files (or its celeba/)")
+    parser.add_argument("--cache-dir", help="where generated data sets are cached (default ~/.cache/drmoo); "
+                        "celeba: decoded images are cached only when this is given (~10 GB at 128 px)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--backend", help="kernel backend: reference | cpp | cuda | triton (default: automatic)")
     parser.add_argument("--jacobian", default="loop", help="per-task gradients: loop (m backward passes) | batched")
@@ -115,14 +117,12 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 def _run_config(args: argparse.Namespace, method: str, seed: int) -> Any:
     import torch
 
-    from drmoo.experiments.multimnist import EXPERIMENTS, PRESETS, method_hparams
-    from drmoo.experiments.training import RunConfig
+    from drmoo.experiments.training import RunConfig, get_experiment
 
-    if args.experiment not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment {args.experiment!r}; valid choices: {', '.join(EXPERIMENTS)}")
-    if args.preset not in PRESETS:
-        raise ValueError(f"unknown preset {args.preset!r}; valid choices: {', '.join(PRESETS)}")
-    preset = dict(PRESETS[args.preset][args.experiment])
+    experiment = get_experiment(args.experiment)
+    if args.preset not in experiment.presets:
+        raise ValueError(f"unknown preset {args.preset!r}; valid choices: {', '.join(experiment.presets)}")
+    preset = dict(experiment.presets[args.preset])
     for key in ("epochs", "batch_size", "input_size", "train_size", "test_size", "weights"):
         if getattr(args, key) is not None:
             preset[key] = getattr(args, key)
@@ -135,13 +135,15 @@ def _run_config(args: argparse.Namespace, method: str, seed: int) -> Any:
     return RunConfig(
         experiment=args.experiment, method=method, preset=args.preset, seed=seed, head_lr=args.head_lr,
         data_root=args.data_root, cache_dir=args.cache_dir, max_steps=args.max_steps, device=device,
-        backend=args.backend, jacobian=args.jacobian, amp=args.amp, hparams=method_hparams(method, overrides),
+        backend=args.backend, jacobian=args.jacobian, amp=args.amp,
+        hparams=experiment.method_hparams(method, overrides),
         **preset,
     )
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("train", help="train one method on a Multi-MNIST experiment (checkpointed, resumable)")
+    parser = sub.add_parser("train", help="train one method on a Multi-MNIST or CelebA experiment (checkpointed, "
+                            "resumable)")
     _add_run_options(parser)
     parser.add_argument("--method", default="double-clip", help="a registered method (see drmoo.optim.available())")
     parser.add_argument("--seed", type=int, default=0)
@@ -184,8 +186,7 @@ def _run_train(args: argparse.Namespace) -> int:
         if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
             return _launch_torchrun(args.nproc, args.argv)
 
-    from drmoo.experiments.multimnist import build_multimnist
-    from drmoo.experiments.training import RunConfig, train
+    from drmoo.experiments.training import RunConfig, get_experiment, train
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -200,7 +201,9 @@ def _run_train(args: argparse.Namespace) -> int:
     else:
         config = _run_config(args, args.method, args.seed)
         run_dir = Path(args.out or f"runs/{config.experiment}-{config.method}-seed{config.seed}")
-    summary = train(config, run_dir, build_multimnist, resume=bool(args.resume), progress=not args.quiet)
+    experiment = get_experiment(config.experiment)
+    summary = train(config, run_dir, experiment.build, resume=bool(args.resume), progress=not args.quiet,
+                    sample_weight=experiment.sample_weight)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one report
         print(json.dumps(summary, indent=2))
         print(f"run saved in {run_dir}")
@@ -208,10 +211,12 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("eval", help="FGSM robustness of a trained run: accuracy per task and eps")
+    parser = sub.add_parser("eval", help="evaluate a trained run: FGSM accuracy per task and eps (Multi-MNIST); "
+                            "accuracy, balanced accuracy and AUC per attribute (CelebA)")
     parser.add_argument("--run", required=True, metavar="RUN_DIR")
     parser.add_argument("--attack", default="fgsm", help="fgsm (the paper's attack)")
-    parser.add_argument("--eps", type=_float_list, default=[0.0, 0.01, 0.03, 0.05, 0.08])
+    parser.add_argument("--eps", type=_float_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
+                        help="FGSM budgets (Multi-MNIST; CelebA is evaluated clean)")
     parser.add_argument("--device", help="override the run's device")
     parser.add_argument("--quiet", action="store_true")
     parser.set_defaults(handler=_run_eval)
@@ -220,21 +225,23 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 def _run_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from drmoo.experiments.multimnist import build_multimnist
-    from drmoo.experiments.robustness import eval_table
-    from drmoo.experiments.training import evaluate_robustness
+    from drmoo.experiments.training import get_experiment
 
     if args.attack != "fgsm":
         raise ValueError(f"unknown attack {args.attack!r}; valid choices: fgsm")
-    report = evaluate_robustness(Path(args.run), build_multimnist, args.eps, progress=not args.quiet,
-                                 device=args.device)
-    print(eval_table(report))
+    config_path = Path(args.run) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} does not exist: is {args.run} a run directory of drmoo train?")
+    experiment = get_experiment(json.loads(config_path.read_text())["experiment"])
+    report = experiment.evaluate(Path(args.run), eps=args.eps, progress=not args.quiet, device=args.device)
+    print(experiment.eval_table(report))
     print(f"wrote {Path(args.run) / 'eval.json'}")
     return 0
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("compare", help="train + FGSM-evaluate every method x seed; the paper's Table 1")
+    parser = sub.add_parser("compare", help="train + evaluate every method x seed; the paper's Table 1 "
+                            "(Multi-MNIST, FGSM) or Table 2 (CelebA)")
     _add_run_options(parser)
     parser.add_argument("--methods", type=_comma_list, default=["all"], help="all or a comma-separated list")
     parser.add_argument("--seeds", type=_int_list, default=[0])
@@ -246,7 +253,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 def _run_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from drmoo.experiments.robustness import compare
+    from drmoo.experiments.training import get_experiment
     from drmoo.optim import available
 
     methods = list(available()) if args.methods == ["all"] else args.methods
@@ -254,7 +261,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; valid choices: {', '.join(available())}")
     configs = [_run_config(args, method, seed) for method in methods for seed in args.seeds]
-    table = compare(configs, Path(args.out), args.eps, progress=not args.quiet)
+    table = get_experiment(args.experiment).compare(configs, Path(args.out), eps=args.eps, progress=not args.quiet)
     print(table)
     return 0
 

@@ -6,16 +6,18 @@ import csv
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .multimnist import build_multimnist
 from .training import RunConfig, evaluate_robustness, train
 
-__all__ = ["compare", "eval_table", "robustness_table"]
+__all__ = ["compare", "ensure_trained", "eval_table", "robustness_table"]
 
 
 def eval_table(report: dict[str, Any]) -> str:
@@ -34,7 +36,8 @@ def eval_table(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
     mean = sum(values) / len(values)
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1))
 
@@ -50,7 +53,7 @@ def robustness_table(reports: list[dict[str, Any]], eps_values: list[float], hea
         for eps in eps_values:
             values = [100 * res["mean_acc"] for r in reports if r["method"] == method
                       for res in r["results"] if abs(res["eps"] - eps) < 1e-12]
-            mean, std = _mean_std(values)
+            mean, std = mean_std(values)
             cells.append(f"{mean:.2f} ± {std:.2f}" if len(values) > 1 else f"{mean:.2f}")
             rows.append({"method": method, "eps": eps, "mean_acc": mean, "std_acc": std, "seeds": len(values)})
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
@@ -83,20 +86,30 @@ def _finished(run_dir: Path, config: RunConfig) -> bool:
     return (run_dir / "done").is_file() and saved.is_file() and json.loads(saved.read_text()) == asdict(config)
 
 
+def ensure_trained(config: RunConfig, run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]],
+                   progress: bool = True, sample_weight: Callable[[Tensor], Tensor] | None = None) -> None:
+    """Train ``config`` in ``run_dir`` unless it finished there with the same settings (resume if interrupted).
+
+    A (re)trained run loses its eval.json, so the caller re-evaluates it.
+    """
+    if _finished(run_dir, config):
+        return
+    resume = (run_dir / "checkpoint.pt").is_file() and (run_dir / "config.json").is_file() and json.loads(
+        (run_dir / "config.json").read_text()) == asdict(config)
+    if not resume and run_dir.exists():  # stale settings: start that run again
+        for stale in ("checkpoint.pt", "done", "eval.json"):
+            (run_dir / stale).unlink(missing_ok=True)
+    train(config, run_dir, build, resume=resume, progress=progress, sample_weight=sample_weight)
+    (run_dir / "eval.json").unlink(missing_ok=True)
+
+
 def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progress: bool = True) -> str:
     """Train (skipping finished runs, resuming interrupted ones) and evaluate each config; write the tables."""
     out.mkdir(parents=True, exist_ok=True)
     reports, started = [], time.perf_counter()
     for config in tqdm(configs, desc="compare", disable=not progress):
         run_dir = out / f"{config.method}-seed{config.seed}"
-        if not _finished(run_dir, config):
-            resume = (run_dir / "checkpoint.pt").is_file() and (run_dir / "config.json").is_file() and json.loads(
-                (run_dir / "config.json").read_text()) == asdict(config)
-            if not resume and run_dir.exists():  # stale settings: start that run again
-                for stale in ("checkpoint.pt", "done", "eval.json"):
-                    (run_dir / stale).unlink(missing_ok=True)
-            train(config, run_dir, build_multimnist, resume=resume, progress=progress)
-            (run_dir / "eval.json").unlink(missing_ok=True)
+        ensure_trained(config, run_dir, build_multimnist, progress)
         eval_path = run_dir / "eval.json"
         report = json.loads(eval_path.read_text()) if eval_path.is_file() else None
         if report is None or [r["eps"] for r in report["results"]] != list(eps_values):

@@ -33,7 +33,7 @@ from drmoo.attacks import fgsm
 from drmoo.optim import NonFiniteStepError, create
 
 __all__ = ["Experiment", "IndexStream", "RunConfig", "TrainingInterrupted", "evaluate_robustness", "experiments",
-           "get_experiment", "train"]
+           "get_experiment", "load_trained", "train"]
 
 CHECKPOINT = "checkpoint.pt"
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -339,11 +339,9 @@ def _agreed(flag: bool, device: torch.device) -> bool:
     return bool(distributed.all_reduce_max(torch.tensor([int(flag)], device=device)).item())
 
 
-def evaluate_robustness(
-    run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], eps_values: list[float],
-    progress: bool = True, device: str | None = None,
-) -> dict[str, Any]:
-    """FGSM accuracy per task and on average for each eps; writes and returns eval.json's content."""
+def load_trained(run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], device: str | None = None
+                 ) -> tuple[RunConfig, nn.Module, Any, torch.device]:
+    """A trained run's config, model (weights loaded, on ``device`` or the run's), data and that device."""
     config = RunConfig.from_json((run_dir / "config.json").read_text())
     checkpoint = run_dir / CHECKPOINT
     if not checkpoint.is_file():
@@ -352,6 +350,15 @@ def evaluate_robustness(
     model, data = build(config)
     model.load_state_dict(torch.load(checkpoint, weights_only=False, map_location="cpu")["model"])
     model.to(target)
+    return config, model, data, target
+
+
+def evaluate_robustness(
+    run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], eps_values: list[float],
+    progress: bool = True, device: str | None = None,
+) -> dict[str, Any]:
+    """FGSM accuracy per task and on average for each eps; writes and returns eval.json's content."""
+    config, model, data, target = load_trained(run_dir, build, device)
     results = []
     for eps in tqdm(eps_values, desc="FGSM", disable=not progress):
         task_acc = accuracy(model, data.test_images, data.test_labels, 2 * config.batch_size, target, data.images, eps)
