@@ -16,4 +16,7 @@ echo "[setup] installing the pinned requirements (torch takes a few minutes the 
 echo "[setup] building and installing drmoo (compiles csrc/; MAX_JOBS=${MAX_JOBS:-2})"
 start=$(date +%s)
 MAX_JOBS="${MAX_JOBS:-2}" "$venv/bin/pip" install --quiet --no-build-isolation --no-deps .
-echo "[setup] drmoo installed in $(( $(date +%s) - start ))s; backends: $("$venv/bin/python" -c 'import drmoo_kernels as k; print(", ".join(k.available_backends()))')"
+# Ask from outside the checkout: here, `import drmoo_kernels` would find the uncompiled source folder.
+venv_python="$(cd "$venv" && pwd)/bin/python"
+backends=$(cd / && "$venv_python" -c 'import drmoo_kernels as k; print(", ".join(k.available_backends()))')
+echo "[setup] drmoo installed in $(( $(date +%s) - start ))s; backends available here: $backends"
