@@ -22,7 +22,10 @@ def test_bf16_autocast_trains_with_float32_parameters(tmp_path: Path) -> None:
         model.trunk.layer3.register_forward_hook(lambda _m, _i, output: seen.append(output.dtype))
         return model, data
 
-    config = RunConfig(experiment="multimnist2", method="double-clip", preset="quick", input_size=16, train_size=48,
+    # 32 px, not the 16 px of the other tiny runs: on this torch build, CPU bf16 convolutions on 1x1
+    # feature maps (layer4 at 16 px inputs) return NaN weight gradients now and then - a torch/oneDNN
+    # issue reproduced with plain autograd, outside drmoo (about 1 backward in 10).
+    config = RunConfig(experiment="multimnist2", method="double-clip", preset="quick", input_size=32, train_size=48,
                        test_size=16, batch_size=16, max_steps=2, amp="bf16", cache_dir=str(tmp_path / "cache"),
                        hparams=method_hparams("double-clip"))
     train(config, tmp_path / "run", build, progress=False)
