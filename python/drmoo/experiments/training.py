@@ -261,6 +261,7 @@ def train(
     with _StopFlag() as stop:
         while step < total:
             heads.zero_grad(set_to_none=True)
+            step_started = time.perf_counter()
             try:
                 objective = optimizer.step(closure)
             except NonFiniteStepError as error:
@@ -280,7 +281,8 @@ def train(
             task_acc = [float((z.argmax(1) == labels[:, i]).float().mean()) for i, z in enumerate(last["logits"])]
             row = {"step": step, "epoch": (step - 1) // steps_per_epoch + 1, "samples": stream.samples_drawn,
                    "dual_objective": float(objective.mean()), "train_acc": sum(task_acc) / len(task_acc),
-                   "balanced_grad_norm": float(stats["balanced_grad_norm"])}
+                   "balanced_grad_norm": float(stats["balanced_grad_norm"]),
+                   "step_s": time.perf_counter() - step_started}
             row.update({f"w_{i + 1}": v for i, v in enumerate(stats["w"].tolist())})
             row.update({f"eta_{i + 1}": v for i, v in enumerate(stats["eta"].tolist())})
             step_rows.append(row)
