@@ -37,6 +37,7 @@ __all__ = ["Experiment", "IndexStream", "RunConfig", "TrainingInterrupted", "eva
 
 CHECKPOINT = "checkpoint.pt"
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+GRAD_SCALE_INIT, GRAD_SCALE_BACKOFF, GRAD_SCALE_GROWTH, GRAD_SCALE_GROWTH_INTERVAL = 2.0**16, 0.5, 2.0, 2000
 
 
 class TrainingInterrupted(RuntimeError):
@@ -214,6 +215,9 @@ def train(
     if config.max_steps is not None:
         total = min(total, config.max_steps)
     step, epoch_rows, step_rows = 0, [], []
+    # fp16: dynamic gradient scaling with torch.amp.GradScaler's defaults (2^16, x0.5 on overflow,
+    # x2 after 2000 good steps); 1 (no scaling) otherwise.
+    grad_scale = {"value": GRAD_SCALE_INIT if config.amp == "fp16" else 1.0, "good_steps": 0, "skipped_steps": 0}
     if resume:
         state = torch.load(checkpoint_path, weights_only=False, map_location="cpu")
         model.load_state_dict(state["model"])
@@ -224,6 +228,7 @@ def train(
         if torch.cuda.is_available() and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         step, epoch_rows, step_rows = state["step"], state["epochs"], state["steps"]
+        grad_scale.update(state.get("grad_scale", {}))
 
     def save() -> None:
         if not is_main:
@@ -233,6 +238,7 @@ def train(
             "stream": stream.state_dict(), "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "step": step, "epochs": epoch_rows, "steps": step_rows, "config": asdict(config),
+            "grad_scale": dict(grad_scale),
         }, checkpoint_path)
         _write_csv(run_dir / "steps.csv", step_rows)
         _write_csv(run_dir / "metrics.csv", epoch_rows)
@@ -262,18 +268,29 @@ def train(
         while step < total:
             heads.zero_grad(set_to_none=True)
             step_started = time.perf_counter()
+            optimizer.loss_scale = grad_scale["value"]
             try:
                 objective = optimizer.step(closure)
             except NonFiniteStepError as error:
                 if config.amp != "fp16":
                     raise
-                # An fp16 overflow: the optimizer changed nothing; skip the step as a gradient
-                # scaler would, and draw the next batch (the skipped one counts as consumed).
+                # An fp16 overflow: the optimizer changed nothing; skip the step and halve the
+                # gradient scale as torch.amp.GradScaler would, then draw the next batch.
+                grad_scale["value"] = max(grad_scale["value"] * GRAD_SCALE_BACKOFF, 1.0)
+                grad_scale["good_steps"] = 0
+                grad_scale["skipped_steps"] += 1
                 skipped.append({"step": step + 1, "reason": str(error)})
                 if len(skipped) > 50 and len(skipped) > step // 2:
                     raise RuntimeError(f"{len(skipped)} of {step + 1} fp16 steps overflowed; use --amp bf16") from error
                 continue
             distributed.all_reduce_grads(model.task_parameters())
+            if grad_scale["value"] != 1.0:  # the heads' gradients come back scaled
+                for param in model.task_parameters():
+                    if param.grad is not None:
+                        param.grad.div_(grad_scale["value"])
+                grad_scale["good_steps"] += 1
+                if grad_scale["good_steps"] % GRAD_SCALE_GROWTH_INTERVAL == 0:
+                    grad_scale["value"] *= GRAD_SCALE_GROWTH
             heads.step()
             step += 1
             stats = optimizer.stats

@@ -90,6 +90,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         self._buffers: dict[str, Tensor] = {}
         # importance weights omega [B, m] of the most recent closure call (None = uniform)
         self.batch_weight: Tensor | None = None
+        # Gradient scaling for fp16 (as torch.amp.GradScaler does for losses): every backward runs on
+        # cotangents times loss_scale, so small fp16 gradients do not underflow; the shared-parameter
+        # gradients are divided back before use.  The heads' .grad stay scaled: divide them before
+        # stepping the heads (the trainer does).  An overflow surfaces as NonFiniteStepError.
+        self.loss_scale: float = 1.0
         self._jacobian_strategy = "loop"
         self.stats: dict[str, Tensor] = {}
         # w and eta in float32 (float64 when the parameters are float64): they are tiny, and the
@@ -248,8 +253,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         vmapped backward).  With ``feed_heads`` every other leaf also accumulates its gradient (the
         heads' gradients for the user's optimizer); otherwise only the shared parameters are touched.
         """
-        jacobian = task_jacobian(losses, cotangent, self._shared_params(), self._buffer(slot),
-                                 strategy=self.jacobian_strategy, feed_heads=feed_heads)
+        scale = self.loss_scale
+        jacobian = task_jacobian(losses, cotangent * scale if scale != 1.0 else cotangent, self._shared_params(),
+                                 self._buffer(slot), strategy=self.jacobian_strategy, feed_heads=feed_heads)
+        if scale != 1.0:
+            jacobian.div_(scale)
         return distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
 
     def dual_forward(self, losses: Tensor, eta: Tensor, lam: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -223,7 +223,8 @@ class JointBaseline(MultiObjectiveOptimizer):
         flat = self._vector(slot)
         flat.zero_()
         heads = head_leaves(batch.losses, shared)
-        weighted = (batch.cotangent * task_weights.to(batch.cotangent.dtype)).to(batch.losses.dtype)
+        scale = self.loss_scale  # fp16 gradient scaling (see MultiObjectiveOptimizer.loss_scale)
+        weighted = (batch.cotangent * task_weights.to(batch.cotangent.dtype) * scale).to(batch.losses.dtype)
         saved_grads = [p.grad for p in shared]
         try:
             offset = 0
@@ -235,7 +236,10 @@ class JointBaseline(MultiObjectiveOptimizer):
             for p, grad in zip(shared, saved_grads):
                 p.grad = grad
         if heads:
-            torch.autograd.backward(batch.losses, grad_tensors=batch.cotangent.to(batch.losses.dtype), inputs=heads)
+            torch.autograd.backward(batch.losses, grad_tensors=(batch.cotangent * scale).to(batch.losses.dtype),
+                                    inputs=heads)
+        if scale != 1.0:
+            flat.div_(scale)
         return distributed.all_reduce_sum_(flat)  # shard gradients -> the global batch's
 
     def _vector(self, name: str) -> Tensor:
