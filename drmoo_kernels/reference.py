@@ -34,6 +34,7 @@ __all__ = [
     "dual_step",
     "gram",
     "gram_step",
+    "gram_step_small",
     "project_simplex",
 ]
 
@@ -152,20 +153,34 @@ def gram_step(
     needs no host synchronisation.
     """
     gram_matrix = gram(jacobian)
+    finite, alpha, d_norm, w_next = gram_step_small(gram_matrix, w, c1, c2, beta, rho, mu, z)
+    blocks = [b.reshape(b.shape[0], -1) for b in _blocks(jacobian)]
+    safe_blocks = [torch.where(finite, b, torch.zeros_like(b)) for b in blocks]
+    combine(safe_blocks, w, params, gamma * alpha)
+    w.copy_(w_next)
+    return gram_matrix, d_norm, alpha.float()
+
+
+def gram_step_small(
+    gram_matrix: Tensor, w: Tensor, c1: float, c2: float, beta: float, rho: float, mu: Tensor | float, z: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The m x m part of ``gram_step`` (float64, on the device, no host synchronisation).
+
+    Returns ``finite`` (is the Gram finite), ``alpha`` (float64; 0 when not finite), the reported
+    ``d_norm`` (float32; NaN when not finite) and the next preference vector in ``w``'s dtype (the
+    incoming ``w`` when not finite).  Every backend's ``gram_step`` shares this piece.
+    """
     finite = torch.isfinite(gram_matrix).all()
     safe_gram = torch.where(finite, gram_matrix, torch.zeros_like(gram_matrix)).double()
     w64 = w.double()
     gram_w = safe_gram @ w64
     d_norm = torch.sqrt(torch.clamp(w64 @ gram_w, min=0.0))
     alpha = torch.where(finite, clip_factor(c1, c2, d_norm), torch.zeros_like(d_norm))
-    blocks = [b.reshape(b.shape[0], -1) for b in _blocks(jacobian)]
-    safe_blocks = [torch.where(finite, b, torch.zeros_like(b)) for b in blocks]
-    combine(safe_blocks, w, params, gamma * alpha)
     mu64 = torch.as_tensor(mu, dtype=torch.float64, device=w.device)
     pref_grad = alpha * gram_w + mu64 * z.double() ** 2 * w64 + rho * w64
-    w_next = project_simplex(w64 - beta * pref_grad)
-    w.copy_(torch.where(finite, w_next, w64).to(w.dtype))
-    return gram_matrix, torch.where(finite, d_norm, torch.full_like(d_norm, float("nan"))).float(), alpha.float()
+    w_next = torch.where(finite, project_simplex(w64 - beta * pref_grad), w64).to(w.dtype)
+    reported = torch.where(finite, d_norm, torch.full_like(d_norm, float("nan"))).float()
+    return finite, alpha, reported, w_next
 
 
 def project_simplex(v: Tensor) -> Tensor:

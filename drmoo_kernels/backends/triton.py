@@ -31,7 +31,6 @@ from torch import Tensor
 
 from .. import reference
 from ..divergences import Divergence, get_divergence
-from ..reference import clip_factor, project_simplex
 
 __all__ = ["availability", "combine", "dual_forward", "dual_step", "gram", "gram_step"]
 
@@ -363,17 +362,8 @@ def gram_step(
     if _float64(*blocks, *params):
         return reference.gram_step(blocks, w, params, gamma, c1, c2, beta, rho, mu, z)
     gram_matrix = _gram_blocks(blocks)
-    finite = torch.isfinite(gram_matrix).all()
-    # The m x m work is tiny: float64 torch ops on the device, no host synchronisation.
-    safe_gram = torch.where(finite, gram_matrix, torch.zeros_like(gram_matrix)).double()
-    w64 = w.double()
-    gram_w = safe_gram @ w64
-    d_norm = torch.sqrt(torch.clamp(w64 @ gram_w, min=0.0))
-    alpha = torch.where(finite, clip_factor(c1, c2, d_norm), torch.zeros_like(d_norm))
+    # The m x m work is tiny: the reference's float64 torch ops on the device, no host synchronisation.
+    finite, alpha, d_norm, w_next = reference.gram_step_small(gram_matrix, w, c1, c2, beta, rho, mu, z)
     _combine_blocks(blocks, w, params, (gamma * alpha).float(), finite.to(torch.int32))
-    mu64 = torch.as_tensor(mu, dtype=torch.float64, device=w.device)
-    pref_grad = alpha * gram_w + mu64 * z.double() ** 2 * w64 + rho * w64
-    w_next = project_simplex(w64 - beta * pref_grad)
-    w.copy_(torch.where(finite, w_next, w64).to(w.dtype))
-    nan = torch.full_like(d_norm, float("nan"))
-    return gram_matrix, torch.where(finite, d_norm, nan).float(), alpha.float()
+    w.copy_(w_next)
+    return gram_matrix, d_norm, alpha.float()
