@@ -33,6 +33,11 @@ __all__ = ["PAPER_PRESETS", "PROBLEMS", "SyntheticConfig", "run_synthetic"]
 
 PROBLEMS: dict[str, Callable[..., Problem]] = {"linear": make_linear_problem, "wine": make_wine_problem}
 
+def _class_presets(problem: str, methods: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """The named presets the baseline classes carry (one source for those numbers)."""
+    return {method: available()[method].preset(problem) for method in methods}
+
+
 # Paper App. E hyperparameters, by problem and method.  lam is not stated for the synthetic runs;
 # 0.6 (the Multi-MNIST value, DESIGN §5) is used for all of them.
 PAPER_PRESETS: dict[str, dict[str, Any]] = {
@@ -45,12 +50,8 @@ PAPER_PRESETS: dict[str, dict[str, Any]] = {
             "double-clip": {"lr": 1e-2, "pref_lr": 1e-2, "c1": 0.5, "f1": 0.5, "c2": 0.1, "f2": 0.1, "rho": 1e-5},
             # App. E.1: D = 20, gamma = 5e-3, alpha = beta = 5e-5, rho = 1e-5.
             "double-loop": {"inner_steps": 20, "dual_lr": 5e-3, "lr": 5e-5, "pref_lr": 5e-5, "rho": 1e-5},
-            # App. E.1: stochastic MGDA lr 1e-5 for (theta, eta) and w, rho = 0; MoDo and MoCo the same
-            # with rho = 1e-5; SDMGrad D = 10 inner steps, 1e-4 / 5e-4, rho = 1e-5.
-            "mgda": {"lr": 1e-5, "pref_lr": 1e-5, "rho": 0.0},
-            "modo": {"lr": 1e-5, "pref_lr": 1e-5, "rho": 1e-5},
-            "moco": {"lr": 1e-5, "pref_lr": 1e-5, "rho": 1e-5},
-            "sdmgrad": {"inner_steps": 10, "lr": 1e-4, "pref_lr": 5e-4, "rho": 1e-5},
+            # App. E.1 settings of MGDA, MoDo, MoCo and SDMGrad: the classes' own "linear" presets.
+            **_class_presets("linear", ("mgda", "modo", "moco", "sdmgrad")),
             # Not in App. E.1 (the paper's synthetic figure has no NashMTL/FAMO line): the MGDA-family lr.
             "nashmtl": {"lr": 1e-5},
             "famo": {"lr": 1e-5, "pref_lr": 2.5e-3},
@@ -65,12 +66,8 @@ PAPER_PRESETS: dict[str, dict[str, Any]] = {
             "double-clip": {"lr": 1e-2, "pref_lr": 1e-2, "c1": 0.5, "f1": 0.5, "c2": 0.1, "f2": 0.1, "rho": 1e-5},
             # App. E.2: D = 15, gamma = 5e-3, alpha = 1e-3, beta = 6e-4, rho = 1e-6.
             "double-loop": {"inner_steps": 15, "dual_lr": 5e-3, "lr": 1e-3, "pref_lr": 6e-4, "rho": 1e-6},
-            # App. E.2: MGDA, MoDo, MoCo lr 1e-3 / pref 6e-4, rho 1e-6 (MoCo, MoDo) and 0 (MGDA);
-            # SDMGrad D = 15, 1e-3 / 5e-4, rho = 1e-4.
-            "mgda": {"lr": 1e-3, "pref_lr": 6e-4, "rho": 0.0},
-            "modo": {"lr": 1e-3, "pref_lr": 6e-4, "rho": 1e-6},
-            "moco": {"lr": 1e-3, "pref_lr": 6e-4, "rho": 1e-6},
-            "sdmgrad": {"inner_steps": 15, "lr": 1e-3, "pref_lr": 5e-4, "rho": 1e-4},
+            # App. E.2 settings of MGDA, MoDo, MoCo and SDMGrad: the classes' own "wine" presets.
+            **_class_presets("wine", ("mgda", "modo", "moco", "sdmgrad")),
             # Not in App. E.2: the baselines' lr 1e-3, FAMO's Multi-MNIST logit lr.
             "nashmtl": {"lr": 1e-3},
             "famo": {"lr": 1e-3, "pref_lr": 2.5e-3},
