@@ -12,8 +12,10 @@ Work split:
 * ``dual_forward``: one program per block of task columns, each walking the batch once.
 * ``dual_step``: a single program (the clip factor mu couples all tasks): pass 1 reduces z, the eta
   step happens in registers, pass 2 writes the weights at eta_{t+1}.
-* ``gram``: split reduction over the columns of J into per-program m x m partials, then a sum.
-* ``combine``: one launch per parameter tensor over its contiguous column range of J.
+* ``gram``: split reduction over the columns of J into per-program m x m partials, then a sum;
+  for m > 64 the m x m output is tiled in 64 x 64 blocks (a grid axis per tile coordinate).
+* ``combine``: one launch per parameter tensor over its contiguous column range of J, walking the
+  rows 64 at a time.
 * ``gram_step``: ``gram``, the m x m work in float64 torch ops on the device (no host sync), and the
   ``combine`` pass with every load/store masked by the Gram's finiteness (the no-write guard).
 """
@@ -24,6 +26,7 @@ import importlib.util
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -41,6 +44,9 @@ JacobianBlocks = Tensor | Sequence[Tensor]
 _GPU_TILE = 4096
 _INTERPRETER_TILE = 1 << 16
 _MAX_COLUMN_BLOCK = 64  # dual_forward: tasks per program
+# gram/combine: rows per register tile.  A 64 x 64 float32 accumulator fits a 4-warp program's
+# registers; 128 x 128 does not (ptxas spills it to local memory), so larger m is tiled.
+_MAX_ROW_BLOCK = 64
 
 
 def _interpret_requested() -> bool:
@@ -86,10 +92,10 @@ def _kernels(device: torch.device) -> ModuleType:
     return load_kernels()
 
 
-def _tile(device: torch.device) -> int:
+def _interpreted() -> bool:
     from ..triton_kernels import triton_interpreted
 
-    return _INTERPRETER_TILE if triton_interpreted() else _GPU_TILE
+    return triton_interpreted()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -98,6 +104,74 @@ def _cdiv(a: int, b: int) -> int:
 
 def _pow2(value: int) -> int:
     return 1 << max(0, int(value) - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------------- launch shapes
+# One function per kernel decides its compile-time block sizes from the problem size; the launch
+# code and the GPU code-generation test (tests/kernels/test_gpu_codegen.py) both use them, so the
+# test compiles exactly the variants a GPU run would launch.
+@dataclass(frozen=True)
+class DualLaunch:
+    """dual_forward / dual_step: BLOCK_B rows x BLOCK_M task columns per tile; ``programs`` on axis 0."""
+
+    block_b: int
+    block_m: int
+    programs: int
+
+
+@dataclass(frozen=True)
+class GramLaunch:
+    """gram_partial_kernel: BLOCK_M-row tiles (``row_tiles`` per axis) x BLOCK_N columns, ``num_warps`` warps."""
+
+    block_m: int
+    block_n: int
+    use_dot: bool
+    row_tiles: int
+    num_warps: int
+
+    @property
+    def one_tile(self) -> bool:
+        return self.row_tiles == 1
+
+
+@dataclass(frozen=True)
+class CombineLaunch:
+    """combine_kernel: BLOCK_M rows at a time over BLOCK_N columns per program."""
+
+    block_m: int
+    block_n: int
+
+
+def dual_forward_launch(batch: int, tasks: int, interpreted: bool) -> DualLaunch:
+    tile = _INTERPRETER_TILE if interpreted else _GPU_TILE
+    block_m = min(_pow2(tasks), _MAX_COLUMN_BLOCK)
+    return DualLaunch(min(max(tile // block_m, 1), _pow2(batch)), block_m, _cdiv(tasks, block_m))
+
+
+def dual_step_launch(batch: int, tasks: int, interpreted: bool) -> DualLaunch:
+    tile = _INTERPRETER_TILE if interpreted else _GPU_TILE
+    block_m = _pow2(tasks)  # all tasks in one program: mu is a norm over every task
+    return DualLaunch(min(max(tile // block_m, 1), _pow2(batch)), block_m, 1)
+
+
+def gram_launch(tasks: int, interpreted: bool) -> GramLaunch:
+    tile = _INTERPRETER_TILE if interpreted else _GPU_TILE
+    block_m = min(_pow2(tasks), _MAX_ROW_BLOCK)
+    use_dot = block_m >= 16
+    if use_dot:
+        block_n = max(16, tile // block_m)
+    else:  # the broadcast product holds BLOCK_M x BLOCK_M x BLOCK_N values
+        block_n = max(16, (tile if interpreted else 2 * tile) // (block_m * block_m))
+    # A 64 x 64 float32 accumulator and its dot operands need 8 warps' registers: with 4, ptxas
+    # spills (40-192 bytes of stack for fp32/bf16 on sm_90, tests/kernels/test_gpu_codegen.py).
+    num_warps = 8 if block_m >= 64 else 4
+    return GramLaunch(block_m, block_n, use_dot, _cdiv(tasks, block_m), num_warps)
+
+
+def combine_launch(tasks: int, interpreted: bool) -> CombineLaunch:
+    tile = _INTERPRETER_TILE if interpreted else _GPU_TILE
+    block_m = min(_pow2(tasks), _MAX_ROW_BLOCK)
+    return CombineLaunch(block_m, max(16, tile // block_m))
 
 
 def _divergence_constants(divergence: Divergence) -> tuple[float, float, float, float]:
@@ -163,18 +237,17 @@ def dual_forward(
     device = losses.device
     kernels = _kernels(device)
     batch, tasks = losses.shape
-    block_m = min(_pow2(tasks), _MAX_COLUMN_BLOCK)
-    block_b = min(max(_tile(device) // block_m, 1), _pow2(batch))
+    launch = dual_forward_launch(batch, tasks, _interpreted())
     objective = torch.empty(tasks, device=device, dtype=torch.float32)
     grad_eta = torch.empty(tasks, device=device, dtype=torch.float32)
     weights = torch.empty(batch, tasks, device=device, dtype=torch.float32)
     sw = losses if sample_weight is None else sample_weight
     eta_in = eta.contiguous()
-    kernels.dual_forward_kernel[(_cdiv(tasks, block_m),)](
+    kernels.dual_forward_kernel[(launch.programs,)](
         losses, sw, eta_in, objective, grad_eta, weights,
         batch, tasks, losses.stride(0), losses.stride(1), sw.stride(0), sw.stride(1),
         float(batch), float(lam), float(scale), *_divergence_constants(divergence),
-        CODE=divergence.code, HAS_SW=sample_weight is not None, BLOCK_B=block_b, BLOCK_M=block_m,
+        CODE=divergence.code, HAS_SW=sample_weight is not None, BLOCK_B=launch.block_b, BLOCK_M=launch.block_m,
     )
     return objective, grad_eta, weights
 
@@ -200,21 +273,20 @@ def dual_step(
         return reference.dual_step(losses, eta, w, lam, scale, divergence, gamma, f1, f2, sample_weight)
     device = losses.device
     kernels = _kernels(device)
-    block_m = _pow2(tasks)  # all tasks in one program: mu is a norm over every task
-    block_b = min(max(_tile(device) // block_m, 1), _pow2(batch))
+    launch = dual_step_launch(batch, tasks, _interpreted())
     z = torch.empty(tasks, device=device, dtype=torch.float32)
     mu = torch.empty((), device=device, dtype=torch.float32)
     weights = torch.empty(batch, tasks, device=device, dtype=torch.float32)
     sw = losses if sample_weight is None else sample_weight
     # The kernel updates eta through its pointer; a strided eta goes through a contiguous copy.
     eta_work = eta if eta.is_contiguous() else eta.contiguous()
-    kernels.dual_step_kernel[(1,)](
+    kernels.dual_step_kernel[(launch.programs,)](
         losses, sw, eta_work, w.contiguous(), z, mu, weights,
         batch, tasks, losses.stride(0), losses.stride(1), sw.stride(0), sw.stride(1),
         float(batch), float(lam), float(scale), float(gamma), float(f1), float(f2),
         *_divergence_constants(divergence),
         CODE=divergence.code, HAS_SW=sample_weight is not None, ETA_F64=eta.dtype == torch.float64,
-        BLOCK_B=block_b, BLOCK_M=block_m,
+        BLOCK_B=launch.block_b, BLOCK_M=launch.block_m,
     )
     if eta_work is not eta:
         eta.copy_(eta_work)
@@ -246,14 +318,9 @@ def _gram_blocks(blocks: list[Tensor]) -> Tensor:
     tasks = blocks[0].shape[0]
     device = blocks[0].device
     kernels = _kernels(device)
-    block_m = _pow2(tasks)
-    use_dot = block_m >= 16
-    tile = _tile(device)
-    interpreted = tile == _INTERPRETER_TILE
-    if use_dot:
-        block_n = max(16, tile // block_m)
-    else:
-        block_n = max(16, (tile if interpreted else 2 * tile) // (block_m * block_m))
+    interpreted = _interpreted()
+    launch = gram_launch(tasks, interpreted)
+    block_n = launch.block_n
     # Enough programs to fill a GPU several times over; few in the interpreter, where each program
     # is a Python loop (still more than one, so the split reduction itself is exercised).
     max_programs = 4 if interpreted else 8 * torch.cuda.get_device_properties(device).multi_processor_count
@@ -267,9 +334,10 @@ def _gram_blocks(blocks: list[Tensor]) -> Tensor:
         chunk = _cdiv(n_tiles, programs) * block_n
         programs = _cdiv(n, chunk)
         part = torch.empty(programs, tasks, tasks, device=device, dtype=torch.float32)
-        kernels.gram_partial_kernel[(programs,)](
+        kernels.gram_partial_kernel[(programs, launch.row_tiles, launch.row_tiles)](
             block, part, tasks, n, block.stride(0), chunk,
-            BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot,
+            BLOCK_M=launch.block_m, BLOCK_N=block_n, USE_DOT=launch.use_dot, ONE_TILE=launch.one_tile,
+            num_warps=launch.num_warps,
         )
         partials.append(part)
     if not partials:
@@ -312,8 +380,7 @@ def _combine_blocks(
     device = blocks[0].device
     kernels = _kernels(device)
     segments = _segments(blocks, params)
-    block_m = _pow2(tasks)
-    block_n = max(16, _tile(device) // block_m)
+    launch = combine_launch(tasks, _interpreted())
     w_in = w.contiguous()
     lr_is_tensor = isinstance(lr, Tensor)
     lr_tensor = lr.reshape(()).to(device=device, dtype=torch.float32) if lr_is_tensor else w_in
@@ -325,10 +392,10 @@ def _combine_blocks(
         if param.device != device:
             raise ValueError(f"a parameter is on {param.device} but J is on {device}")
         target = param if param.is_contiguous() else param.contiguous()
-        kernels.combine_kernel[(_cdiv(count, block_n),)](
+        kernels.combine_kernel[(_cdiv(count, launch.block_n),)](
             block, w_in, target, lr_tensor, w_in if flag is None else flag,
             tasks, count, block.stride(0), col0, lr_value,
-            LR_IS_TENSOR=lr_is_tensor, HAS_FLAG=flag is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+            LR_IS_TENSOR=lr_is_tensor, HAS_FLAG=flag is not None, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         )
         if target is not param:
             param.copy_(target)

@@ -195,30 +195,41 @@ def dual_step_kernel(
 @triton.jit
 def gram_partial_kernel(
     j_ptr, part_ptr, M, N, stride_m, chunk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
-    """Split reduction of J J^T: program p reduces columns [p*chunk, (p+1)*chunk) into part[p] (M x M).
+    """Split reduction of J J^T over a grid (column chunks, row tiles, row tiles).
 
-    ``chunk`` is a multiple of BLOCK_N.  Small task counts use a broadcast product (a dot needs
-    16-wide operands on GPUs, mostly padding for m <= 8); larger ones use an IEEE-precision dot so
-    fp32 inputs are not rounded to tf32.
+    Program (p, a, b) sums the products of row tile a with row tile b over the columns
+    [p*chunk, (p+1)*chunk) into part[p, a rows, b rows] (part is [programs, M, M]).  ``chunk`` is a
+    multiple of BLOCK_N.  Row tiles of at most 64 rows keep the BLOCK_M x BLOCK_M accumulator in
+    registers for any m (a single 128-wide or wider accumulator spills); with ONE_TILE (m <= BLOCK_M)
+    both operands are the same tile, loaded once.  Small task counts use a broadcast product (a dot
+    needs 16-wide operands on GPUs, mostly padding for m <= 8); larger ones use an IEEE-precision
+    dot so fp32 inputs are not rounded to tf32.
     """
     pid = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    row_off = rows.to(tl.int64)[:, None] * stride_m
+    rows_a = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_b = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok_a = rows_a < M
+    ok_b = rows_b < M
+    off_a = rows_a.to(tl.int64)[:, None] * stride_m
+    off_b = rows_b.to(tl.int64)[:, None] * stride_m
     first = pid.to(tl.int64) * chunk
     acc = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
     for offset in range(0, chunk, BLOCK_N):
         cols = first + offset + tl.arange(0, BLOCK_N)
-        ok = row_ok[:, None] & (cols < N)[None, :]
-        x = tl.load(j_ptr + row_off + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        if USE_DOT:
-            acc += tl.dot(x, tl.trans(x), input_precision="ieee")
+        col_ok = (cols < N)[None, :]
+        xa = tl.load(j_ptr + off_a + cols[None, :], mask=ok_a[:, None] & col_ok, other=0.0).to(tl.float32)
+        if ONE_TILE:
+            xb = xa
         else:
-            acc += tl.sum(x[:, None, :] * x[None, :, :], axis=2)
-    out = part_ptr + pid.to(tl.int64) * M * M + rows[:, None] * M + rows[None, :]
-    tl.store(out, acc, mask=row_ok[:, None] & row_ok[None, :])
+            xb = tl.load(j_ptr + off_b + cols[None, :], mask=ok_b[:, None] & col_ok, other=0.0).to(tl.float32)
+        if USE_DOT:
+            acc += tl.dot(xa, tl.trans(xb), input_precision="ieee")
+        else:
+            acc += tl.sum(xa[:, None, :] * xb[None, :, :], axis=2)
+    out = part_ptr + pid.to(tl.int64) * M * M + rows_a[:, None] * M + rows_b[None, :]
+    tl.store(out, acc, mask=ok_a[:, None] & ok_b[None, :])
 
 
 @triton.jit
@@ -228,6 +239,7 @@ def combine_kernel(
 ):
     """p[c] -= lr * sum_i w[i] J[i, col0 + c] for c < count; p is one contiguous parameter.
 
+    The rows are walked BLOCK_M at a time, so the register tile stays BLOCK_M x BLOCK_N for any m.
     With HAS_FLAG every load and store is masked by flag != 0 (the finiteness of the Gram): the
     no-write guard of gram_step happens on the device, without a host synchronisation.
     """
@@ -236,12 +248,14 @@ def combine_kernel(
     col_ok = cols < count
     if HAS_FLAG:
         col_ok = col_ok & (tl.load(flag_ptr) != 0)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    w = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    ok = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(j_ptr + rows.to(tl.int64)[:, None] * stride_m + (col0 + cols)[None, :], mask=ok, other=0.0)
-    direction = tl.sum(x.to(tl.float32) * w[:, None], axis=0)
+    direction = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for row0 in range(0, M, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        w = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        ok = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(j_ptr + rows.to(tl.int64)[:, None] * stride_m + (col0 + cols)[None, :], mask=ok, other=0.0)
+        direction += tl.sum(x.to(tl.float32) * w[:, None], axis=0)
     if LR_IS_TENSOR:
         lr = tl.load(lr_ptr).to(tl.float32)
     else:

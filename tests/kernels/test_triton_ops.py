@@ -159,7 +159,8 @@ def test_empty_batch_is_a_clear_error() -> None:
 
 
 # ------------------------------------------------------------------------------- Jacobian ops
-GRAM_CASES = [(1, 1), (2, 7), (3, 1000), (8, 1003), (3, 70001), (40, 517)]
+# 70 and 130 tasks: the Triton Gram tiles m > 64 into 64-row blocks (ragged last tile).
+GRAM_CASES = [(1, 1), (2, 7), (3, 1000), (8, 1003), (3, 70001), (40, 517), (70, 211), (130, 97)]
 
 
 def _jacobian(tasks: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
