@@ -98,20 +98,29 @@ class Harness:
         self.device = bench_device()
         self.machine = machine_description()
         self._reference: dict[str, tuple[float, float]] = {}  # key -> (min, median)
-        self._copy: dict[int, tuple[float, float]] = {}  # bytes -> (min, median) over all measurements
+        self._baselines: dict[str, tuple[float, float]] = {}  # name -> (min, median) over all measurements
+
+    def baseline_seconds(self, name: str, fn: Callable[[], Any], budget_share: float = 0.25) -> tuple[float, float]:
+        """(min, median) time of a same-run baseline ``fn``, re-measured on every call.
+
+        Each call times ``fn`` over a share of the record budget; the minimum kept is the best over
+        every call with this ``name`` (a baseline measured once could land on a busy moment of a
+        shared machine and make every ratio next to it look better than it is).
+        """
+        run = _timed(fn)
+        run()  # warm-up
+        once = _min_median(run, 1)[0]
+        best, median = _min_median(run, max(_MIN_ROUNDS, int(_rounds(once) * budget_share)))
+        old = self._baselines.get(name)
+        self._baselines[name] = (best, median) if old is None else (min(best, old[0]), median)
+        return self._baselines[name]
 
     def copy_seconds(self, nbytes: int) -> tuple[float, float]:
         """(min, median) time of ``dst.copy_(src)`` moving ``nbytes`` in all (half read, half written)."""
         count = max(1, nbytes // 8)  # float32 elements per side: read count*4 + write count*4
         src = torch.rand(count, device=self.device)
         dst = torch.empty_like(src)
-        run = _timed(lambda: dst.copy_(src))
-        run()
-        once = _min_median(run, 1)[0]
-        best, median = _min_median(run, max(_MIN_ROUNDS, _rounds(once) // 4))
-        old = self._copy.get(nbytes)
-        self._copy[nbytes] = (best, median) if old is None else (min(best, old[0]), median)
-        return self._copy[nbytes]
+        return self.baseline_seconds(f"copy {nbytes}", lambda: dst.copy_(src))
 
     def run(
         self,
