@@ -53,6 +53,22 @@ def machine_description() -> str:
     return f"{model}, {cores} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
 
 
+def device_peak_gb_per_s() -> float | None:
+    """The GPU's theoretical memory bandwidth (DDR: 2 transfers per clock x bus width), None on CPU.
+
+    H100 SXM: 2 x 2.619 GHz x 5120 bit / 8 = 3.35 TB/s, the datasheet figure.  DESIGN §6's GPU target
+    (80% of device bandwidth) is a fraction of this number.
+    """
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties()
+    clock_khz = getattr(props, "memory_clock_rate", 0)
+    bus_bits = getattr(props, "memory_bus_width", 0)
+    if not clock_khz or not bus_bits:
+        return None
+    return 2.0 * clock_khz * 1e3 * bus_bits / 8 / 1e9
+
+
 def machine_slug() -> str:
     """A file name for the results: 'cpu-<model>-<cores>c' or 'gpu-<name>'."""
     if torch.cuda.is_available():
@@ -97,6 +113,7 @@ class Harness:
     def __init__(self) -> None:
         self.device = bench_device()
         self.machine = machine_description()
+        self.peak_gb_per_s = device_peak_gb_per_s()
         self._reference: dict[str, tuple[float, float]] = {}  # key -> (min, median)
         self._baselines: dict[str, tuple[float, float]] = {}  # name -> (min, median) over all measurements
 
@@ -171,6 +188,11 @@ class Harness:
                 fraction_of_copy_bandwidth=copy_min / best,
                 fraction_of_copy_bandwidth_median=copy_median / median,
             )
+            if self.peak_gb_per_s is not None:
+                benchmark.extra_info.update(
+                    device_peak_gb_per_s=self.peak_gb_per_s,
+                    fraction_of_device_bandwidth=nbytes / best / 1e9 / self.peak_gb_per_s,
+                )
 
 
 def _min_median(fn: Callable[[], Any], rounds: int) -> tuple[float, float]:

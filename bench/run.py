@@ -65,8 +65,16 @@ def summarize(json_path: Path) -> str:
         "speedup = reference time / backend time (same run); copy fraction = achieved GB/s / GB/s of a "
         "same-run torch `copy_` moving the same bytes.  float32, chi2 for the dual ops.",
         "",
-        "| op | shape | backend | min | median | GB/s | speedup vs reference | copy fraction |",
-        "|---|---|---|---|---|---|---|---|",
+    ]
+    # On a GPU every record with bytes also carries its fraction of the device's peak bandwidth.
+    peak = next((r["extra_info"]["device_peak_gb_per_s"] for r in records
+                 if "device_peak_gb_per_s" in r["extra_info"]), None)
+    if peak is not None:
+        lines += [f"Device peak memory bandwidth (clock x bus width): {peak:.0f} GB/s.", ""]
+    lines += [
+        "| op | shape | backend | min | median | GB/s | speedup vs reference | copy fraction |"
+        + (" peak fraction |" if peak is not None else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if peak is not None else ""),
     ]
     for record in records:
         info = record["extra_info"]
@@ -77,6 +85,7 @@ def summarize(json_path: Path) -> str:
             f"{_fmt_time(record['stats']['median'])} | "
             f"{_fmt(info.get('gb_per_s') or None, '.2f')} | {_fmt(info.get('speedup_vs_reference'), '.2f')}{extra} | "
             f"{_fmt(info.get('fraction_of_copy_bandwidth'), '.2f')} |"
+            + (f" {_fmt(info.get('fraction_of_device_bandwidth'), '.2f')} |" if peak is not None else "")
         )
     return "\n".join(lines) + "\n"
 

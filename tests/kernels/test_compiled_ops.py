@@ -420,6 +420,42 @@ def test_large_n_gram_step(backend) -> None:
         _close(a, b, (1e-5, 1e-6))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_huge_jacobian_past_32_bit_offsets(backend) -> None:
+    """J with m * n > 2^31 elements (bfloat16, 4.3 GB): every offset into row 1 past 2^31 must be right.
+
+    The values repeat a pattern of 7 multiples of 1/4 and the last column holds 8, so the exact Gram
+    and update are known in closed form, and a wrapped 32-bit offset (reading the wrong column, or
+    missing the last one) changes them.
+    """
+    _, module, device = backend
+    n = (1 << 30) + 3
+    pattern = torch.tensor([-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0]) / 4
+    J = torch.empty(2, n, dtype=torch.bfloat16, device=device)
+    J[0].fill_(1.0)
+    whole = 7 * (n // 7)
+    J[1, :whole].view(-1, 7).copy_(pattern.to(torch.bfloat16))
+    J[1, whole:].copy_(pattern[: n - whole].to(torch.bfloat16))
+    J[1, -1] = 8.0
+    assert J.numel() > 2**31
+    counts = [n // 7 + (1 if k < n % 7 else 0) for k in range(7)]
+    last = float(pattern[(n - 1) % 7])
+    row_sum = sum(c * float(v) for c, v in zip(counts, pattern)) - last + 8.0
+    row_sq = sum(c * float(v) ** 2 for c, v in zip(counts, pattern)) - last**2 + 64.0
+    exact = torch.tensor([[float(n), row_sum], [row_sum, row_sq]], dtype=torch.float64)
+    torch.testing.assert_close(module.gram(J).double().cpu(), exact, rtol=1e-6, atol=0.0)
+
+    # params -= 2 * (0.5 J0 + 0.25 J1) = -(1 + J1 / 2): exact in bfloat16 for these values.
+    param = torch.zeros(n, dtype=torch.bfloat16, device=device)
+    module.combine(J, torch.tensor([0.5, 0.25], device=device), [param], 2.0)
+    step = 1 << 26
+    for start in range(0, n, step):
+        expected = -(1.0 + J[1, start : start + step].float() / 2)
+        assert torch.equal(param[start : start + step].float(), expected), f"columns {start}..{start + step}"
+    assert float(param[-1]) == -5.0
+    del J, param
+
+
 def test_cpu_results_do_not_depend_on_the_thread_count() -> None:
     # Sizes large enough that the kernels use every thread (each pass goes parallel only above
     # ~1 MB or ~64K loss entries per thread); the threads claim tasks dynamically, so this also
