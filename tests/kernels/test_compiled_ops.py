@@ -273,7 +273,8 @@ def test_bad_inputs_are_clear_errors(backend) -> None:
 
 
 # ------------------------------------------------------------------------------------ gram ops
-GRAM_TASKS = [1, 2, 3, 8, 40]
+# 13, 14 and 40 take the blocked CPU path (m >= 12: 2 x 4 blocks; 13 and 14 leave every remainder shape).
+GRAM_TASKS = [1, 2, 3, 8, 13, 14, 40]
 GRAM_COLUMNS = [1, 7, 1023, 100003]
 
 
