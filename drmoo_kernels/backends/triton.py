@@ -44,7 +44,7 @@ JacobianBlocks = Tensor | Sequence[Tensor]
 _GPU_TILE = 4096
 _INTERPRETER_TILE = 1 << 16
 _MAX_COLUMN_BLOCK = 64  # dual_forward: tasks per program
-# gram/combine: rows per register tile.  A 64 x 64 float32 accumulator fits a 4-warp program's
+# gram/combine: rows per register tile.  A 64 x 64 float32 accumulator fits an 8-warp program's
 # registers; 128 x 128 does not (ptxas spills it to local memory), so larger m is tiled.
 _MAX_ROW_BLOCK = 64
 
@@ -142,20 +142,27 @@ class CombineLaunch:
     block_n: int
 
 
+def _tile_elements(interpreted: bool) -> int:
+    return _INTERPRETER_TILE if interpreted else _GPU_TILE
+
+
+def _dual_launch(batch: int, tasks: int, block_m: int, interpreted: bool) -> DualLaunch:
+    """Rows per tile: the tile's element budget over its columns, at most the (padded) batch."""
+    block_b = min(max(_tile_elements(interpreted) // block_m, 1), _pow2(batch))
+    return DualLaunch(block_b, block_m, _cdiv(tasks, block_m))
+
+
 def dual_forward_launch(batch: int, tasks: int, interpreted: bool) -> DualLaunch:
-    tile = _INTERPRETER_TILE if interpreted else _GPU_TILE
-    block_m = min(_pow2(tasks), _MAX_COLUMN_BLOCK)
-    return DualLaunch(min(max(tile // block_m, 1), _pow2(batch)), block_m, _cdiv(tasks, block_m))
+    return _dual_launch(batch, tasks, min(_pow2(tasks), _MAX_COLUMN_BLOCK), interpreted)
 
 
 def dual_step_launch(batch: int, tasks: int, interpreted: bool) -> DualLaunch:
-    tile = _INTERPRETER_TILE if interpreted else _GPU_TILE
-    block_m = _pow2(tasks)  # all tasks in one program: mu is a norm over every task
-    return DualLaunch(min(max(tile // block_m, 1), _pow2(batch)), block_m, 1)
+    # All tasks in one program: mu is a norm over every task.
+    return _dual_launch(batch, tasks, _pow2(tasks), interpreted)
 
 
 def gram_launch(tasks: int, interpreted: bool) -> GramLaunch:
-    tile = _INTERPRETER_TILE if interpreted else _GPU_TILE
+    tile = _tile_elements(interpreted)
     block_m = min(_pow2(tasks), _MAX_ROW_BLOCK)
     use_dot = block_m >= 16
     if use_dot:
@@ -169,9 +176,8 @@ def gram_launch(tasks: int, interpreted: bool) -> GramLaunch:
 
 
 def combine_launch(tasks: int, interpreted: bool) -> CombineLaunch:
-    tile = _INTERPRETER_TILE if interpreted else _GPU_TILE
     block_m = min(_pow2(tasks), _MAX_ROW_BLOCK)
-    return CombineLaunch(block_m, max(16, tile // block_m))
+    return CombineLaunch(block_m, max(16, _tile_elements(interpreted) // block_m))
 
 
 def _divergence_constants(divergence: Divergence) -> tuple[float, float, float, float]:
