@@ -107,16 +107,22 @@ def head_leaves(losses: Tensor, shared: Sequence[Tensor]) -> list[Tensor]:
     if losses.grad_fn is None:
         return [losses] if losses.requires_grad and id(losses) not in shared_ids else []
     leaves: list[Tensor] = []
-    seen: set[int] = set()
+    leaf_ids: set[int] = set()
+    # The visited nodes are held here, not just their ids.  A graph node's Python object is a
+    # wrapper that torch may create on access and free when dropped (torch 2.11 does; 2.14 keeps
+    # it alive); once freed, its id is reused by the next wrapper, which would then count as
+    # "seen" and cut off its whole subtree -- the heads silently got no gradient on torch 2.11.
+    visited: dict[int, Any] = {}
     stack = [losses.grad_fn]
     while stack:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if node is None or id(node) in visited:
             continue
-        seen.add(id(node))
+        visited[id(node)] = node
         variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
         if isinstance(variable, Tensor):
-            if id(variable) not in shared_ids:
+            if id(variable) not in shared_ids and id(variable) not in leaf_ids:
+                leaf_ids.add(id(variable))
                 leaves.append(variable)
             continue
         stack.extend(next_node for next_node, _ in node.next_functions)
