@@ -6,12 +6,21 @@ the (row, column) positions below and overlapping pixels take the maximum:
 * 2 digits, canvas 36 x 36: top-left (0, 0) and bottom-right (8, 8) - a fixed diagonal offset;
 * 3 digits, canvas 42 x 42: top-left (0, 0), bottom-centre (14, 7) and top-right (0, 14).
 
-Task k's label is the class of the digit at position k.  Composite j of a split uses digit j of
-that split at position 0 and independently drawn digits of the same split at the other positions,
-so train composites are built from train digits only.  The canvas is resized (bilinear,
-antialiased) to ``input_size`` and kept as one uint8 channel; :meth:`MultiMnist.images` repeats
-it to 3 channels in [0, 1] for the ResNet.  Generated tensors are cached on disk, keyed by the
-recipe, the seed and the digit source.
+Task k's label is the class of the digit at position k.  Composite j of a split uses digit
+``j mod N`` of that split (N digits) at position 0 and independently drawn digits of the same
+split at the other positions, so train composites are built from train digits only, and a split
+may hold more composites than digits (each digit then leads ``count / N`` composites, paired with
+different partners).
+
+``shift > 0`` adds the classic Multi-MNIST random shifts (Sabour et al., 2017: every digit moved
+by up to 4 pixels in each direction): the canvas grows by ``shift`` on every side and each digit
+is pasted at its position above plus an independent offset drawn uniformly from
+``[-shift, shift]`` per axis, so no digit is ever cut off and the offsets are unbiased.
+``shift = 0`` is the fixed layout above.
+
+The canvas is resized (bilinear, antialiased) to ``input_size`` and kept as one uint8 channel;
+:meth:`MultiMnist.images` repeats it to 3 channels in [0, 1] for the ResNet.  Generated tensors
+are cached on disk, keyed by the recipe, the seed and the digit source.
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ from .mnist import DigitSplits, digit_source_fingerprint, load_mnist
 
 __all__ = ["POSITIONS", "MultiMnist", "MultiMnistRecipe", "compose", "default_cache_dir", "load_multimnist"]
 
-CANVAS: dict[int, int] = {2: 36, 3: 42}
+CANVAS: dict[int, int] = {2: 36, 3: 42}  # without shifts; shift s adds 2 s
+MAX_SHIFT = 14  # half a digit: beyond that a "shift" is a different layout
 POSITIONS: dict[int, tuple[tuple[int, int], ...]] = {
     2: ((0, 0), (8, 8)),
     3: ((0, 0), (14, 7), (0, 14)),
@@ -49,29 +59,60 @@ class MultiMnistRecipe:
     digits: int = 2
     input_size: int = 128
     seed: int = 0
-    train_size: int | None = None  # None: one composite per digit of the split
+    train_size: int | None = None  # None: one composite per digit of the split; may exceed the digits
     test_size: int | None = None
+    shift: int = 0  # random shift of every digit, up to this many pixels per axis (0: fixed layout)
 
     def __post_init__(self) -> None:
         if self.digits not in POSITIONS:
             raise ValueError(f"Multi-MNIST has 2 or 3 digits, got {self.digits}")
         if self.input_size < 8:
             raise ValueError(f"input_size must be >= 8, got {self.input_size}")
+        for name in ("train_size", "test_size"):
+            size = getattr(self, name)
+            if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+                raise ValueError(f"{name} must be None (one composite per digit) or an int >= 1, got {size!r}")
+        if isinstance(self.shift, bool) or not isinstance(self.shift, int) or not 0 <= self.shift <= MAX_SHIFT:
+            raise ValueError(f"shift must be an int in [0, {MAX_SHIFT}] pixels, got {self.shift!r}")
+
+    @property
+    def canvas(self) -> int:
+        """Side of the canvas before resizing."""
+        return CANVAS[self.digits] + 2 * self.shift
 
 
 def compose(
-    images: Tensor, labels: Tensor, count: int, digits: int, generator: torch.Generator
+    images: Tensor, labels: Tensor, count: int, digits: int, generator: torch.Generator, shift: int = 0
 ) -> tuple[Tensor, Tensor]:
-    """``count`` canvases [count, C, C] uint8 (C = CANVAS[digits]) and their labels [count, digits]."""
-    if count > images.shape[0]:
-        raise ValueError(f"asked for {count} composites from {images.shape[0]} digits")
-    canvas = torch.zeros(count, CANVAS[digits], CANVAS[digits], dtype=torch.uint8)
-    chosen = [torch.arange(count)] + [
+    """``count`` canvases [count, C, C] uint8 (C = CANVAS[digits] + 2 shift) and their labels [count, digits].
+
+    ``count`` may exceed the number of digits (position 0 cycles through them).  The partner
+    digits are drawn first and the shifts after them, so ``shift = 0`` draws exactly what the
+    fixed layout always drew.
+    """
+    if images.shape[0] < 1:
+        raise ValueError("cannot compose Multi-MNIST images from an empty digit split")
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    if not 0 <= shift <= MAX_SHIFT:
+        raise ValueError(f"shift must be in [0, {MAX_SHIFT}], got {shift}")
+    side = CANVAS[digits] + 2 * shift
+    canvas = torch.zeros(count, side, side, dtype=torch.uint8)
+    chosen = [torch.arange(count) % images.shape[0]] + [
         torch.randint(0, images.shape[0], (count,), generator=generator) for _ in range(digits - 1)
     ]
     for (row, col), index in zip(POSITIONS[digits], chosen):
-        window = canvas[:, row : row + 28, col : col + 28]
-        torch.maximum(window, images[index], out=window)
+        if shift == 0:
+            window = canvas[:, row : row + 28, col : col + 28]
+            torch.maximum(window, images[index], out=window)
+            continue
+        offsets = torch.randint(-shift, shift + 1, (count, 2), generator=generator)
+        # Paste the digits that share an offset together: at most (2 shift + 1)^2 groups.
+        for offset in torch.unique(offsets, dim=0).tolist():
+            rows = (offsets == torch.tensor(offset)).all(dim=1).nonzero().squeeze(1)
+            top, left = row + shift + offset[0], col + shift + offset[1]
+            window = canvas[rows, top : top + 28, left : left + 28]
+            canvas[rows, top : top + 28, left : left + 28] = torch.maximum(window, images[index[rows]])
     return canvas, torch.stack([labels[index] for index in chosen], dim=1)
 
 
@@ -108,8 +149,9 @@ class MultiMnist:
 
     def describe(self) -> str:
         r = self.recipe
+        layout = f"random shifts up to {r.shift}px" if r.shift else "fixed positions"
         return (f"Multi-MNIST {r.digits} digits, {r.input_size}x{r.input_size}, {self.train_images.shape[0]} train / "
-                f"{self.test_images.shape[0]} test composites from {self.source}, seed {r.seed}")
+                f"{self.test_images.shape[0]} test composites ({layout}) from {self.source}, seed {r.seed}")
 
 
 def _generate(recipe: MultiMnistRecipe, digits: DigitSplits) -> dict[str, Tensor | str]:
@@ -119,8 +161,8 @@ def _generate(recipe: MultiMnistRecipe, digits: DigitSplits) -> dict[str, Tensor
         ("train", digits.train_images, digits.train_labels, recipe.train_size),
         ("test", digits.test_images, digits.test_labels, recipe.test_size),
     ):
-        count = images.shape[0] if size is None else min(size, images.shape[0])
-        canvas, targets = compose(images, labels, count, recipe.digits, generator)
+        count = images.shape[0] if size is None else size
+        canvas, targets = compose(images, labels, count, recipe.digits, generator, recipe.shift)
         out[f"{split}_images"] = _resize(canvas, recipe.input_size)
         out[f"{split}_labels"] = targets
     return out
@@ -131,7 +173,8 @@ def load_multimnist(
 ) -> MultiMnist:
     """Generate (or read from the cache) the Multi-MNIST splits of ``recipe``."""
     fingerprint = digit_source_fingerprint(data_root)
-    key_text = json.dumps({**asdict(recipe), "source": fingerprint, "version": 3}, sort_keys=True)
+    # version 4: sizes above the digit count give more composites (version 3 capped them), shifts
+    key_text = json.dumps({**asdict(recipe), "source": fingerprint, "version": 4}, sort_keys=True)
     key = hashlib.sha1(key_text.encode()).hexdigest()[:16]
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cache / "multimnist" / f"{recipe.digits}digit-{recipe.input_size}px-{key}.pt"

@@ -1,13 +1,21 @@
-"""Aggregation over seeds, convergence plots and markdown tables for the experiments."""
+"""Aggregation over seeds, convergence plots and markdown tables for the experiments.
+
+Also the comparison with the paper: our mean ± std over seeds and rank per column beside the
+paper's numbers (:mod:`drmoo.experiments.paper_reference`), and Kendall's tau-b between the two
+orderings of the methods.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["aggregate_curves", "plot_convergence", "summary_table"]
+__all__ = ["aggregate_curves", "agreement_markdown", "fgsm_comparison", "kendall_tau_b", "mean_std",
+           "plot_convergence", "ranks", "side_by_side", "summary_table", "training_progress"]
 
 
 def aggregate_curves(records: list[dict[str, Any]], key: str = "balanced_grad_norm") -> list[dict[str, Any]]:
@@ -87,3 +95,215 @@ def summary_table(summary: dict[str, Any]) -> str:
             f"{last20['mean']:.4g} | {info['samples_per_iteration']} |"
         )
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- ours beside the paper's
+
+
+def kendall_tau_b(x: Sequence[float], y: Sequence[float]) -> float:
+    """Kendall's tau-b of two equally long sequences (ties in either corrected for); NaN when undefined.
+
+    tau_b = (C - D) / sqrt((C + D + T_x) (C + D + T_y)) over all pairs i < j, where C counts the
+    pairs ordered alike, D those ordered oppositely, T_x the pairs tied in x only and T_y those
+    tied in y only (pairs tied in both count nowhere).  Undefined (NaN) with fewer than two
+    items or when every pair is tied in x or in y.  O(n^2): the tables rank eight methods.
+    """
+    if len(x) != len(y):
+        raise ValueError(f"kendall_tau_b needs sequences of one length, got {len(x)} and {len(y)}")
+    concordant = discordant = tied_x = tied_y = 0
+    for i in range(len(x)):
+        for j in range(i + 1, len(x)):
+            dx, dy = x[i] - x[j], y[i] - y[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                tied_x += 1
+            elif dy == 0:
+                tied_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denominator = math.sqrt((concordant + discordant + tied_x) * (concordant + discordant + tied_y))
+    return (concordant - discordant) / denominator if denominator > 0 else math.nan
+
+
+def ranks(values: dict[str, float]) -> dict[str, float]:
+    """Rank of each key by value, 1 = the highest; ties share their mean rank; NaN values get no rank."""
+    finite = sorted(((v, k) for k, v in values.items() if not math.isnan(v)), key=lambda item: -item[0])
+    result: dict[str, float] = {}
+    start = 0
+    while start < len(finite):
+        stop = start
+        while stop + 1 < len(finite) and finite[stop + 1][0] == finite[start][0]:
+            stop += 1
+        for position in range(start, stop + 1):
+            result[finite[position][1]] = (start + stop) / 2 + 1
+        start = stop + 1
+    return result
+
+
+def _rank_text(rank: float | None) -> str:
+    if rank is None:
+        return "–"
+    return f"{rank:.0f}" if float(rank).is_integer() else f"{rank:g}"
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value); NaN, NaN for none."""
+    if not values:
+        return math.nan, math.nan
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1))
+
+
+def side_by_side(
+    experiment: str,
+    columns: Sequence[tuple[Any, str]],
+    per_seed: dict[str, dict[Any, list[float]]],
+    header: str,
+    extra: dict[str, dict[str, str]] | None = None,
+) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """Our mean ± std over seeds and rank per column, the paper's value and rank beside it, and Kendall's tau.
+
+    ``columns`` are (key, label) pairs: an FGSM eps or a metric key, and its heading.
+    ``per_seed[method][key]`` holds one value (%) per seed.  ``extra[method]`` adds columns after
+    the paper block (e.g. iterations, samples seen).  Ranks are over the methods of this
+    comparison (1 = best, ties share the mean rank), ours by the mean over seeds and the paper's
+    among the same methods; tau_b compares the two orderings per column over the methods both
+    have.  Returns the markdown, one row per (method, column) for a CSV, and the agreement
+    (per column tau_b, the number of methods it compares, and their mean).
+    """
+    from .paper_reference import reference_for
+
+    reference = reference_for(experiment)
+    methods = list(per_seed)
+    stats = {m: {key: mean_std(per_seed[m].get(key, [])) for key, _ in columns} for m in methods}
+    seeds = {m: {key: len(per_seed[m].get(key, [])) for key, _ in columns} for m in methods}
+    our_ranks = {key: ranks({m: stats[m][key][0] for m in methods}) for key, _ in columns}
+    paper: dict[Any, dict[str, float]] = {key: {} for key, _ in columns}
+    if reference is not None:
+        for key, _ in columns:
+            for method in methods:
+                value = reference.value(method, key)
+                if value is not None:
+                    paper[key][method] = value
+    paper_ranks = {key: ranks(paper[key]) for key, _ in columns}
+    in_paper = [(key, label) for key, label in columns if paper[key]]
+
+    agreement_rows = []
+    for key, label in in_paper:
+        both = [m for m in methods if m in paper[key] and not math.isnan(stats[m][key][0])]
+        tau = kendall_tau_b([paper[key][m] for m in both], [stats[m][key][0] for m in both]) if both else math.nan
+        agreement_rows.append({"column": label, "key": key, "tau_b": tau, "methods": len(both)})
+    finite = [row["tau_b"] for row in agreement_rows if not math.isnan(row["tau_b"])]
+    agreement = {
+        "experiment": experiment, "source": reference.source if reference else None,
+        "reference": reference.title if reference else None, "per_column": agreement_rows,
+        "mean_tau_b": sum(finite) / len(finite) if finite else math.nan,
+    }
+
+    extra_columns = list(dict.fromkeys(name for cells in (extra or {}).values() for name in cells))
+    headings = [f"{label} (ours)" for _, label in columns] + [f"{label} (paper)" for _, label in in_paper]
+    lines = [header, "", "| method | " + " | ".join(headings + extra_columns) + " |",
+             "|---|" + "---:|" * (len(headings) + len(extra_columns))]
+    rows = []
+    for method in methods:
+        cells = []
+        for key, _ in columns:
+            mean, std = stats[method][key]
+            rank = our_ranks[key].get(method)
+            if math.isnan(mean):
+                cells.append("n/a")
+            else:
+                spread = f" ± {std:.2f}" if seeds[method][key] > 1 else ""
+                cells.append(f"{mean:.2f}{spread} ({_rank_text(rank)})")
+            rows.append({"method": method, "column": key, "mean": mean, "std": std, "seeds": seeds[method][key],
+                         "rank": rank, "paper": paper[key].get(method), "paper_rank": paper_ranks[key].get(method)})
+        for key, _ in in_paper:
+            value = paper[key].get(method)
+            cells.append("–" if value is None else f"{value:.2f} ({_rank_text(paper_ranks[key].get(method))})")
+        cells += [(extra or {}).get(method, {}).get(name, "") for name in extra_columns]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: mean ± std over seeds (rank among these methods, 1 = best)."]
+    if reference is None:
+        lines.append(f"The paper reports no numbers for {experiment}.")
+    else:
+        lines += [f"Paper: {reference.title}; {reference.source}.", "", agreement_markdown(agreement)]
+    return "\n".join(lines) + "\n", rows, agreement
+
+
+def agreement_markdown(agreement: dict[str, Any]) -> str:
+    """Kendall's tau_b between the paper's ordering of the methods and ours, one column per table column."""
+    per_column = agreement["per_column"]
+    if not per_column:
+        return "No column of this comparison is in the paper: no agreement to measure.\n"
+
+    def text(tau: float) -> str:
+        return "n/a" if tau is None or math.isnan(tau) else f"{tau:+.2f}"
+
+    lines = [
+        "Agreement with the paper's ordering of the methods: Kendall's τ_b per column (+1 same order, "
+        "-1 reversed, 0 unrelated).",
+        "",
+        "| | " + " | ".join(row["column"] for row in per_column) + " | mean |",
+        "|---|" + "---:|" * (len(per_column) + 1),
+        "| τ_b | " + " | ".join(text(row["tau_b"]) for row in per_column) + f" | {text(agreement['mean_tau_b'])} |",
+        "| methods | " + " | ".join(str(row["methods"]) for row in per_column) + " | |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def training_progress(run_dir: Path) -> dict[str, int]:
+    """Iterations run and training samples drawn (all batches of every iteration), from metrics.json.
+
+    An "epoch" is ceil(N / B) iterations for every method, but the methods draw different numbers
+    of batches per iteration (Double-Clip 2, Double-Loop 1 + its inner steps, ...), so the samples
+    drawn are what compares their data budgets.  {} when the run has no metrics yet.
+    """
+    try:
+        epochs = json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(epochs, list) or not epochs or not isinstance(epochs[-1], dict):
+        return {}
+    last = epochs[-1]
+    progress = {}
+    for name, key in (("iterations", "step"), ("samples_seen", "samples")):
+        if isinstance(last.get(key), int) and not isinstance(last.get(key), bool):
+            progress[name] = last[key]
+    return progress
+
+
+def fgsm_comparison(
+    reports: list[dict[str, Any]], eps_values: Sequence[float], header: str, experiment: str
+) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """Table 1 beside the paper: accuracy (%) under FGSM per method and eps, iterations and samples seen.
+
+    ``reports`` are eval.json reports (``method``, ``results`` [{eps, mean_acc}]) with the
+    ``iterations`` / ``samples_seen`` of :func:`training_progress` where known.
+    """
+    per_seed: dict[str, dict[Any, list[float]]] = {}
+    budget: dict[str, dict[str, list[int]]] = {}
+    for report in reports:
+        mine = per_seed.setdefault(report["method"], {eps: [] for eps in eps_values})
+        for result in report["results"]:
+            for eps in eps_values:
+                if math.isclose(result["eps"], eps, rel_tol=0.0, abs_tol=1e-12):
+                    mine[eps].append(100 * result["mean_acc"])
+        spent = budget.setdefault(report["method"], {"iterations": [], "samples seen": []})
+        for name, key in (("iterations", "iterations"), ("samples seen", "samples_seen")):
+            if key in report:
+                spent[name].append(int(report[key]))
+    extra = {
+        method: {name: (f"{round(sum(v) / len(v)):,}" if v else "n/a") for name, v in spent.items()}
+        for method, spent in budget.items()
+    }
+    columns = [(eps, "Clean" if eps == 0 else f"{eps:g}") for eps in eps_values]
+    table, rows, agreement = side_by_side(experiment, columns, per_seed, header, extra)
+    for row in rows:
+        row["eps"] = row.pop("column")
+        spent = budget[row["method"]]
+        row["iterations"] = sum(spent["iterations"]) / len(spent["iterations"]) if spent["iterations"] else None
+        row["samples_seen"] = sum(spent["samples seen"]) / len(spent["samples seen"]) if spent["samples seen"] else None
+    return table, rows, agreement
