@@ -91,7 +91,8 @@ def _float_list(text: str) -> list[float]:
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``train`` and ``compare`` (None = take the preset's value)."""
     parser.add_argument("--experiment", default="multimnist2", help="multimnist2 | multimnist3 | celeba")
-    parser.add_argument("--preset", default="quick", help="quick (CPU demo) | paper (App. D settings)")
+    parser.add_argument("--preset", default="quick", help="quick (CPU demo) | medium (Multi-MNIST: 8 methods in "
+                        "~10 GPU minutes) | paper (App. D settings)")
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--input-size", type=int, help="image side in pixels (paper: 128 for 2 digits, 96 for 3)")
@@ -117,7 +118,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 def _run_config(args: argparse.Namespace, method: str, seed: int) -> Any:
     import torch
 
-    from drmoo.experiments.training import RunConfig, get_experiment
+    from drmoo.experiments.registry import get_experiment
+    from drmoo.experiments.training import RunConfig
 
     experiment = get_experiment(args.experiment)
     if args.preset not in experiment.presets:
@@ -186,7 +188,8 @@ def _run_train(args: argparse.Namespace) -> int:
         if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
             return _launch_torchrun(args.nproc, args.argv)
 
-    from drmoo.experiments.training import RunConfig, get_experiment, train
+    from drmoo.experiments.registry import get_experiment
+    from drmoo.experiments.training import RunConfig, train
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -217,6 +220,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--attack", default="fgsm", help="fgsm (the paper's attack)")
     parser.add_argument("--eps", type=_float_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
                         help="FGSM budgets (Multi-MNIST; CelebA is evaluated clean)")
+    _add_eps_space(parser)
     parser.add_argument("--device", help="override the run's device")
     parser.add_argument("--quiet", action="store_true")
     parser.set_defaults(handler=_run_eval)
@@ -225,7 +229,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 def _run_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from drmoo.experiments.training import get_experiment
+    from drmoo.experiments.registry import get_experiment
 
     if args.attack != "fgsm":
         raise ValueError(f"unknown attack {args.attack!r}; valid choices: fgsm")
@@ -233,10 +237,30 @@ def _run_eval(args: argparse.Namespace) -> int:
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} does not exist: is {args.run} a run directory of drmoo train?")
     experiment = get_experiment(json.loads(config_path.read_text())["experiment"])
-    report = experiment.evaluate(Path(args.run), eps=args.eps, progress=not args.quiet, device=args.device)
+    report = experiment.evaluate(Path(args.run), eps=args.eps, progress=not args.quiet, device=args.device,
+                                 **_eps_space_option(args, experiment.evaluate, experiment.name))
     print(experiment.eval_table(report))
     print(f"wrote {Path(args.run) / 'eval.json'}")
     return 0
+
+
+def _add_eps_space(parser: argparse.ArgumentParser) -> None:
+    from drmoo.attacks import EPS_SPACES
+
+    parser.add_argument("--eps-space", choices=EPS_SPACES,
+                        help="FGSM: pixel (default; eps on the [0, 1] image) | normalized (eps after ImageNet "
+                        "normalisation: the pixel step is eps * std per channel, ~4.4x smaller); see drmoo.attacks")
+
+
+def _eps_space_option(args: argparse.Namespace, command: Any, experiment: str) -> dict[str, str]:
+    """{'eps_space': ...} when --eps-space was given; refused for an experiment without FGSM (CelebA)."""
+    import inspect
+
+    if args.eps_space is None:
+        return {}
+    if "eps_space" not in inspect.signature(command).parameters:
+        raise ValueError(f"--eps-space applies to the FGSM experiments; {experiment} is not attacked")
+    return {"eps_space": args.eps_space}
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
@@ -246,6 +270,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--methods", type=_comma_list, default=["all"], help="all or a comma-separated list")
     parser.add_argument("--seeds", type=_int_list, default=[0])
     parser.add_argument("--eps", type=_float_list, default=[0.0, 0.01, 0.03, 0.05, 0.08])
+    _add_eps_space(parser)
     parser.add_argument("--out", required=True, help="output directory (finished runs in it are reused)")
     parser.set_defaults(handler=_run_compare)
 
@@ -253,7 +278,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 def _run_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from drmoo.experiments.training import get_experiment
+    from drmoo.experiments.registry import get_experiment
     from drmoo.optim import available
 
     methods = list(available()) if args.methods == ["all"] else args.methods
@@ -261,7 +286,9 @@ def _run_compare(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; valid choices: {', '.join(available())}")
     configs = [_run_config(args, method, seed) for method in methods for seed in args.seeds]
-    table = get_experiment(args.experiment).compare(configs, Path(args.out), eps=args.eps, progress=not args.quiet)
+    experiment = get_experiment(args.experiment)
+    table = experiment.compare(configs, Path(args.out), eps=args.eps, progress=not args.quiet,
+                               **_eps_space_option(args, experiment.compare, experiment.name))
     print(table)
     return 0
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from drmoo.cli import main
 from drmoo.experiments import celeba
 from drmoo.experiments.celeba import PAPER_METHOD_HPARAMS, PRESETS, label_balancing_weights, method_hparams
-from drmoo.experiments.training import get_experiment
+from drmoo.experiments.registry import get_experiment
 from drmoo.optim import available
 from drmoo.optim._base import MultiObjectiveOptimizer
 

@@ -25,8 +25,9 @@ from drmoo.metrics import task_metrics
 from drmoo.models import MultiTaskResNet, resolve_weights
 from drmoo.optim import available
 
+from .registry import Experiment, register
 from .robustness import ensure_trained, mean_std
-from .training import Experiment, RunConfig, load_trained
+from .training import RunConfig, load_trained
 
 __all__ = ["CELEBA", "PAPER_METHOD_HPARAMS", "PRESETS", "build_celeba", "compare_celeba", "evaluate_celeba",
            "label_balancing_weights", "method_hparams", "metrics_table", "table_two"]
@@ -208,7 +209,7 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
     return table
 
 
-CELEBA = Experiment(
+CELEBA = register(Experiment(
     name="celeba", build=build_celeba, presets=PRESETS, method_hparams=method_hparams, evaluate=evaluate_celeba,
     eval_table=metrics_table, compare=compare_celeba, sample_weight=label_balancing_weights,
-)
+))

@@ -14,7 +14,10 @@ from typing import Any
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from . import multimnist
 from .multimnist import build_multimnist
+from .registry import Experiment, register
+from .reporting import fgsm_comparison, training_progress
 from .training import RunConfig, evaluate_robustness, train
 
 __all__ = ["compare", "ensure_trained", "eval_table", "robustness_table"]
@@ -24,7 +27,7 @@ def eval_table(report: dict[str, Any]) -> str:
     """One run's FGSM accuracies as a markdown table (rows eps, columns tasks + mean)."""
     tasks = len(report["results"][0]["task_acc"])
     lines = [
-        f"FGSM on {report['test_samples']} test images "
+        f"FGSM on {report['test_samples']} test images, eps in {report.get('eps_space', 'pixel')} units "
         f"({report['experiment']}, {report['method']}, seed {report['seed']})",
         "",
         "| eps | " + " | ".join(f"task {i + 1}" for i in range(tasks)) + " | mean |",
@@ -103,8 +106,13 @@ def ensure_trained(config: RunConfig, run_dir: Path, build: Callable[[RunConfig]
     (run_dir / "eval.json").unlink(missing_ok=True)
 
 
-def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progress: bool = True) -> str:
-    """Train (skipping finished runs, resuming interrupted ones) and evaluate each config; write the tables."""
+def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progress: bool = True,
+            eps_space: str = "pixel") -> str:
+    """Train (skipping finished runs, resuming interrupted ones) and evaluate each config; write the tables.
+
+    table.md / table.csv: ours (mean ± std over seeds, rank per eps, iterations and samples drawn)
+    beside the paper's Table 1; agreement.json: Kendall's tau-b of the two orderings per eps.
+    """
     out.mkdir(parents=True, exist_ok=True)
     reports, started = [], time.perf_counter()
     for config in tqdm(configs, desc="compare", disable=not progress):
@@ -112,23 +120,49 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
         ensure_trained(config, run_dir, build_multimnist, progress)
         eval_path = run_dir / "eval.json"
         report = json.loads(eval_path.read_text()) if eval_path.is_file() else None
-        if report is None or [r["eps"] for r in report["results"]] != list(eps_values):
-            report = evaluate_robustness(run_dir, build_multimnist, list(eps_values), progress=False)
-        reports.append(report)
+        if (report is None or [r["eps"] for r in report["results"]] != list(eps_values)
+                or report.get("eps_space", "pixel") != eps_space):
+            report = evaluate_robustness(run_dir, build_multimnist, list(eps_values), progress=False,
+                                         eps_space=eps_space)
+        reports.append({**report, **training_progress(run_dir)})
     first = configs[0]
     seeds = sorted({c.seed for c in configs})
     seed_text = f"mean ± std over seeds {','.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
     header = (
         f"### {first.experiment}: accuracy (%) under FGSM, mean over tasks ({seed_text})\n\n"
         f"preset `{first.preset}`: {first.input_size}px inputs, {first.epochs} epoch(s), batch {first.batch_size}, "
-        f"train composites {first.train_size or 'all'}, test composites {reports[0]['test_samples']}, weights "
-        f"`{first.weights}`, device {first.device}; wall time {time.perf_counter() - started:.0f}s"
+        f"train composites {first.train_size or 'all'}"
+        f"{' (random shifts)' if multimnist.PRESET_SHIFT.get(first.preset) else ''}, test composites "
+        f"{reports[0]['test_samples']}, weights `{first.weights}`, device {first.device}; FGSM eps in {eps_space} "
+        f"units; wall time {time.perf_counter() - started:.0f}s.  Every method runs ceil(N/B) iterations per "
+        "epoch but draws a different number of batches per iteration: compare the samples seen."
     )
-    table, rows = robustness_table(reports, list(eps_values), header)
+    table, rows, agreement = fgsm_comparison(reports, list(eps_values), header, first.experiment)
     (out / "table.md").write_text(table)
+    (out / "agreement.json").write_text(json.dumps({**agreement, "eps_space": eps_space}, indent=2))
     with (out / "table.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     _plot(rows, out / "robustness.png", f"{first.experiment} ({first.preset} preset): accuracy vs FGSM eps")
     return table
+
+
+def _multimnist_experiment(name: str) -> Experiment:
+    """Multi-MNIST with ``name``'s digit count: built by multimnist.py, FGSM-evaluated and compared here."""
+
+    def evaluate(run_dir: Path, *, eps: list[float], progress: bool = True, device: str | None = None,
+                 eps_space: str = "pixel") -> dict[str, Any]:
+        return evaluate_robustness(run_dir, build_multimnist, eps, progress=progress, device=device,
+                                   eps_space=eps_space)
+
+    def compare_runs(configs: list[RunConfig], out: Path, *, eps: list[float], progress: bool = True,
+                     eps_space: str = "pixel") -> str:
+        return compare(configs, out, eps, progress=progress, eps_space=eps_space)
+
+    presets = {preset: values[name] for preset, values in multimnist.PRESETS.items()}
+    return Experiment(name, build_multimnist, presets, multimnist.method_hparams, evaluate, eval_table, compare_runs)
+
+
+for _name in multimnist.EXPERIMENTS:  # registered on import (drmoo.experiments.registry looks them up)
+    register(_multimnist_experiment(_name))

@@ -29,11 +29,12 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from drmoo import distributed
-from drmoo.attacks import fgsm
+from drmoo.attacks import fgsm, pixel_step
 from drmoo.optim import NonFiniteStepError, create
 
-__all__ = ["Experiment", "IndexStream", "RunConfig", "TrainingInterrupted", "evaluate_robustness", "experiments",
-           "get_experiment", "load_trained", "train"]
+from .reporting import training_progress
+
+__all__ = ["IndexStream", "RunConfig", "TrainingInterrupted", "evaluate_robustness", "load_trained", "train"]
 
 CHECKPOINT = "checkpoint.pt"
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -156,15 +157,16 @@ class _StopFlag:
 
 @torch.no_grad()
 def accuracy(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int, device: torch.device,
-             to_input: Callable[[Tensor], Tensor], eps: float = 0.0) -> list[float]:
-    """Per-task accuracy over a split, optionally under FGSM with budget ``eps``."""
+             to_input: Callable[[Tensor], Tensor], eps: float = 0.0, eps_space: str = "pixel") -> list[float]:
+    """Per-task accuracy over a split, optionally under FGSM with budget ``eps`` (in ``eps_space``, see attacks)."""
     model.eval()
+    step_scale = pixel_step(model, eps_space)
     correct = torch.zeros(labels.shape[1], dtype=torch.long)
     for start in range(0, labels.shape[0], batch_size):
         x = to_input(images[start : start + batch_size]).to(device)
         y = labels[start : start + batch_size].to(device)
         if eps > 0:
-            x = fgsm(model, x, y, eps)
+            x = fgsm(model, x, y, eps, step_scale=step_scale)
         logits = model(x)
         correct += torch.stack([(z.argmax(1) == y[:, i]).sum() for i, z in enumerate(logits)]).cpu()
     return (correct.double() / labels.shape[0]).tolist()
@@ -374,65 +376,20 @@ def load_trained(run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, An
 
 def evaluate_robustness(
     run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], eps_values: list[float],
-    progress: bool = True, device: str | None = None,
+    progress: bool = True, device: str | None = None, eps_space: str = "pixel",
 ) -> dict[str, Any]:
-    """FGSM accuracy per task and on average for each eps; writes and returns eval.json's content."""
+    """FGSM accuracy per task and on average for each eps; writes and returns eval.json's content.
+
+    eval.json also records the eps space and the training budget spent (iterations, samples drawn).
+    """
     config, model, data, target = load_trained(run_dir, build, device)
     results = []
     for eps in tqdm(eps_values, desc="FGSM", disable=not progress):
-        task_acc = accuracy(model, data.test_images, data.test_labels, 2 * config.batch_size, target, data.images, eps)
+        task_acc = accuracy(model, data.test_images, data.test_labels, 2 * config.batch_size, target, data.images, eps,
+                            eps_space)
         results.append({"eps": eps, "mean_acc": sum(task_acc) / len(task_acc), "task_acc": task_acc})
     report = {"run": str(run_dir), "method": config.method, "seed": config.seed, "experiment": config.experiment,
-              "attack": "fgsm", "test_samples": int(data.test_labels.shape[0]), "results": results}
+              "attack": "fgsm", "eps_space": eps_space, "test_samples": int(data.test_labels.shape[0]),
+              **training_progress(run_dir), "results": results}
     (run_dir / "eval.json").write_text(json.dumps(report, indent=2))
     return report
-
-
-@dataclass(frozen=True)
-class Experiment:
-    """What ``drmoo train / eval / compare`` need to know about one deep experiment.
-
-    ``evaluate(run_dir, eps=..., progress=..., device=...)`` writes and returns eval.json's report,
-    ``eval_table(report)`` prints it, ``compare(configs, out, eps=..., progress=...)`` trains and
-    evaluates every config and returns the markdown table.  ``eps`` matters to FGSM experiments only.
-    """
-
-    name: str
-    build: Callable[[RunConfig], tuple[nn.Module, Any]]
-    presets: dict[str, dict[str, Any]]  # preset name -> RunConfig fields
-    method_hparams: Callable[[str, dict[str, Any] | None], dict[str, Any]]
-    evaluate: Callable[..., dict[str, Any]]
-    eval_table: Callable[[dict[str, Any]], str]
-    compare: Callable[..., str]
-    sample_weight: Callable[[Tensor], Tensor] | None = None  # labels [B, m] -> importance weights [B, m]
-
-
-def _multimnist_experiment(name: str) -> Experiment:
-    from . import multimnist, robustness
-
-    def evaluate(run_dir: Path, *, eps: list[float], progress: bool = True, device: str | None = None
-                 ) -> dict[str, Any]:
-        return evaluate_robustness(run_dir, multimnist.build_multimnist, eps, progress=progress, device=device)
-
-    def compare(configs: list[RunConfig], out: Path, *, eps: list[float], progress: bool = True) -> str:
-        return robustness.compare(configs, out, eps, progress=progress)
-
-    presets = {preset: values[name] for preset, values in multimnist.PRESETS.items()}
-    return Experiment(name, multimnist.build_multimnist, presets, multimnist.method_hparams, evaluate,
-                      robustness.eval_table, compare)
-
-
-def experiments() -> dict[str, Experiment]:
-    """Every experiment the deep-learning commands run, by ``--experiment`` name."""
-    # Imported here: those modules import this one.
-    from .celeba import CELEBA
-    from .multimnist import EXPERIMENTS as MULTIMNIST
-
-    return {**{name: _multimnist_experiment(name) for name in MULTIMNIST}, CELEBA.name: CELEBA}
-
-
-def get_experiment(name: str) -> Experiment:
-    known = experiments()
-    if name not in known:
-        raise ValueError(f"unknown experiment {name!r}; valid choices: {', '.join(known)}")
-    return known[name]
