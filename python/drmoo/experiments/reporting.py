@@ -301,8 +301,9 @@ def fgsm_comparison(
     }
     columns = [(eps, "Clean" if eps == 0 else f"{eps:g}") for eps in eps_values]
     table, rows, agreement = side_by_side(experiment, columns, per_seed, header, extra)
-    for row in rows:
+    for row in rows:  # robustness.csv's columns since before the paper block: method, eps, mean_acc, std_acc, seeds
         row["eps"] = row.pop("column")
+        row["mean_acc"], row["std_acc"] = row.pop("mean"), row.pop("std")
         spent = budget[row["method"]]
         row["iterations"] = sum(spent["iterations"]) / len(spent["iterations"]) if spent["iterations"] else None
         row["samples_seen"] = sum(spent["samples seen"]) / len(spent["samples seen"]) if spent["samples seen"] else None
