@@ -48,7 +48,11 @@ def test_report_embeds_tables_and_links_images_relative_to_itself(results: Path,
 
     # Each kind is recognised, its table embedded (headings demoted below the report's own).
     assert "Synthetic comparison: linear" in text and "| double-clip | " in text
-    assert "Robustness comparison: compare" in text and "| method | Clean | 0.03 |" in text
+    assert "Robustness comparison: compare" in text
+    # ours beside the paper's Table 1 (rank in brackets), the samples each run drew, Kendall's tau per eps
+    assert "| method | Clean (ours) | 0.03 (ours) | Clean (paper) | 0.03 (paper) | iterations | samples seen |" in text
+    assert "95.66 (1)" in text and "| τ_b | n/a | n/a | n/a |" in text  # one method: no ordering to compare
+    assert "- **paper agreement**: Kendall's τ_b" in text and "- **FGSM eps**: pixel units" in text
     assert "Kernel benchmarks: " in text and "| dual_step | B=256 m=2 |" in text
     assert "Ablation on inner (linear)" in text and "| 5 | double-loop | ok |" in text
     assert "Wall-clock time per iteration" in text and "| mgda |" in text
@@ -96,3 +100,26 @@ def test_nothing_recognised_and_bad_out(tmp_path: Path, capsys: pytest.CaptureFi
     assert "No recognised results were found." in text and "empty" in text.split("## Skipped", 1)[1]
     assert main(["report", "--runs", str(tmp_path / "empty"), "--out", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_a_comparison_without_the_paper_block_gets_it_from_table_csv(tmp_path: Path) -> None:
+    """CelebA's compare writes Table 2 without the paper's numbers: the report rebuilds them beside ours."""
+    directory = tmp_path / "celeba-compare"
+    for method in ("double-clip", "mgda", "moco"):
+        (directory / f"{method}-seed0").mkdir(parents=True)
+        (directory / f"{method}-seed0" / "config.json").write_text(json.dumps(
+            {"experiment": "celeba", "method": method, "seed": 0, "preset": "quick"}))
+    (directory / "table.md").write_text("### CelebA\n\n| method | Averaged Accuracy |\n")
+    rows = ["method,seeds,mean_accuracy,std_accuracy,mean_balanced_accuracy,std_balanced_accuracy,mean_auc,std_auc",
+            "double-clip,1,80.0,0,70.0,0,75.0,0", "mgda,1,85.0,0,60.0,0,76.0,0", "moco,1,90.0,0,65.0,0,74.0,0"]
+    (directory / "table.csv").write_text("\n".join(rows) + "\n")
+    report = tmp_path / "report.md"
+    assert main(["report", "--runs", str(directory), "--out", str(report)]) == 0
+    text = report.read_text()
+    assert "Beside the paper (rebuilt by `drmoo report` from table.csv" in text
+    assert "| double-clip | 80.00 (3) | 70.00 (1) | 75.00 (2) | 88.41 (1) | 89.55 (1) | 94.63 (1) |" in text
+    # accuracy: paper dc > moco > mgda, ours moco > mgda > dc -> tau -1/3; balanced: ours dc > moco > mgda = paper: +1
+    # AUC: paper dc > moco > mgda, ours mgda > dc > moco -> -1/3
+    assert "| τ_b | -0.33 | +1.00 | -0.33 | +0.11 |" in text
+    assert "- **paper agreement**: Kendall's τ_b between the paper's ordering of the methods and ours: mean +0.11" \
+        in text

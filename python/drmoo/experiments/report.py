@@ -156,15 +156,78 @@ def _run_provenance(configs: list[dict[str, Any]]) -> dict[str, str]:
     return provenance
 
 
+def _agreement_text(agreement: dict[str, Any]) -> str:
+    def tau(value: Any) -> str:
+        return f"{value:+.2f}" if isinstance(value, (int, float)) and value == value else "n/a"
+
+    columns = ", ".join(f"{row.get('column')} {tau(row.get('tau_b'))}" for row in agreement.get("per_column", []))
+    mean = tau(agreement.get("mean_tau_b"))
+    return (f"Kendall's τ_b between the paper's ordering of the methods and ours: mean {mean} ({columns}); "
+            f"against {agreement.get('reference')}")
+
+
+def _paper_block(directory: Path, experiment: str | None) -> tuple[str | None, dict[str, Any] | None]:
+    """Ours beside the paper, rebuilt from table.csv for comparisons written without it (CelebA, older runs).
+
+    table.csv keeps only the mean over seeds, so ours shows no spread here.
+    """
+    from .paper_reference import reference_for
+    from .reporting import side_by_side
+
+    reference = reference_for(experiment or "")
+    if reference is None:
+        return None, None
+    try:
+        with (directory / "table.csv").open(newline="") as handle:
+            rows = list(csv.DictReader(handle))
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return None, None
+    per_seed: dict[str, dict[Any, list[float]]] = {}
+    columns: dict[Any, str] = {}
+    for row in rows:
+        method = row.get("method")
+        if not method:
+            continue
+        try:
+            if "eps" in row and "mean_acc" in row:  # Table 1 layout: one row per (method, eps)
+                eps = float(row["eps"])
+                columns.setdefault(eps, "Clean" if eps == 0 else f"{eps:g}")
+                per_seed.setdefault(method, {}).setdefault(eps, []).append(float(row["mean_acc"]))
+            else:  # Table 2 layout: one row per method, a column per metric
+                for key, label in zip(reference.columns, reference.labels):
+                    if row.get(key) not in (None, ""):
+                        columns.setdefault(key, label)
+                        per_seed.setdefault(method, {}).setdefault(key, []).append(float(row[key]))
+        except ValueError:
+            return None, None
+    if not per_seed:
+        return None, None
+    header = ("Beside the paper (rebuilt by `drmoo report` from table.csv: ours is the mean over seeds; "
+              "ranks in brackets)")
+    table, _, agreement = side_by_side(experiment or "", list(columns.items()), per_seed, header)
+    return table, agreement
+
+
 def _robustness(directory: Path) -> list[Section]:
     if not ((directory / "table.md").is_file() and (directory / "table.csv").is_file()):
         return []
+    configs = _run_configs(directory)
+    provenance = _run_provenance(configs)
+    tables = [(directory / "table.md").read_text()]
+    agreement = _read_json(directory / "agreement.json")  # drmoo compare's paper block is already in table.md
+    if agreement is None:
+        block, agreement = _paper_block(directory, configs[0].get("experiment") if configs else None)
+        if block is not None:
+            tables.append(block)
+    if agreement is not None and agreement.get("per_column"):
+        provenance["paper agreement"] = _agreement_text(agreement)
+    if agreement is not None and agreement.get("eps_space"):
+        provenance["FGSM eps"] = f"{agreement['eps_space']} units"
     return [Section(
         kind="robustness comparison", directory=directory, title=f"Robustness comparison: {directory.name}",
-        provenance=_run_provenance(_run_configs(directory)),
-        tables=[(directory / "table.md").read_text()],
+        provenance=provenance, tables=tables,
         images=_existing(directory, "robustness.png"),
-        links=_existing(directory, "table.csv"),
+        links=_existing(directory, "table.csv", "agreement.json"),
     )]
 
 
