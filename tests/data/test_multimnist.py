@@ -120,3 +120,76 @@ def test_bad_recipes() -> None:
         MultiMnistRecipe(digits=4)
     with pytest.raises(ValueError, match="input_size"):
         MultiMnistRecipe(input_size=4)
+
+
+def marker_digits(count: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Digit k is black but for one pixel at its top-left corner: the canvas shows where each digit went."""
+    images = torch.zeros(count, 28, 28, dtype=torch.uint8)
+    images[:, 0, 0] = 255
+    return images, torch.arange(count)
+
+
+def test_shifted_composites_move_every_digit_independently_and_unbiased() -> None:
+    images, labels = marker_digits()
+    shift, count = 4, 3000
+    canvas, targets = compose(images, labels, count, 3, torch.Generator().manual_seed(0), shift=shift)
+    assert canvas.shape == (count, CANVAS[3] + 2 * shift, CANVAS[3] + 2 * shift) and targets.shape == (count, 3)
+    # With 3 digits the corners' reachable boxes are disjoint, so each corner says which digit it is.
+    offsets = torch.zeros(count, 3, 2, dtype=torch.long)
+    for j in range(count):
+        corners = canvas[j].nonzero().tolist()
+        assert len(corners) == 3
+        for k, (row, col) in enumerate(POSITIONS[3]):
+            mine = [(r, c) for r, c in corners
+                    if row <= r <= row + 2 * shift and col <= c <= col + 2 * shift]
+            assert len(mine) == 1, (j, k, corners)
+            offsets[j, k] = torch.tensor(mine[0]) - torch.tensor([row + shift, col + shift])
+    assert int(offsets.min()) == -shift and int(offsets.max()) == shift
+    for k in range(3):  # every one of the 81 offsets occurs, and they average to ~0 (no edge bias)
+        assert len({tuple(o) for o in offsets[:, k].tolist()}) == (2 * shift + 1) ** 2
+        assert offsets[:, k].double().mean(0).abs().max() < 0.25
+    assert not torch.equal(offsets[:, 0], offsets[:, 1])  # independent per digit
+
+
+def test_more_composites_than_digits_cycle_the_first_position() -> None:
+    images, labels = stamp_digits(10)
+    canvas, targets = compose(images, labels, 25, 2, torch.Generator().manual_seed(0), shift=2)
+    assert canvas.shape == (25, 40, 40)
+    assert torch.equal(targets[:, 0], labels[torch.arange(25) % 10])
+    # every digit is pasted whole: the window of the first digit holds its value everywhere
+    full = stamp_digits(10)[0].fill_(255)
+    canvas, _ = compose(full, labels, 25, 2, torch.Generator().manual_seed(1), shift=2)
+    assert int((canvas > 0).sum(dim=(1, 2)).min()) >= 28 * 28
+    with pytest.raises(ValueError, match="empty digit split"):
+        compose(images[:0], labels[:0], 3, 2, torch.Generator())
+
+
+def test_unshifted_composites_are_the_fixed_layout() -> None:
+    images, labels = stamp_digits()
+    fixed, fixed_targets = compose(images, labels, 10, 2, torch.Generator().manual_seed(5))
+    again, again_targets = compose(images, labels, 10, 2, torch.Generator().manual_seed(5), shift=0)
+    assert torch.equal(fixed, again) and torch.equal(fixed_targets, again_targets)
+
+
+def test_recipe_sizes_above_the_digit_count_and_shifts(tmp_path: Path) -> None:
+    _mnist_tree(tmp_path, compress=False)  # 30 train / 12 test digits
+    recipe = MultiMnistRecipe(digits=2, input_size=20, train_size=100, test_size=30, shift=4)
+    data = load_multimnist(recipe, data_root=tmp_path, cache_dir=tmp_path / "c")
+    digits = load_mnist(tmp_path)
+    assert data.train_labels.shape == (100, 2) and data.test_images.shape == (30, 1, 20, 20)
+    assert torch.equal(data.train_labels[:, 0], digits.train_labels[torch.arange(100) % 30])
+    assert "random shifts up to 4px" in data.describe() and recipe.canvas == 44
+    unshifted = load_multimnist(MultiMnistRecipe(digits=2, input_size=20, train_size=100, test_size=30),
+                                data_root=tmp_path, cache_dir=tmp_path / "c")
+    assert not torch.equal(unshifted.train_images, data.train_images)  # a separate cache entry
+    assert "fixed positions" in unshifted.describe()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"shift": -1}, "shift must be an int in"), ({"shift": 15}, "shift must be an int in"),
+    ({"shift": True}, "shift must be an int in"), ({"train_size": 0}, "train_size must be None"),
+    ({"test_size": 2.5}, "test_size must be None"),
+])
+def test_bad_sizes_and_shifts(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MultiMnistRecipe(**kwargs)
