@@ -11,7 +11,7 @@ import torch
 
 from drmoo.cli import main
 from drmoo.experiments.multimnist import build_multimnist, method_hparams
-from drmoo.experiments.training import RunConfig, train
+from drmoo.experiments.training import RunConfig, read_checkpoint, train
 
 
 def test_bf16_autocast_trains_with_float32_parameters(tmp_path: Path) -> None:
@@ -32,7 +32,7 @@ def test_bf16_autocast_trains_with_float32_parameters(tmp_path: Path) -> None:
     assert torch.bfloat16 in seen, "the forward should run in bfloat16 under autocast"
     rows = list(csv.DictReader((tmp_path / "run" / "steps.csv").open()))
     assert len(rows) == 2 and all(math.isfinite(float(r["balanced_grad_norm"])) for r in rows)
-    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    state = read_checkpoint(tmp_path / "run")
     assert all(v.dtype == torch.float32 for k, v in state["model"].items() if v.is_floating_point())
 
 
@@ -60,7 +60,7 @@ def test_fp16_overflowing_step_is_skipped_not_applied(tmp_path: Path, monkeypatc
     train(config, tmp_path / "run", build_multimnist, progress=False)
     rows = list(csv.DictReader((tmp_path / "run" / "steps.csv").open()))
     assert [int(r["step"]) for r in rows] == [1, 2]  # the overflow did not count as a step
-    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    state = read_checkpoint(tmp_path / "run")
     skipped = state["grad_scale"]["skipped_steps"]
     assert skipped >= 1  # the injected overflow (and any the 2^16 start scale causes) was skipped
     assert state["grad_scale"]["value"] == 2.0**16 / 2**skipped  # halved per overflow, as GradScaler does

@@ -43,7 +43,7 @@ def test_train_then_eval_every_method(tmp_path: Path, cache_dir: str, method: st
 
 
 def _model_state(run: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(run / "checkpoint.pt", weights_only=False)
+    state = training.read_checkpoint(run)
     return {**state["model"], "w": state["optimizer"]["state"]["drmoo"]["w"],
             "eta": state["optimizer"]["state"]["drmoo"]["eta"]}
 
@@ -70,7 +70,7 @@ def test_resume_after_an_interrupt_equals_an_uninterrupted_run(tmp_path: Path, c
     monkeypatch.setattr(training.IndexStream, "__call__", draw_then_signal)
     assert main([*common, "--out", str(interrupted)]) == 130
     monkeypatch.setattr(training.IndexStream, "__call__", original)
-    stopped_at = torch.load(interrupted / "checkpoint.pt", weights_only=False)["step"]
+    stopped_at = training.read_checkpoint(interrupted)["step"]
     assert stopped_at == 4 and not (interrupted / "done").exists()
 
     assert main(["train", "--resume", str(interrupted), "--quiet"]) == 0

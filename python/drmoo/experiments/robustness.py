@@ -18,7 +18,15 @@ from . import multimnist
 from .multimnist import build_multimnist
 from .registry import Experiment, register
 from .reporting import fgsm_comparison, training_progress
-from .training import RunConfig, evaluate_robustness, train
+from .training import (
+    CHECKPOINT,
+    RunConfig,
+    UsageError,
+    config_differences,
+    evaluate_robustness,
+    read_run_config,
+    train,
+)
 
 __all__ = ["compare", "ensure_trained", "eval_table", "robustness_table"]
 
@@ -91,17 +99,24 @@ def _finished(run_dir: Path, config: RunConfig) -> bool:
 
 def ensure_trained(config: RunConfig, run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]],
                    progress: bool = True, sample_weight: Callable[[Tensor], Tensor] | None = None) -> None:
-    """Train ``config`` in ``run_dir`` unless it finished there with the same settings (resume if interrupted).
+    """Train ``config`` in ``run_dir`` unless it finished there with the same settings.
 
-    A (re)trained run loses its eval.json, so the caller re-evaluates it.
+    Never deletes a run: an interrupted run with the same settings resumes, and so does a run that
+    differs only in how far it goes (``epochs`` / ``max_steps``: it is extended; shortening it is
+    refused).  A run with any other settings is refused with one line and kept as it is.  A
+    (re)trained run loses its eval.json (it describes the old weights), so the caller re-evaluates it.
     """
     if _finished(run_dir, config):
         return
-    resume = (run_dir / "checkpoint.pt").is_file() and (run_dir / "config.json").is_file() and json.loads(
-        (run_dir / "config.json").read_text()) == asdict(config)
-    if not resume and run_dir.exists():  # stale settings: start that run again
-        for stale in ("checkpoint.pt", "done", "eval.json"):
-            (run_dir / stale).unlink(missing_ok=True)
+    resume = (run_dir / CHECKPOINT).is_file()
+    if resume:
+        if not (run_dir / "config.json").is_file():
+            raise UsageError(f"{run_dir} holds a checkpoint without config.json; it is kept: move it aside or pick "
+                             "another --out")
+        differences = config_differences(read_run_config(run_dir), config)
+        if differences:
+            raise UsageError(f"{run_dir} holds a run with other settings ({'; '.join(differences)}); it is kept: "
+                             "move it aside or pick another --out")
     train(config, run_dir, build, resume=resume, progress=progress, sample_weight=sample_weight)
     (run_dir / "eval.json").unlink(missing_ok=True)
 
