@@ -6,11 +6,46 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
+#include <cstdint>
 #include <string>
 
 #include "drmoo_math.h"
 
 namespace drmoo {
+
+// Error messages are assembled from C strings, std::strings and numbers only: shapes, devices and
+// dtypes are formatted by the helpers below, never streamed into TORCH_CHECK as torch types
+// (IntArrayRef, Device, ScalarType).  Streaming them instantiates c10's templated operator<<
+// inside this extension, built by whatever compiler the user has, on top of the c10::str
+// machinery shared with libtorch.  On a torch 2.11.0+cu130 image built with that image's g++, the
+// checks whose message streamed `t.sizes()` killed the interpreter (SIGSEGV) while the checks
+// whose message held only C strings raised normally.  (With this repository's g++ 12.2 and the
+// same torch wheel both raise, so the exact mechanism was not observed here.)  Plain std::string
+// messages take the path every check already relies on, on any compiler/torch pair.
+
+// "[2, 3]" for a tensor of shape (2, 3); "[]" for a 0-d tensor.
+inline std::string shape_str(const at::Tensor& t) {
+  const c10::IntArrayRef sizes = t.sizes();
+  const int64_t* dims = sizes.data();
+  const size_t rank = sizes.size();
+  std::string out = "[";
+  for (size_t k = 0; k < rank; ++k) {
+    if (k > 0) out += ", ";
+    out += std::to_string(dims[k]);
+  }
+  out += "]";
+  return out;
+}
+
+// "cpu", "cuda:0", "meta"...: the device as torch prints it.
+inline std::string device_str(const c10::Device& device) {
+  std::string out = c10::DeviceTypeName(device.type(), /*lower_case=*/true);
+  if (device.has_index()) out += ":" + std::to_string(static_cast<int>(device.index()));
+  return out;
+}
+
+// "Float", "Double", "Long"...: c10's name of the dtype (a C string).
+inline const char* dtype_str(at::ScalarType t) { return c10::toString(t); }
 
 inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
@@ -34,19 +69,19 @@ inline int storage_code(at::ScalarType t) {
 
 inline void check_float(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK_TYPE(is_supported_float(t.scalar_type()), "drmoo.", op, ": ", name,
-                   " must be float32, float64, float16 or bfloat16, got ", t.scalar_type());
+                   " must be float32, float64, float16 or bfloat16, got ", dtype_str(t.scalar_type()));
 }
 
 inline void check_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref) {
-  TORCH_CHECK(t.device() == ref.device(), "drmoo.", op, ": ", name, " is on ", t.device(),
-              " but the other inputs are on ", ref.device());
+  TORCH_CHECK(t.device() == ref.device(), "drmoo.", op, ": ", name, " is on ", device_str(t.device()),
+              " but the other inputs are on ", device_str(ref.device()));
 }
 
 inline void check_vector(const char* op, const char* name, const at::Tensor& t, int64_t m, const at::Tensor& ref) {
   check_float(op, name, t);
   check_device(op, name, t, ref);
   TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == m, "drmoo.", op, ": ", name, " must have shape [", m,
-                    "] (one entry per task), got ", t.sizes());
+                    "] (one entry per task), got ", shape_str(t));
 }
 
 inline void check_divergence(const char* op, int64_t code, double param, double lam) {
@@ -65,7 +100,7 @@ inline void check_dual_inputs(const char* op, const at::Tensor& losses, const at
                               double lam) {
   check_float(op, "losses", losses);
   TORCH_CHECK_VALUE(losses.dim() == 2, "drmoo.", op, ": losses must be per-sample losses of shape [B, m], got ",
-                    losses.sizes());
+                    shape_str(losses));
   TORCH_CHECK_VALUE(losses.size(0) > 0, "drmoo.", op,
                     ": empty batch (B = 0): the dual objective needs at least one sample");
   check_vector(op, "eta", eta, losses.size(1), losses);
@@ -73,8 +108,8 @@ inline void check_dual_inputs(const char* op, const at::Tensor& losses, const at
     check_float(op, "sample_weight", *sample_weight);
     check_device(op, "sample_weight", *sample_weight, losses);
     TORCH_CHECK_VALUE(sample_weight->sizes() == losses.sizes(), "drmoo.", op,
-                      ": sample_weight must have the shape of losses ", losses.sizes(), ", got ",
-                      sample_weight->sizes());
+                      ": sample_weight must have the shape of losses ", shape_str(losses), ", got ",
+                      shape_str(*sample_weight));
   }
   check_divergence(op, code, param, lam);
 }
@@ -103,7 +138,7 @@ inline DualInputs prepare_dual_inputs(const char* op, const at::Tensor& losses, 
 inline at::Tensor check_jacobian(const char* op, const at::Tensor& J) {
   check_float(op, "J", J);
   TORCH_CHECK_VALUE(J.dim() == 2, "drmoo.", op, ": J must be the [m, n] per-task gradient matrix, got shape ",
-                    J.sizes());
+                    shape_str(J));
   TORCH_CHECK_VALUE(J.size(0) >= 1, "drmoo.", op, ": J has no rows (m = 0 tasks)");
   // The kernels walk each row with unit stride and step between rows by J.stride(0).
   return J.stride(1) == 1 ? J : J.contiguous();
@@ -114,10 +149,10 @@ inline void check_params(const char* op, const at::Tensor& J, at::TensorList par
   int64_t total = 0;
   for (size_t k = 0; k < params.size(); ++k) {
     const at::Tensor& p = params[k];
-    TORCH_CHECK(p.device() == J.device(), "drmoo.", op, ": params[", k, "] is on ", p.device(), " but J is on ",
-                J.device());
+    TORCH_CHECK(p.device() == J.device(), "drmoo.", op, ": params[", k, "] is on ", device_str(p.device()),
+                " but J is on ", device_str(J.device()));
     TORCH_CHECK_TYPE(p.scalar_type() == J.scalar_type(), "drmoo.", op, ": params[", k, "] has dtype ",
-                     p.scalar_type(), " but J has ", J.scalar_type(),
+                     dtype_str(p.scalar_type()), " but J has ", dtype_str(J.scalar_type()),
                      "; the compiled kernels need the parameters in J's dtype");
     total += p.numel();
   }

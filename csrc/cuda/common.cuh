@@ -47,7 +47,7 @@ inline int64_t resident_blocks() {
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 inline void check_cuda(const char* op, const at::Tensor& t) {
-  TORCH_CHECK(t.is_cuda(), "drmoo.", op, ": the CUDA kernel got tensors on ", t.device());
+  TORCH_CHECK(t.is_cuda(), "drmoo.", op, ": the CUDA kernel got tensors on ", device_str(t.device()));
 }
 
 }  // namespace drmoo

@@ -298,7 +298,7 @@ void combine_cuda(const at::Tensor& J_in, const at::Tensor& w, at::TensorList pa
   check_cuda("combine", J);
   check_vector("combine", "w", w, J.size(0), J);
   check_params("combine", J, params);
-  TORCH_CHECK_VALUE(lr.numel() == 1, "drmoo.combine: lr must hold one value, got shape ", lr.sizes());
+  TORCH_CHECK_VALUE(lr.numel() == 1, "drmoo.combine: lr must hold one value, got shape ", shape_str(lr));
   // control = [lr, 1]: always write.  Built with device copies, no host round trip.
   at::Tensor control = at::ones({2}, J.options().dtype(at::kDouble));
   control.narrow(0, 0, 1).copy_(lr.reshape({1}));
@@ -320,7 +320,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gram_step_cuda(const at::Tensor& 
   check_vector("gram_step", "w", w, m, J);
   check_vector("gram_step", "z", z, m, J);
   check_params("gram_step", J, params);
-  TORCH_CHECK_VALUE(mu.numel() == 1, "drmoo.gram_step: mu must hold one value, got shape ", mu.sizes());
+  TORCH_CHECK_VALUE(mu.numel() == 1, "drmoo.gram_step: mu must hold one value, got shape ", shape_str(mu));
   const auto f64 = J.options().dtype(at::kDouble);
   at::Tensor gram = at::empty({m, m}, J.options().dtype(acc_dtype(J.scalar_type())));
   at::Tensor d_norm = at::empty({}, J.options().dtype(at::kFloat));
