@@ -10,8 +10,9 @@ a register tile so large that ptxas spills it to local memory only shows up here
   from the backend's own ``*_launch`` functions) is compiled ahead of time for sm_90 in a
   subprocess (the test process imported triton in interpreter mode), and its cubin must use no
   stack and no local memory.
-* CUDA: the built ``drmoo_kernels._C`` must carry sm_80 and sm_90 code for both CUDA sources, every
-  kernel of the design (all dtypes), and no kernel may use stack or local memory.
+* CUDA: the built ``drmoo_kernels._C`` must carry sm_80 and sm_90 code for both CUDA sources plus
+  PTX (compute >= 9.0) that newer GPUs can JIT-compile, every kernel of the design (all dtypes), and
+  no kernel may use stack or local memory.  setup.py's architecture choice is checked without a build.
 """
 
 from __future__ import annotations
@@ -218,7 +219,12 @@ def test_cuda_kernels_are_built_for_ampere_and_hopper_without_spills() -> None:
         pytest.skip(f"{library.name} was built without CUDA kernels (DRMOO_BUILD_CUDA=0 or no CUDA toolkit)")
     assert {("dual_cuda", "sm_80"), ("dual_cuda", "sm_90"), ("gram_cuda", "sm_80"), ("gram_cuda", "sm_90")} <= set(
         cubins
-    )
+    ), f"machine code for {sorted(set(cubins))}: rebuild without TORCH_CUDA_ARCH_LIST (setup.py's default list)"
+    # PTX (compute_90 or later) is what a GPU newer than Hopper JIT-compiles the kernels from.
+    listed_ptx = subprocess.run([tool, "--list-ptx", str(library)], capture_output=True, text=True)
+    ptx = re.findall(r"(\w+)(?:\.\d+)?\.sm_(\d+)\.ptx", listed_ptx.stdout)  # "gram_cuda.sm_90.ptx"
+    for source in ("dual_cuda", "gram_cuda"):
+        assert any(name == source and int(arch) >= 90 for name, arch in ptx), (source, listed_ptx.stdout)
     usage = resource_usage(library, tool)
     for kernel in CUDA_KERNELS:
         assert any(kernel in name for name in usage), f"{kernel} is missing from {library.name}"
@@ -229,6 +235,35 @@ def test_cuda_kernels_are_built_for_ampere_and_hopper_without_spills() -> None:
     spilled = {name: u for name, u in usage.items() if u["STACK"] or u["LOCAL"]}
     assert not spilled, f"CUDA kernels with stack or local memory (register spills): {spilled}"
     assert max(u["SHARED"] for u in usage.values()) <= 48 * 1024  # static shared memory, any block
+
+
+
+def _setup_module() -> Any:
+    """The repository's setup.py as a module (its setup() call only runs as __main__)."""
+    spec = importlib.util.spec_from_file_location("drmoo_setup", REPO / "setup.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_setup_builds_ampere_hopper_and_ptx_unless_the_user_sets_an_arch_list() -> None:
+    from torch.utils.cpp_extension import _get_cuda_arch_flags
+
+    setup = _setup_module()
+    default = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+               "-gencode=arch=compute_90,code=compute_90"]
+    # Unset, or set to an empty string by an image: the fixed list, never the visible GPU's.
+    for environ in ({}, {"TORCH_CUDA_ARCH_LIST": ""}, {"TORCH_CUDA_ARCH_LIST": "  "}):
+        flags, why = setup.cuda_arch_flags(environ)
+        assert flags == default, environ
+        assert "8.0;9.0+PTX" in why
+        # Explicit -gencode flags among nvcc's arguments switch torch's own choice (and its probe
+        # of the local GPU) off: it adds no architecture of its own.
+        assert _get_cuda_arch_flags(["-O3", *flags]) == []
+    # The user's list wins and is left to torch.
+    flags, why = setup.cuda_arch_flags({"TORCH_CUDA_ARCH_LIST": "8.6;9.0"})
+    assert flags == [] and "8.6;9.0" in why
 
 
 if __name__ == "__main__":  # subprocess entry of triton_reports
