@@ -7,9 +7,16 @@ import ast
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): ``drmoo train: error: ... (see drmoo train --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _comma_list(text: str) -> list[str]:
@@ -24,6 +31,46 @@ def _int_list(text: str) -> list[int]:
         return [int(item) for item in _comma_list(text)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _count(text: str) -> int:
+    """A count (steps, epochs, sizes): an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _seed_list(text: str) -> list[int]:
+    seeds = _int_list(text)
+    if any(seed < 0 for seed in seeds):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
+    return seeds
+
+
+def _positive_float(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
 
 
 def _override(text: str) -> tuple[str, Any]:
@@ -49,10 +96,10 @@ def _add_synthetic(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--methods", type=_comma_list, default=["double-clip", "double-loop"],
                         help="comma-separated registry names, or 'all' (default: double-clip,double-loop)")
     seeds = parser.add_mutually_exclusive_group()
-    seeds.add_argument("--seed", type=int, help="one seed (default 0)")
-    seeds.add_argument("--seeds", type=_int_list, help="comma-separated seeds, e.g. 0,1,2")
-    parser.add_argument("--steps", type=int, help="iterations (default: the paper's, 600 linear, 1000 wine)")
-    parser.add_argument("--batch-size", type=int, help="batch size (default 256)")
+    seeds.add_argument("--seed", type=_non_negative, help="one seed (default 0)")
+    seeds.add_argument("--seeds", type=_seed_list, help="comma-separated seeds, e.g. 0,1,2")
+    parser.add_argument("--steps", type=_count, help="iterations (default: the paper's, 600 linear, 1000 wine)")
+    parser.add_argument("--batch-size", type=_count, help="batch size (default 256)")
     parser.add_argument("--data-root", help="wine: the UCI white-wine CSV (winequality-white.csv) or its directory")
     parser.add_argument("--hp", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="override a hyperparameter of every method, e.g. --hp lam=0.8 (repeatable)")
@@ -69,6 +116,7 @@ def _run_synthetic(args: argparse.Namespace) -> int:
     if methods == ["all"]:
         methods = [m for m in available() if m in PAPER_PRESETS.get(args.problem, {}).get("methods", {})]
     seeds = args.seeds if args.seeds is not None else [args.seed if args.seed is not None else 0]
+    _check_out_dir(args.out)
     config = SyntheticConfig(
         problem=args.problem, methods=methods, seeds=seeds, steps=args.steps, batch_size=args.batch_size,
         overrides=dict(args.hp), data_root=args.data_root,
@@ -82,10 +130,52 @@ def _run_synthetic(args: argparse.Namespace) -> int:
 
 
 def _float_list(text: str) -> list[float]:
+    import math
+
     try:
-        return [float(item) for item in _comma_list(text)]
+        values = [float(item) for item in _comma_list(text)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not all(math.isfinite(value) for value in values):
+        raise argparse.ArgumentTypeError(f"expected finite numbers, got {text!r}")
+    return values
+
+
+def _eps_list(text: str) -> list[float]:
+    """FGSM budgets: finite and >= 0 (a negative or NaN eps is no attack at all)."""
+    values = _float_list(text)
+    if any(value < 0 for value in values):
+        raise argparse.ArgumentTypeError(f"expected FGSM budgets >= 0, got {text!r}")
+    return values
+
+
+def _check_out_dir(path: str) -> None:
+    """Create an output directory or refuse with one line (a file in the way, no permission)."""
+    from pathlib import Path
+
+    from drmoo.experiments.training import prepare_run_dir
+
+    prepare_run_dir(Path(path))
+
+
+def _check_hparams(method: str, hparams: dict[str, Any]) -> None:
+    """Refuse hyperparameters that ``method``'s optimizer does not take (a typo would otherwise crash later)."""
+    import inspect
+
+    from drmoo.experiments.training import UsageError
+    from drmoo.optim import available
+
+    if method not in available():
+        raise UsageError(f"unknown method {method!r}; valid choices: {', '.join(available())}")
+    parameters = inspect.signature(available()[method].__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    accepted = sorted(set(parameters) - {"self", "params", "num_tasks", "backend"})
+    if "backend" in hparams:
+        raise UsageError("the kernel backend is not a hyperparameter: use --backend instead of --hp backend=...")
+    unknown = sorted(set(hparams) - set(accepted))
+    if unknown:
+        raise UsageError(f"unknown hyperparameter(s) {', '.join(unknown)} for {method}; valid: {', '.join(accepted)}")
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -93,15 +183,16 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experiment", default="multimnist2", help="multimnist2 | multimnist3 | celeba")
     parser.add_argument("--preset", default="quick", help="quick (CPU demo) | medium (Multi-MNIST: 8 methods in "
                         "~10 GPU minutes) | paper (App. D settings)")
-    parser.add_argument("--epochs", type=int)
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--input-size", type=int, help="image side in pixels (paper: 128 for 2 digits, 96 for 3)")
-    parser.add_argument("--train-size", type=int, help="number of training composites (default: all / preset)")
-    parser.add_argument("--test-size", type=int, help="number of test composites (default: all / preset)")
+    parser.add_argument("--epochs", type=_count)
+    parser.add_argument("--batch-size", type=_count)
+    parser.add_argument("--input-size", type=_count, help="image side in pixels (paper: 128 for 2 digits, 96 for 3)")
+    parser.add_argument("--train-size", type=_count, help="number of training composites (default: all / preset)")
+    parser.add_argument("--test-size", type=_count, help="number of test composites (default: all / preset)")
     parser.add_argument("--lr", type=float, help="the method's parameter learning rate")
     parser.add_argument("--hp", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="override a method hyperparameter, e.g. --hp lam=0.8 (repeatable)")
-    parser.add_argument("--head-lr", type=float, default=1e-2, help="SGD learning rate of the task heads (1e-2)")
+    parser.add_argument("--head-lr", type=_positive_float, default=1e-2,
+                        help="SGD learning rate of the task heads (1e-2)")
     parser.add_argument("--weights", help="imagenet | none | PATH to a ResNet18 state dict (never downloaded)")
     parser.add_argument("--data-root", help="torchvision MNIST root (raw idx files); default: the embedded digits. "
                         "celeba: the folder with img_align_celeba/ and the list_*.txt files (or its celeba/)")
@@ -111,15 +202,13 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", help="kernel backend: reference | cpp | cuda | triton (default: automatic)")
     parser.add_argument("--jacobian", default="loop", help="per-task gradients: loop (m backward passes) | batched")
     parser.add_argument("--amp", default="none", help="autocast the model's forward: none | bf16 | fp16")
-    parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
+    parser.add_argument("--max-steps", type=_count, help="stop after this many optimizer steps in total")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def _run_config(args: argparse.Namespace, method: str, seed: int) -> Any:
-    import torch
-
     from drmoo.experiments.registry import get_experiment
-    from drmoo.experiments.training import RunConfig
+    from drmoo.experiments.training import RunConfig, resolve_device
 
     experiment = get_experiment(args.experiment)
     if args.preset not in experiment.presets:
@@ -131,16 +220,16 @@ def _run_config(args: argparse.Namespace, method: str, seed: int) -> Any:
     overrides = dict(args.hp)
     if args.lr is not None:
         overrides["lr"] = args.lr
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return RunConfig(
+    _check_hparams(method, overrides)
+    config = RunConfig(
         experiment=args.experiment, method=method, preset=args.preset, seed=seed, head_lr=args.head_lr,
-        data_root=args.data_root, cache_dir=args.cache_dir, max_steps=args.max_steps, device=device,
-        backend=args.backend, jacobian=args.jacobian, amp=args.amp,
+        data_root=args.data_root, cache_dir=args.cache_dir, max_steps=args.max_steps,
+        device=str(resolve_device(args.device)), backend=args.backend, jacobian=args.jacobian, amp=args.amp,
         hparams=experiment.method_hparams(method, overrides),
         **preset,
     )
+    config.validate()
+    return config
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -148,13 +237,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                             "resumable)")
     _add_run_options(parser)
     parser.add_argument("--method", default="double-clip", help="a registered method (see drmoo.optim.available())")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=_non_negative, default=0)
     parser.add_argument("--out", help="run directory (default runs/<experiment>-<method>-seed<seed>)")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run saved in RUN_DIR exactly where it stopped")
-    parser.add_argument("--nproc", type=int, help="data-parallel processes: relaunches itself under torchrun "
+    parser.add_argument("--nproc", type=_count, help="data-parallel processes: relaunches itself under torchrun "
                         "(gloo on CPU, nccl on GPUs); the batch size is the global one")
-    parser.set_defaults(handler=_run_train)
+    parser.set_defaults(handler=_run_train, command_parser=parser)
 
 
 def _launch_torchrun(nproc: int, argv: list[str]) -> int:
@@ -189,14 +278,15 @@ def _run_train(args: argparse.Namespace) -> int:
             return _launch_torchrun(args.nproc, args.argv)
 
     from drmoo.experiments.registry import get_experiment
-    from drmoo.experiments.training import RunConfig, train
+    from drmoo.experiments.training import read_run_config, train
 
     if args.resume:
         run_dir = Path(args.resume)
         config_path = run_dir / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"cannot resume: {config_path} does not exist")
-        config = RunConfig.from_json(config_path.read_text())
+        config = read_run_config(run_dir)
+        _refuse_contradictions(args, config, run_dir)
         if args.max_steps is not None:  # the only settings a resume may change: how far to go
             config.max_steps = args.max_steps
         if args.epochs is not None:
@@ -213,12 +303,56 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# Options of ``train`` that a resume may take without contradicting the saved run.
+_RESUME_MAY_CHANGE = {"epochs", "max_steps", "quiet", "resume", "nproc"}
+
+
+def _given_options(args: argparse.Namespace) -> set[str]:
+    """The destinations of the options written on the command line (not left at their defaults)."""
+    parser = args.command_parser
+    argv = args.argv[args.argv.index(args.command) + 1:]
+    probe = argparse.Namespace(**{action.dest: None for action in parser._actions if action.dest != "help"})
+    parser.parse_args(argv, namespace=probe)  # a pre-set attribute is not overwritten by its default
+    return {dest for dest, value in vars(probe).items() if value is not None}
+
+
+def _refuse_contradictions(args: argparse.Namespace, config: Any, run_dir: Any) -> None:
+    """``--resume`` continues the run as saved: refuse options that would silently be ignored."""
+    from pathlib import Path
+
+    from drmoo.experiments.training import UsageError, resolve_device
+
+    contradictions = []
+    for dest in sorted(_given_options(args) - _RESUME_MAY_CHANGE):
+        flag = "--" + dest.replace("_", "-")
+        value = getattr(args, dest)
+        if dest == "out":
+            if Path(value).resolve() != Path(run_dir).resolve():
+                contradictions.append(f"--out {value} (the run is in {run_dir})")
+        elif dest == "lr":
+            if config.hparams.get("lr") != value:
+                contradictions.append(f"--lr {value} (the run's: {config.hparams.get('lr')})")
+        elif dest == "hp":
+            for key, item in value:
+                if key not in config.hparams or config.hparams[key] != item:
+                    contradictions.append(f"--hp {key}={item} (the run's: {config.hparams.get(key, 'unset')})")
+        elif dest == "device":
+            if str(resolve_device(value)) != config.device:
+                contradictions.append(f"--device {value} (the run's: {config.device})")
+        elif hasattr(config, dest):
+            if getattr(config, dest) != value:
+                contradictions.append(f"{flag} {value} (the run's: {getattr(config, dest)})")
+    if contradictions:
+        raise UsageError(f"--resume {run_dir} continues the run as saved, but {', '.join(contradictions)} "
+                         "contradict it; only --epochs/--max-steps may change (start a new --out for other settings)")
+
+
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("eval", help="evaluate a trained run: FGSM accuracy per task and eps (Multi-MNIST); "
                             "accuracy, balanced accuracy and AUC per attribute (CelebA)")
     parser.add_argument("--run", required=True, metavar="RUN_DIR")
     parser.add_argument("--attack", default="fgsm", help="fgsm (the paper's attack)")
-    parser.add_argument("--eps", type=_float_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
+    parser.add_argument("--eps", type=_eps_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
                         help="FGSM budgets (Multi-MNIST; CelebA is evaluated clean)")
     _add_eps_space(parser)
     parser.add_argument("--device", help="override the run's device")
@@ -230,13 +364,11 @@ def _run_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from drmoo.experiments.registry import get_experiment
+    from drmoo.experiments.training import read_run_config
 
     if args.attack != "fgsm":
         raise ValueError(f"unknown attack {args.attack!r}; valid choices: fgsm")
-    config_path = Path(args.run) / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} does not exist: is {args.run} a run directory of drmoo train?")
-    experiment = get_experiment(json.loads(config_path.read_text())["experiment"])
+    experiment = get_experiment(read_run_config(Path(args.run)).experiment)
     report = experiment.evaluate(Path(args.run), eps=args.eps, progress=not args.quiet, device=args.device,
                                  **_eps_space_option(args, experiment.evaluate, experiment.name))
     print(experiment.eval_table(report))
@@ -268,8 +400,8 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                             "(Multi-MNIST, FGSM) or Table 2 (CelebA)")
     _add_run_options(parser)
     parser.add_argument("--methods", type=_comma_list, default=["all"], help="all or a comma-separated list")
-    parser.add_argument("--seeds", type=_int_list, default=[0])
-    parser.add_argument("--eps", type=_float_list, default=[0.0, 0.01, 0.03, 0.05, 0.08])
+    parser.add_argument("--seeds", type=_seed_list, default=[0])
+    parser.add_argument("--eps", type=_eps_list, default=[0.0, 0.01, 0.03, 0.05, 0.08])
     _add_eps_space(parser)
     parser.add_argument("--out", required=True, help="output directory (finished runs in it are reused)")
     parser.set_defaults(handler=_run_compare)
@@ -286,6 +418,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; valid choices: {', '.join(available())}")
     configs = [_run_config(args, method, seed) for method in methods for seed in args.seeds]
+    _check_out_dir(args.out)
     experiment = get_experiment(args.experiment)
     table = experiment.compare(configs, Path(args.out), eps=args.eps, progress=not args.quiet,
                                **_eps_space_option(args, experiment.compare, experiment.name))
@@ -297,10 +430,10 @@ def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("bench-iter", help="seconds per iteration of every method vs the 1 fwd + m bwd floor")
     parser.add_argument("--experiment", default="multimnist2", help="multimnist2 | multimnist3")
     parser.add_argument("--methods", type=_comma_list, default=["all"])
-    parser.add_argument("--batch-size", type=int, default=256, help="paper: 256 (use less on a CPU)")
-    parser.add_argument("--input-size", type=int, help="default: the paper's (128 for 2 digits, 96 for 3)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--batch-size", type=_count, default=256, help="paper: 256 (use less on a CPU)")
+    parser.add_argument("--input-size", type=_count, help="default: the paper's (128 for 2 digits, 96 for 3)")
+    parser.add_argument("--repeats", type=_count, default=3)
+    parser.add_argument("--warmup", type=_non_negative, default=1)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--backend", help="kernel backend (default: automatic)")
     parser.add_argument("--out", required=True)
@@ -311,9 +444,8 @@ def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
 def _run_bench_iter(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import torch
-
     from drmoo.experiments.multimnist import EXPERIMENTS, PRESETS
+    from drmoo.experiments.training import resolve_device
     from drmoo.experiments.wallclock import machine_name, measure_iterations, write_outputs
     from drmoo.optim import available
 
@@ -323,8 +455,8 @@ def _run_bench_iter(args: argparse.Namespace) -> int:
     unknown = [m for m in methods if m not in available()]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; valid choices: {', '.join(available())}")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = resolve_device(args.device)
+    _check_out_dir(args.out)
     size = args.input_size or PRESETS["paper"][args.experiment]["input_size"]
     rows = measure_iterations(args.experiment, methods, args.batch_size, size, device, warmup=args.warmup,
                               repeats=args.repeats, backend=args.backend, progress=not args.quiet)
@@ -348,21 +480,21 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--experiment", required=True, help="linear | wine | multimnist2 (lambda only)")
     parser.add_argument("--out", required=True, help="output directory (finished grid values in it are reused)")
     parser.add_argument("--data-root", help="wine: the UCI CSV or its directory; multimnist2: torchvision MNIST root")
-    parser.add_argument("--seeds", type=_int_list, default=[0], help="comma-separated seeds (default 0)")
+    parser.add_argument("--seeds", type=_seed_list, default=[0], help="comma-separated seeds (default 0)")
     parser.add_argument("--grid", type=_float_list, help="values to run instead of the paper's grid")
-    parser.add_argument("--steps", type=int, help="linear/wine iterations (default: the paper's, 600 / 1000)")
-    parser.add_argument("--batch-size", type=int, help="batch size where it is not the ablated value")
+    parser.add_argument("--steps", type=_count, help="linear/wine iterations (default: the paper's, 600 / 1000)")
+    parser.add_argument("--batch-size", type=_count, help="batch size where it is not the ablated value")
     parser.add_argument("--methods", type=_comma_list,
                         help="lr only: methods (default double-clip,double-loop,mgda,modo,moco,sdmgrad)")
     parser.add_argument("--backend", help="kernel backend: reference | cpp | cuda | triton (default: automatic)")
     parser.add_argument("--preset", default="quick", help="multimnist2: quick (CPU demo) | paper (App. D)")
-    parser.add_argument("--max-steps", type=int, help="multimnist2: stop each run after this many steps")
+    parser.add_argument("--max-steps", type=_count, help="multimnist2: stop each run after this many steps")
     for flag in ("--epochs", "--input-size", "--train-size", "--test-size"):
-        parser.add_argument(flag, type=int, help="multimnist2: override the preset's value")
+        parser.add_argument(flag, type=_count, help="multimnist2: override the preset's value")
     parser.add_argument("--weights", help="multimnist2: imagenet | none | PATH (default: the preset's)")
     parser.add_argument("--cache-dir", help="multimnist2: where generated data sets are cached")
     parser.add_argument("--device", default="auto", help="multimnist2: auto | cpu | cuda | cuda:N")
-    parser.add_argument("--eps", type=_float_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
+    parser.add_argument("--eps", type=_eps_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
                         help="multimnist2: FGSM eps values")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=_run_ablate)
@@ -379,6 +511,8 @@ def _run_ablate(args: argparse.Namespace) -> int:
         max_steps=args.max_steps, run_overrides=run_overrides, cache_dir=args.cache_dir, device=args.device,
         eps=args.eps,
     )
+    config.validate()
+    _check_out_dir(args.out)
     print(run_ablation(config, args.out, progress=not args.quiet))
     print(f"wrote {args.out}/ablation-{args.what}.csv, .md, .png, .json")
     return 0
@@ -407,7 +541,7 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="drmoo", description="Distributionally robust multi-objective optimization: experiments and tools."
     )
     from drmoo import __version__
@@ -425,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from drmoo.experiments.training import TrainingInterrupted
+    from drmoo.experiments.training import TrainingInterrupted, UsageError
 
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -433,8 +567,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv
     try:
         return int(args.handler(args))
-    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:
-        # User-facing problems (bad names, missing files, divergence) get one clear line, not a traceback.
+    except (UsageError, ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:
+        # User-facing problems (bad settings or names, refused files, missing files, divergence) get one
+        # clear line, not a traceback.  Other exceptions are bugs and keep their traceback.
         print(f"drmoo {args.command}: error: {error}", file=sys.stderr)
         return 2
     except TrainingInterrupted as error:

@@ -90,19 +90,44 @@ def _load_idx_root(root: Path) -> DigitSplits:
                 f"MNIST {split} files disagree: {paths[f'{split}_images']} holds {tuple(images.shape)}, "
                 f"{paths[f'{split}_labels']} holds {labels.shape[0]} labels"
             )
+        _check_labels(labels, str(paths[f"{split}_labels"]))
     return DigitSplits(
         tensors["train_images"], tensors["train_labels"].long(), tensors["test_images"], tensors["test_labels"].long(),
         source=f"MNIST idx files under {root}", fingerprint=_idx_fingerprint(paths.values()),
     )
 
 
+def _check_labels(labels: Tensor, where: str) -> None:
+    """Digit labels must be 0..9: anything else would index past the 10-class heads mid-training."""
+    bad = ((labels < 0) | (labels > 9)).nonzero()
+    if bad.numel():
+        index = int(bad[0, 0])
+        raise ValueError(f"{where}: label {int(labels[index])} at position {index} is not a digit 0..9 "
+                         f"({bad.shape[0]} such label(s)); the file is not MNIST labels or is corrupt")
+
+
 def _idx_fingerprint(paths: Iterable[Path]) -> str:
-    stamp = hashlib.sha1("|".join(f"{p.name}:{p.stat().st_size}" for p in paths).encode()).hexdigest()
-    return f"idx-{stamp[:12]}"
+    """SHA-256 over the files' contents (names and sizes say nothing: two files of one size may differ).
+
+    MNIST's four idx files are ~55 MB uncompressed (~11 MB gzipped): hashing them takes a fraction
+    of a second, once per run, and keys the Multi-MNIST cache by what the digits actually are.
+    """
+    digest = hashlib.sha256()
+    for path in paths:
+        file_digest = hashlib.sha256()
+        try:
+            with path.open("rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    file_digest.update(block)
+        except OSError as error:
+            raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
+        digest.update(f"{path.name}:{file_digest.hexdigest()}|".encode())
+    return f"idx-sha256-{digest.hexdigest()[:16]}"
 
 
 def digit_source_fingerprint(data_root: str | Path | None) -> str:
-    """Identifies the digits ``load_mnist(data_root)`` would return, without reading them (cache keys)."""
+    """Identifies the digits ``load_mnist(data_root)`` would return (cache keys): a hash of the idx files'
+    contents, without decoding them; the embedded subset's fixed name."""
     if data_root is None:
         return _EMBEDDED_FINGERPRINT
     root = Path(data_root).expanduser()
@@ -123,6 +148,7 @@ def _load_embedded() -> DigitSplits:
     table = np.loadtxt(path, delimiter=",", dtype=np.float32)
     images = torch.from_numpy(table[:, :-1]).round().clamp(0, 255).to(torch.uint8).reshape(-1, 28, 28)
     labels = torch.from_numpy(table[:, -1]).long()
+    _check_labels(labels, str(path))
     order = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(_EMBEDDED_SPLIT_SEED))
     images, labels = images[order], labels[order]  # the file is sorted by class
     test = EMBEDDED_TEST_SIZE

@@ -121,6 +121,34 @@ class AblationConfig:
             raise ValueError("--batch-size cannot be fixed when the batch size is the ablated value (--what batch)")
         if self.methods is not None and self.what != "lr":
             raise ValueError("--methods applies to --what lr only (the other ablations use one method each)")
+        for name, value in (("--steps", self.steps), ("--batch-size", self.batch_size),
+                            ("--max-steps", self.max_steps),
+                            *((f"--{key.replace('_', '-')}", v) for key, v in self.run_overrides.items()
+                              if key != "weights")):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
+            raise ValueError(f"--seeds must be integers >= 0, got {list(self.seeds)!r}")
+        if any(not math.isfinite(e) or e < 0 for e in self.eps):
+            raise ValueError(f"--eps values must be finite numbers >= 0, got {list(self.eps)!r}")
+        if self.grid is not None:
+            self._validate_grid([float(v) for v in self.grid])
+
+    def _validate_grid(self, grid: list[float]) -> None:
+        """Grid values must make sense for what they set: counts >= 1, rates and lambda finite and > 0."""
+        if not grid:
+            raise ValueError("--grid is empty")
+        if self.what in ("batch", "inner"):
+            bad = [v for v in grid if not (math.isfinite(v) and v >= 1 and v == int(v))]
+            kind = "batch sizes" if self.what == "batch" else "inner step counts"
+            if bad:
+                raise ValueError(f"--grid for --what {self.what} holds {kind}: integers >= 1, got "
+                                 f"{', '.join(f'{v:g}' for v in bad)}")
+        else:
+            bad = [v for v in grid if not (math.isfinite(v) and v > 0)]
+            if bad:
+                raise ValueError(f"--grid for --what {self.what} must be finite numbers > 0, got "
+                                 f"{', '.join(f'{v:g}' for v in bad)}")
 
 
 @dataclass(frozen=True)
@@ -200,7 +228,8 @@ def _synthetic_point(config: AblationConfig, point: GridPoint, out: Path, progre
         overrides["backend"] = config.backend
     synthetic = SyntheticConfig(
         problem=config.experiment, methods=[point.method], seeds=list(config.seeds), steps=config.steps,
-        batch_size=point.batch_size or config.batch_size, overrides=overrides, data_root=config.data_root,
+        batch_size=point.batch_size if point.batch_size is not None else config.batch_size, overrides=overrides,
+        data_root=config.data_root,
     )
     resolved = synthetic.resolved()
     settings = {key: resolved[key] for key in ("problem", "steps", "batch_size", "seeds", "methods")}

@@ -13,6 +13,7 @@ balanced gradient norm, the per-task dual objectives, w and eta at every iterati
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import math
 import time
@@ -97,15 +98,36 @@ class SyntheticConfig:
         missing = [m for m in self.methods if m not in preset["methods"]]
         if missing:
             raise ValueError(f"no paper preset for method(s) {missing} on problem {self.problem!r}")
+        if not self.methods:
+            raise ValueError("no methods to run")
+        # None means "the paper's value"; 0 or a negative count is refused, never read as "default".
+        for name, value in (("--steps", self.steps), ("--batch-size", self.batch_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
+            raise ValueError(f"seeds must be integers >= 0, got {list(self.seeds)!r}")
+        for method in self.methods:
+            _check_overrides(method, self.overrides)
         return {
             "problem": self.problem,
-            "steps": int(self.steps or preset["steps"]),
-            "batch_size": int(self.batch_size or preset["batch_size"]),
+            "steps": int(preset["steps"] if self.steps is None else self.steps),
+            "batch_size": int(preset["batch_size"] if self.batch_size is None else self.batch_size),
             "seeds": [int(s) for s in self.seeds],
             "methods": {
                 m: {**preset["common"], **preset["methods"][m], **self.overrides} for m in self.methods
             },
         }
+
+
+def _check_overrides(method: str, overrides: dict[str, Any]) -> None:
+    """Refuse hyperparameters ``method``'s optimizer does not take (a typo would crash mid-run)."""
+    parameters = inspect.signature(available()[method].__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    accepted = sorted(set(parameters) - {"self", "params", "num_tasks"})
+    unknown = sorted(set(overrides) - set(accepted))
+    if unknown:
+        raise ValueError(f"unknown hyperparameter(s) {', '.join(unknown)} for {method}; valid: {', '.join(accepted)}")
 
 
 def _run_one(
