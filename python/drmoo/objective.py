@@ -25,14 +25,26 @@ def _check(losses: Tensor, eta: Tensor, lam: float, scale: float, sample_weight:
     if not isinstance(eta, Tensor) or tuple(eta.shape) != (m,):
         shape = tuple(eta.shape) if isinstance(eta, Tensor) else type(eta).__name__
         raise ValueError(f"eta must have shape [m] = [{m}] to match losses [B, m], got {shape}")
-    if not (float(lam) > 0.0):
-        raise ValueError(f"lam (the divergence regularization lambda) must be > 0, got {lam!r}")
-    if not (float(scale) > 0.0):
-        raise ValueError(f"scale (the dual scale s) must be > 0, got {scale!r}")
-    if sample_weight is not None and tuple(sample_weight.shape) != (batch, m):
-        raise ValueError(
-            f"sample_weight must have the shape of losses {tuple(losses.shape)}, got {tuple(sample_weight.shape)}"
-        )
+    for name, value, meaning in (("lam", lam, "the divergence regularization lambda"),
+                                 ("scale", scale, "the dual scale s")):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} ({meaning}) must be a number, got {value!r}") from None
+        if not (0.0 < number < float("inf")):
+            raise ValueError(f"{name} ({meaning}) must be finite and > 0, got {value!r}")
+    if not eta.is_floating_point():
+        raise TypeError(f"eta must be floating point, got {eta.dtype}")
+    if not bool(torch.isfinite(eta.detach()).all()):
+        raise ValueError("eta (the dual variables) contains NaN or Inf")
+    if sample_weight is not None:
+        if not isinstance(sample_weight, Tensor) or tuple(sample_weight.shape) != (batch, m):
+            shape = tuple(sample_weight.shape) if isinstance(sample_weight, Tensor) else type(sample_weight).__name__
+            raise ValueError(f"sample_weight must have the shape of losses {tuple(losses.shape)}, got {shape}")
+        weights = sample_weight.detach()
+        if not bool((torch.isfinite(weights) & (weights >= 0)).all()):
+            raise ValueError("sample_weight (the importance weights) must be finite and >= 0; it has negative, "
+                             "NaN or Inf entries")
     if not bool(torch.isfinite(losses.detach()).all()):
         raise ValueError("losses contain NaN or Inf")
 

@@ -664,7 +664,7 @@ def test_state_dict_round_trip_continues_identically(name: str) -> None:
 def test_state_dict_from_another_method_is_rejected() -> None:
     params = fresh_params()
     mgda_state = MGDA(params, 3).state_dict()
-    with pytest.raises(ValueError, match="tracking"):
+    with pytest.raises(ValueError, match="saved by MGDA, not by MoCo"):
         MoCo(params, 3).load_state_dict(copy.deepcopy(mgda_state))
 
 

@@ -12,7 +12,13 @@ and go through the multi-objective update.  Every other trainable leaf that take
 (e.g. one head per task) receives, in its ``.grad``, the gradient of the sum of the task dual
 objectives from the batch used for the parameter step - head i therefore sees task i only - and is
 stepped by the user's own optimizer (paper: SGD, lr 1e-2) after ``step`` returns.  Zero those grads
-before ``step`` as usual.
+before ``step`` as usual (a step adds to an existing ``.grad``, as ``backward`` does).
+
+All or nothing.  A step that raises (non-finite losses or gradients, a bad closure) changes nothing:
+not theta, eta, w or the method's state, and not the heads' ``.grad`` (the step's head gradients
+are kept apart and added only once it succeeds).  Hyperparameters are checked when given -- in the
+constructor, in ``add_param_group`` and in ``load_state_dict``, which also refuses a state saved by
+another method or for another problem.
 
 State.  The preference vector ``w`` (on the simplex) and the dual variables ``eta`` live in
 ``optimizer.state["drmoo"]`` so that ``state_dict()`` / ``load_state_dict()`` round-trip them.
@@ -20,6 +26,7 @@ State.  The preference vector ``w`` (on the simplex) and the dual variables ``et
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,7 +35,7 @@ from torch import Tensor
 
 from drmoo import distributed
 from drmoo.distributed import all_reduce_max
-from drmoo.jacobian import STRATEGIES, task_jacobian
+from drmoo.jacobian import STRATEGIES, head_leaves, task_jacobian
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
 
 Closure = Callable[[], Tensor]
@@ -58,6 +65,104 @@ def check_positive(name: str, value: float, *, allow_zero: bool = False) -> floa
     return number
 
 
+def check_count(name: str, value: int) -> int:
+    """An int >= 1 (iteration counts, intervals)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def check_fraction(name: str, value: float, meaning: str = "a factor") -> float:
+    """A number in [0, 1) (averaging / momentum factors)."""
+    number = check_positive(name, value, allow_zero=True)
+    if number >= 1.0:
+        raise ValueError(f"{name} must be in [0, 1) ({meaning}), got {value!r}")
+    return number
+
+
+def check_flag(name: str, value: bool) -> bool:
+    """A bool (a string such as "false" would otherwise count as True)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_divergence(name: str, value: str) -> str:
+    try:
+        return str(get_divergence(value))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{name}: {error}") from None
+
+
+def _check_solver(name: str, value: str) -> str:
+    from .mgda import SOLVERS  # the solvers are MGDA's; imported here to keep the modules acyclic
+
+    if value not in SOLVERS:
+        raise ValueError(f"{name} must be one of {', '.join(SOLVERS)}; got {value!r}")
+    return value
+
+
+def _check_loss_floor(name: str, value: Any) -> tuple[float, ...]:
+    """One finite number (stored as a 1-tuple, broadcast to every task) or one per task."""
+    floors = (value,) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    try:
+        floors = tuple(float(f) for f in floors)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number or one number per task, got {value!r}") from None
+    if not floors or any(f != f or abs(f) == float("inf") for f in floors):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return floors
+
+
+# Every hyperparameter any drmoo optimizer has, and its check: the constructors and
+# ``add_param_group`` / ``load_state_dict`` apply the same rule, so a parameter group cannot carry
+# a value the constructor would refuse (lr = -1 would run gradient ascent).
+HYPERPARAMETER_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    **{key: lambda name, value: check_positive(name, value, allow_zero=True)
+       for key in ("lr", "pref_lr", "rho", "dual_lr", "logit_decay", "sdm_lambda")},
+    **{key: check_positive for key in ("lam", "c1", "c2", "f1", "f2", "dual_scale", "max_norm", "famo_eps", "tol")},
+    **{key: check_count for key in ("inner_steps", "update_every", "solver_iters", "max_iter")},
+    "ema": lambda name, value: check_fraction(name, value, "the weight of the old tracking estimate"),
+    "momentum": lambda name, value: check_fraction(name, value, "the momentum of the inner SGD"),
+    **{key: check_flag for key in ("resample", "normalize", "capturable")},
+    "divergence": _check_divergence,
+    "solver": _check_solver,
+    "loss_floor": _check_loss_floor,
+}
+# Keys torch and its LR schedulers keep in parameter groups next to the hyperparameters.
+BOOKKEEPING_KEYS = frozenset({"params", "param_names", "initial_lr", "max_lr", "min_lr", "base_lr", "base_momentum",
+                              "max_momentum"})
+
+
+def _all_or_nothing(step: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a ``step``: the heads' gradients it feeds are kept aside and committed only if it returns.
+
+    A step that raises (a NaN, a bad closure) leaves every ``.grad`` of the heads as it found it,
+    as it leaves theta, eta and w.  Nested calls (a subclass's step calling its parent's) share the
+    outermost call's bookkeeping.
+    """
+
+    @functools.wraps(step)
+    def all_or_nothing_step(self: MultiObjectiveOptimizer, *args: Any, **kwargs: Any) -> Any:
+        if self._head_grads_before is not None:
+            return step(self, *args, **kwargs)
+        self._head_grads_before = {}
+        try:
+            result = step(self, *args, **kwargs)
+        except BaseException:
+            self._roll_back_head_grads()
+            raise
+        else:
+            self._commit_head_grads()
+        finally:
+            self._head_grads_before = None
+        return result
+
+    return all_or_nothing_step
+
+
 class MultiObjectiveOptimizer(torch.optim.Optimizer):
     """Base class: validated closure calls, per-task Jacobians into flat buffers, w/eta state.
 
@@ -67,7 +172,14 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
     """
 
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "step" in cls.__dict__:
+            cls.step = _all_or_nothing(cls.__dict__["step"])  # type: ignore[method-assign]
+
     def __init__(self, params: ParamsT, num_tasks: int, defaults: dict[str, Any], backend: str | None) -> None:
+        # {id: (head, its .grad before the step)} while a step runs (see _all_or_nothing), else None
+        self._head_grads_before: dict[int, tuple[Tensor, Tensor | None]] | None = None
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
             raise ValueError(f"num_tasks must be a positive int, got {num_tasks!r}")
         defaults = dict(defaults)
@@ -104,20 +216,43 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             "w": torch.full((num_tasks,), 1.0 / num_tasks, device=self.device, dtype=state_dtype),
             "eta": torch.zeros(num_tasks, device=self.device, dtype=state_dtype),
             "step": 0,
+            "method": type(self).__name__,  # load_state_dict refuses another method's state
         }
 
     # ----------------------------------------------------------------------------------- params
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        first = self.param_groups[0]
+        """Add a group; its hyperparameters are checked like the constructor's and must match the first group's."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"a parameter group must be a dict, got {type(param_group).__name__}")
+        checked = dict(param_group)
         for key, value in param_group.items():
-            if key == "params" or key not in first:
+            if key in BOOKKEEPING_KEYS:
                 continue
-            if first[key] != value:
-                raise ValueError(
-                    f"hyperparameter {key!r} differs between parameter groups ({first[key]!r} vs "
-                    f"{value!r}); drmoo optimizers need the same hyperparameters in every group"
-                )
+            if key not in self.defaults:
+                known = ", ".join(sorted(self.defaults))
+                raise ValueError(f"{type(self).__name__} has no hyperparameter {key!r}; its hyperparameters: {known}")
+            checked[key] = self.check_hyperparameter(key, value)
+        super().add_param_group(checked)
+        self._check_groups_agree(self.param_groups)
+
+    @staticmethod
+    def check_hyperparameter(key: str, value: Any) -> Any:
+        """The validated (normalized) value of hyperparameter ``key``; raises ValueError naming it."""
+        check = HYPERPARAMETER_CHECKS.get(key)
+        return value if check is None else check(key, value)
+
+    @staticmethod
+    def _check_groups_agree(groups: list[dict[str, Any]]) -> None:
+        first = groups[0]
+        for group in groups[1:]:
+            for key, value in group.items():
+                if key in BOOKKEEPING_KEYS or key not in first:
+                    continue
+                if first[key] != value:
+                    raise ValueError(
+                        f"hyperparameter {key!r} differs between parameter groups ({first[key]!r} vs "
+                        f"{value!r}); drmoo optimizers need the same hyperparameters in every group"
+                    )
 
     def _shared_params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
@@ -156,24 +291,90 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
     def divergence(self) -> Divergence:
         return get_divergence(self.hyper("divergence"))
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if STATE_KEY not in state_dict.get("state", {}):
+    def state_entries(self) -> dict[str, Any]:
+        """The entries ``state["drmoo"]`` must have, with their current values (tensors or ints)."""
+        own = self.state[STATE_KEY]
+        return {key: own[key] for key in ("w", "eta", "step")}
+
+    def validate_state_dict(self, state_dict: Any) -> None:
+        """Raise ValueError naming the problem unless ``state_dict`` is this method's, for this problem.
+
+        Checks that it is a drmoo optimizer state of the same method (its hyperparameter names and
+        its ``method`` entry), the same number of tasks and shared parameters (every state tensor's
+        shape), with valid hyperparameters, every state entry present, w on the simplex and the
+        dual variables finite -- before anything is loaded.
+        """
+        name = type(self).__name__
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) or not isinstance(
+            state_dict.get("param_groups"), list
+        ):
+            raise ValueError("not an optimizer state_dict (expected a dict with 'state' and 'param_groups')")
+        saved = state_dict["state"].get(STATE_KEY)
+        if not isinstance(saved, dict):
             raise ValueError(f"state_dict has no {STATE_KEY!r} entry: it was not saved by a drmoo optimizer")
-        saved = state_dict["state"][STATE_KEY]
-        for key in ("w", "eta"):
-            if tuple(saved[key].shape) != (self.num_tasks,):
+        method = saved.get("method", name)
+        if method != name:
+            raise ValueError(f"state_dict was saved by {method}, not by {name}: it cannot continue this run")
+        groups = state_dict["param_groups"]
+        if not groups or not all(isinstance(group, dict) for group in groups):
+            raise ValueError("state_dict's param_groups must be a non-empty list of dicts")
+        expected = set(self.defaults) - {"capturable"}
+        for group in groups:
+            keys = set(group) - BOOKKEEPING_KEYS - {"capturable"}
+            if keys != expected:
+                missing, unexpected = sorted(expected - keys), sorted(keys - expected)
                 raise ValueError(
-                    f"state_dict's {key} has shape {tuple(saved[key].shape)}, but this optimizer has "
-                    f"num_tasks={self.num_tasks}"
+                    f"state_dict's hyperparameters are not {name}'s (missing: {missing or 'none'}; not {name}'s: "
+                    f"{unexpected or 'none'}): it was saved by another method"
                 )
+            for key in keys:
+                try:
+                    self.check_hyperparameter(key, group[key])
+                except (TypeError, ValueError) as error:
+                    raise ValueError(f"state_dict has an invalid hyperparameter: {error}") from None
+        self._check_groups_agree(groups)
+        for key, current in self.state_entries().items():
+            if key not in saved:
+                raise ValueError(f"state_dict has no {key!r} entry: it was not saved by {name} (or is damaged)")
+            value = saved[key]
+            if isinstance(current, Tensor):
+                if not isinstance(value, Tensor):
+                    raise ValueError(f"state_dict's {key} must be a tensor, got {type(value).__name__}")
+                if tuple(value.shape) != tuple(current.shape):
+                    raise ValueError(
+                        f"state_dict's {key} has shape {tuple(value.shape)}, but this {name} (num_tasks="
+                        f"{self.num_tasks}, {sum(p.numel() for p in self._shared_params())} shared entries) "
+                        f"expects {tuple(current.shape)}"
+                    )
+                if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                    raise ValueError(f"state_dict's {key} has NaN or Inf entries")
+            elif isinstance(current, int) and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"state_dict's {key} must be an int >= 0, got {value!r}")
+        w = saved["w"].double()
+        if bool((w < 0).any()) or abs(float(w.sum()) - 1.0) > 1e-6:
+            raise ValueError(f"state_dict's w is not on the probability simplex: {w.tolist()}")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by the same method for the same problem (validated first: see
+        :meth:`validate_state_dict`).  ``capturable`` stays as constructed: it is a property of
+        how this process runs the optimizer, not of the training state."""
+        self.validate_state_dict(state_dict)
+        capturable = self.defaults.get("capturable")
+        dtypes = {key: value.dtype for key, value in self.state_entries().items() if isinstance(value, Tensor)}
         super().load_state_dict(state_dict)
-        # Non-parameter state is copied by reference and not moved by torch: own and place it.
+        if capturable is not None:
+            for group in self.param_groups:
+                group["capturable"] = capturable
+        # Non-parameter state is copied by reference and not moved by torch: own it, place it on
+        # this optimizer's device in this optimizer's dtypes.
         own = self.state[STATE_KEY]
         self.state[STATE_KEY] = {
-            key: value.detach().clone().to("cpu" if key == "rng_state" else self.device)
+            key: value.detach().to(device="cpu" if key == "rng_state" else self.device,
+                                   dtype=dtypes.get(key, value.dtype), copy=True)
             if isinstance(value, Tensor) else value
             for key, value in own.items()
         }
+        self.state[STATE_KEY]["method"] = type(self).__name__
 
     # ---------------------------------------------------------------------------------- closure
     def draw_losses(self, closure: Closure | None, *, need_graph: bool) -> Tensor:
@@ -234,6 +435,38 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             )
         return losses
 
+    # ------------------------------------------------------------------------------------ heads
+    def set_aside_head_grads(self, heads: Iterable[Tensor]) -> None:
+        """Before a backward feeds ``heads``: keep their current ``.grad`` aside and start from None.
+
+        The step's head gradients then accumulate from zero; :meth:`_commit_head_grads` adds the
+        kept gradients back once the step succeeds, :meth:`_roll_back_head_grads` restores them if
+        it fails.  Outside a step (no bookkeeping) this does nothing.
+        """
+        kept = self._head_grads_before
+        if kept is None:
+            return
+        for head in heads:
+            if id(head) not in kept:
+                kept[id(head)] = (head, head.grad)
+                head.grad = None
+
+    def _commit_head_grads(self) -> None:
+        assert self._head_grads_before is not None
+        for head, before in self._head_grads_before.values():
+            if before is None:
+                continue
+            fed = head.grad
+            if fed is not None:
+                with torch.no_grad():
+                    before.add_(fed)  # accumulate in place, as autograd does into an existing .grad
+            head.grad = before
+
+    def _roll_back_head_grads(self) -> None:
+        assert self._head_grads_before is not None
+        for head, before in self._head_grads_before.values():
+            head.grad = before
+
     # --------------------------------------------------------------------------------- jacobian
     def _buffer(self, name: str) -> Tensor:
         shared = self._shared_params()
@@ -253,6 +486,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         vmapped backward).  With ``feed_heads`` every other leaf also accumulates its gradient (the
         heads' gradients for the user's optimizer); otherwise only the shared parameters are touched.
         """
+        if feed_heads:
+            self.set_aside_head_grads(head_leaves(losses, self._shared_params()))
         scale = self.loss_scale
         jacobian = task_jacobian(losses, cotangent * scale if scale != 1.0 else cotangent, self._shared_params(),
                                  self._buffer(slot), strategy=self.jacobian_strategy, feed_heads=feed_heads)

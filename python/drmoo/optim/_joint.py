@@ -28,9 +28,18 @@ import torch
 from torch import Tensor
 
 from drmoo import distributed
+from drmoo.jacobian import head_leaves
 from drmoo_kernels.reference import project_simplex
 
-from ._base import STATE_KEY, Closure, MultiObjectiveOptimizer, NonFiniteStepError, check_positive
+from ._base import (
+    STATE_KEY,
+    Closure,
+    MultiObjectiveOptimizer,
+    NonFiniteStepError,
+    check_count,
+    check_fraction,
+    check_positive,
+)
 
 __all__ = [
     "JointBaseline",
@@ -58,21 +67,6 @@ def common_defaults(lam: float, divergence: str, **step_sizes: float) -> dict[st
     return {**checked, "lam": check_positive("lam", lam), "divergence": divergence}
 
 
-def check_count(name: str, value: int) -> int:
-    """An int >= 1 (iteration counts, intervals)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
-def check_fraction(name: str, value: float, meaning: str) -> float:
-    """A number in [0, 1) (averaging / momentum factors)."""
-    number = check_positive(name, value, allow_zero=True)
-    if number >= 1.0:
-        raise ValueError(f"{name} must be in [0, 1) ({meaning}), got {value!r}")
-    return number
-
-
 def joint_gram(gram: Tensor, z: Tensor) -> Tensor:
     """K_joint = J J^T + diag(z^2) in float64, from the theta Gram matrix and the eta gradients."""
     z64 = z.double()
@@ -94,39 +88,6 @@ def joint_norm(gram_joint: Tensor, weights: Tensor) -> Tensor:
     """||sum_i w^i g_i|| = sqrt(w^T K w) (clamped at 0 against rounding), float64."""
     w64 = weights.double()
     return torch.sqrt(torch.clamp(w64 @ (gram_joint.double() @ w64), min=0.0))
-
-
-def head_leaves(losses: Tensor, shared: Sequence[Tensor]) -> list[Tensor]:
-    """The trainable leaves the losses depend on, other than the shared parameters (the heads).
-
-    Found by walking the autograd graph: a backward restricted to these leaves runs only the part
-    of the graph between the losses and the heads, which is what makes "the heads get their raw
-    gradient" cheap for the methods whose shared-parameter backward uses task weights.
-    """
-    shared_ids = {id(p) for p in shared}
-    if losses.grad_fn is None:
-        return [losses] if losses.requires_grad and id(losses) not in shared_ids else []
-    leaves: list[Tensor] = []
-    leaf_ids: set[int] = set()
-    # The visited nodes are held here, not just their ids.  A graph node's Python object is a
-    # wrapper that torch may create on access and free when dropped (torch 2.11 does; 2.14 keeps
-    # it alive); once freed, its id is reused by the next wrapper, which would then count as
-    # "seen" and cut off its whole subtree -- the heads silently got no gradient on torch 2.11.
-    visited: dict[int, Any] = {}
-    stack = [losses.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in visited:
-            continue
-        visited[id(node)] = node
-        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
-        if isinstance(variable, Tensor):
-            if id(variable) not in shared_ids and id(variable) not in leaf_ids:
-                leaf_ids.add(id(variable))
-                leaves.append(variable)
-            continue
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return leaves
 
 
 @dataclass
@@ -177,22 +138,9 @@ class JointBaseline(MultiObjectiveOptimizer):
         """dtype of the m-sized state the base class keeps (w, eta)."""
         return self.w.dtype
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("state", {}).get(STATE_KEY)
-        if saved is not None:
-            own = self.state[STATE_KEY]
-            for key in self._extra_keys:
-                if key not in saved:
-                    raise ValueError(
-                        f"state_dict has no {key!r} entry: it was not saved by {type(self).__name__}"
-                    )
-                current = own[key]
-                if isinstance(current, Tensor) and tuple(saved[key].shape) != tuple(current.shape):
-                    raise ValueError(
-                        f"state_dict's {key} has shape {tuple(saved[key].shape)}, but this "
-                        f"{type(self).__name__} expects {tuple(current.shape)}"
-                    )
-        super().load_state_dict(state_dict)
+    def state_entries(self) -> dict[str, Any]:
+        own = self.state[STATE_KEY]
+        return {**super().state_entries(), **{key: own[key] for key in self._extra_keys}}
 
     @property
     def num_shared(self) -> int:
@@ -242,6 +190,7 @@ class JointBaseline(MultiObjectiveOptimizer):
             for p, grad in zip(shared, saved_grads):
                 p.grad = grad
         if heads:
+            self.set_aside_head_grads(heads)
             torch.autograd.backward(batch.losses, grad_tensors=(batch.cotangent * scale).to(batch.losses.dtype),
                                     inputs=heads)
         if scale != 1.0:
