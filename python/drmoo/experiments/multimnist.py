@@ -34,18 +34,17 @@ EXPERIMENTS = {"multimnist2": 2, "multimnist3": 3}
 # Each preset maps the experiment to RunConfig fields; every value carries its source.
 #
 # paper:  the App. D settings (needs ImageNet weights on disk, full MNIST via --data-root and a GPU).
-# medium: the largest honest comparison that fits one H100/H200 in 10 minutes for all eight
-#         methods x 1 seed (and ~1 hour on a 2-core CPU for --methods double-clip,mgda,moco).
-#         Sized from issue 14's measurement: on an H200, 64 px, 15 epochs x ceil(4000/256) = 240
-#         iterations, batch 256, 1,000 test composites: all eight methods took about 10 minutes.
-#         medium keeps that work per method (~235 iterations of batch 256 at 64 px) and spends it on
-#         12,000 randomly shifted composites instead of 4,000 fixed ones (3 x the embedded set's
-#         4,000 training digits), evaluated on 2,000 test composites.  3 digits cost about
-#         (1 fwd + 3 bwd) / (1 fwd + 2 bwd) = 1.4x per iteration (backward ~ 2x forward), so
-#         64 px would need ~14 minutes; 48 px (the paper's 3-digit / 2-digit ratio, 96 / 128, and
-#         (48/64)^2 x 1.4 = 0.79 of the 2-digit cost, ~8 minutes) is the largest such size that
-#         leaves a margin.  See results/multimnist-medium/README.md for the estimate and the CPU
-#         measurement.
+# medium: the largest comparison that fits one H100/H200 in 10 minutes for all eight methods x
+#         1 seed (and well within an hour on a 2-core CPU for --methods double-clip,mgda,moco).
+#         Sized from issue 14's one measurement: on an H200, 64 px, batch 256, 15 epochs x
+#         ceil(4000/256) = 240 iterations and 1,000 test composites took about 10 minutes for the
+#         eight methods (FAMO crashed early in it, ~7 % of the work, so ~10.7 minutes with FAMO).
+#         Nothing says how that time splits between GPU compute (which grows with pixels) and
+#         per-iteration overhead (which does not), so medium keeps the measured 64 px and sizes the
+#         iteration count to fit either way: 2 digits 188 iterations (~8.4 minutes); 3 digits cost
+#         ~(1 fwd + 3 bwd) / (1 fwd + 2 bwd) = 1.4x per iteration, so 141 iterations (~8.8 minutes).
+#         The work goes to 12,000 randomly shifted composites (3 per embedded training digit)
+#         instead of 4,000 fixed ones.  results/multimnist-medium/README.md has the estimate.
 # quick:  the README demo on a 2-core CPU - 32 px inputs, 2,000 training composites from the
 #         embedded 5,000-digit subset, 500 test composites, one epoch (32 iterations), batch 64,
 #         no pretrained weights: about 4 minutes for all eight methods.  It shows the pipeline,
@@ -71,17 +70,17 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "medium": {
         "multimnist2": {
-            "epochs": 5,  # drmoo: 5 x ceil(12000/256) = 235 iterations ~ issue 14's 240 (the 10-minute budget)
+            "epochs": 4,  # drmoo: 4 x ceil(12000/256) = 188 iterations, ~8.4 of the 10 GPU minutes (see above)
             "batch_size": 256,  # App. D.1 table (the paper's batch)
-            "input_size": 64,  # drmoo: issue 14's measured size; 96 px would cost ~2.25x (over budget)
+            "input_size": 64,  # drmoo: issue 14's measured size (the paper's 128 px: 4x the pixels)
             "weights": "none",  # drmoo: never downloaded; device machines have none (--weights imagenet|PATH)
             "train_size": 12000,  # drmoo: 3 composites per embedded training digit (random pairs + shifts)
             "test_size": 2000,  # drmoo: 2 composites per embedded test digit
         },
         "multimnist3": {
-            "epochs": 5,  # drmoo: 235 iterations, as for 2 digits
+            "epochs": 3,  # drmoo: 3 x 47 = 141 iterations; x 1.4 per iteration for 3 tasks ~ 8.8 GPU minutes
             "batch_size": 256,  # App. D.1 table
-            "input_size": 48,  # drmoo: 64 x 96/128 (the paper's 3-digit/2-digit ratio); fits 10 minutes
+            "input_size": 64,  # drmoo: as for 2 digits (the paper's 96 px: 2.25x the pixels)
             "weights": "none",  # drmoo (as for 2 digits)
             "train_size": 12000,  # drmoo (as for 2 digits)
             "test_size": 2000,  # drmoo (as for 2 digits)
