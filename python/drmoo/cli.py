@@ -501,7 +501,7 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_ablate(args: argparse.Namespace) -> int:
-    from drmoo.experiments.ablations import AblationConfig, run_ablation
+    from drmoo.experiments.ablations import AblationConfig, grid_points, run_ablation
 
     run_overrides = {key: getattr(args, key) for key in ("epochs", "input_size", "train_size", "test_size",
                                                          "weights") if getattr(args, key) is not None}
@@ -511,7 +511,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
         max_steps=args.max_steps, run_overrides=run_overrides, cache_dir=args.cache_dir, device=args.device,
         eps=args.eps,
     )
-    config.validate()
+    grid_points(config)  # validates the whole request before anything is written
     _check_out_dir(args.out)
     print(run_ablation(config, args.out, progress=not args.quiet))
     print(f"wrote {args.out}/ablation-{args.what}.csv, .md, .png, .json")

@@ -1,0 +1,62 @@
+"""Shared helpers of the bad-input suite: one tiny trained run (copied per test) and a CLI runner."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from drmoo.cli import main
+
+# A tiny Multi-MNIST run: 16 px, 32 training / 8 test composites, batch 16 (2 steps per epoch).
+TINY_RUN = ["--input-size", "16", "--train-size", "32", "--test-size", "8", "--batch-size", "16", "--quiet"]
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    """``drmoo ARGV`` in process: (exit status, stderr); argparse's SystemExit counts as a status."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = int(exit_.code) if exit_.code is not None else 0
+    return code, capsys.readouterr().err
+
+
+def assert_one_line_refusal(code: int, err: str, *fragments: str) -> None:
+    """Exit status 2, exactly one line on stderr (no traceback), naming the problem."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="session")
+def reliability_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("reliability-cache"))
+
+
+@pytest.fixture(scope="session")
+def trained_template(tmp_path_factory: pytest.TempPathFactory, reliability_cache: str) -> Path:
+    """One finished 1-step double-clip run, trained once per session; tests work on copies."""
+    run = tmp_path_factory.mktemp("template") / "run"
+    assert main(["train", "--max-steps", "1", "--out", str(run), "--cache-dir", reliability_cache, *TINY_RUN]) == 0
+    return run
+
+
+@pytest.fixture
+def trained_run(trained_template: Path, tmp_path: Path) -> Path:
+    """A private copy of the trained template run."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained_template, copy)
+    return copy
+
+
+@pytest.fixture
+def tiny_args(reliability_cache: str) -> Callable[..., list[str]]:
+    def build(*extra: str) -> list[str]:
+        return [*TINY_RUN, "--cache-dir", reliability_cache, *extra]
+
+    return build
