@@ -27,7 +27,7 @@ from drmoo.optim import available
 
 from .registry import Experiment, register
 from .robustness import ensure_trained, mean_std
-from .training import RunConfig, load_trained
+from .training import RunConfig, load_trained, write_json
 
 __all__ = ["CELEBA", "PAPER_METHOD_HPARAMS", "PRESETS", "build_celeba", "compare_celeba", "evaluate_celeba",
            "label_balancing_weights", "method_hparams", "metrics_table", "table_two"]
@@ -131,7 +131,7 @@ def evaluate_celeba(run_dir: Path, *, eps: list[float] | None = None, progress: 
     report = {"run": str(run_dir), "method": config.method, "seed": config.seed, "experiment": config.experiment,
               "split": "test", "train_samples": int(data.train_labels.shape[0]),
               "test_samples": int(data.test_labels.shape[0]), **metrics}
-    (run_dir / "eval.json").write_text(json.dumps(_json_safe(report), indent=2))
+    write_json(run_dir / "eval.json", _json_safe(report))  # strict JSON, written atomically
     return report
 
 
