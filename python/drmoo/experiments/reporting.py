@@ -225,11 +225,12 @@ def side_by_side(
             cells.append("–" if value is None else f"{value:.2f} ({_rank_text(paper_ranks[key].get(method))})")
         cells += [(extra or {}).get(method, {}).get(name, "") for name in extra_columns]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    lines += ["", "Cells: mean ± std over seeds (rank among these methods, 1 = best)."]
+    lines += ["", "Cells: ours, mean ± std over seeds; the paper's, one reported number; in brackets the rank among "
+              "the methods of this table (1 = best, ties share the mean rank)."]
     if reference is None:
         lines.append(f"The paper reports no numbers for {experiment}.")
     else:
-        lines += [f"Paper: {reference.title}; {reference.source}.", "", agreement_markdown(agreement)]
+        lines += [f"Paper columns: {reference.title}; {reference.source}.", "", agreement_markdown(agreement)]
     return "\n".join(lines) + "\n", rows, agreement
 
 
