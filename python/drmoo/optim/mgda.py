@@ -9,108 +9,205 @@ from torch import Tensor
 
 from ._base import Closure, ParamsT, check_positive
 from ._joint import (
-    TINY,
     JointBaseline,
     check_count,
     common_defaults,
     joint_gram,
     joint_norm,
-    project_simplex,
     simplex_step,
 )
 
 SOLVERS = ("one_step", "min_norm")
 
 
-# Exact enumeration of the faces of the simplex up to this many tasks (2^m - 1 tiny systems).
+# Exact enumeration of the faces of the simplex up to this many tasks (2^m - 1 tiny systems, one
+# batched solve); above it the active-set method (one small system per iteration).
 EXACT_MAX_TASKS = 10
-# Relative ridge that makes every face's equality-constrained problem uniquely solvable.
-FACE_RIDGE = 1e-12
+# Unit roundoff of float64: the KKT tests below never demand more than a small multiple of it.
+_EPS = 2.0**-53
 
 
 def min_norm_weights(gram: Tensor, start: Tensor, *, max_iter: int = 500, tol: float = 1e-12) -> Tensor:
     r"""w* = argmin_{w in simplex} w^T K w, in float64 on K's device, with no host synchronisation.
 
     * m = 1: [1].
-    * m = 2: the closed form w^1 = clip((K22 - K12) / (K11 + K22 - 2 K12), 0, 1), exactly 0 or 1 at
-      the ends, 0.5 when the denominator vanishes (g1 = g2: every w is optimal).
-    * 3 <= m <= 10: exact.  The minimizer lies in the relative interior of some face of the simplex,
-      where it is the minimizer of w^T K w on that face's affine hull -- an equality-constrained
-      quadratic problem, one small KKT system.  All 2^m - 1 faces are solved in one batched call
-      (K scaled by its largest diagonal entry, plus a 1e-12 ridge so that every system is
-      nonsingular), every solution is projected onto the simplex (so every candidate is feasible)
-      and the candidate of least w^T K w wins; among ties (within 1e-12, e.g. identical gradients)
-      the one nearest ``start``.
-    * m > 10: accelerated projected gradient (FISTA with the gradient-based momentum restart) from
-      ``start``, step 1/L with L = 2 min(trace K, largest absolute row sum) >= the gradient's
-      Lipschitz constant; an iterate whose Frank-Wolfe gap 2 (w^T K w - min_i (K w)_i) -- an upper
-      bound on its suboptimality -- is at most ``tol`` (relative to the largest diagonal entry) is
-      frozen; ``max_iter`` iterations run (a fixed count: stopping early would need a host sync).
-      Rank-deficient K can leave a visible gap at the cap.
+    * m = 2: the closed form w^1 = clip((K22 - K12) / (K11 + K22 - 2 K12), 0, 1), computed as
+      (K22 - K12)_+ / ((K22 - K12)_+ + (K11 - K12)_+) and w^2 likewise (not 1 - w^1), exactly 0 or
+      1 at the ends, 0.5 when the denominator is at the rounding level of K (g1 = g2: every w is
+      optimal).
+    * m >= 3: exact, in scale-invariant coordinates.  With d_i = ||g_i|| = sqrt(K_ii) and the
+      correlations C = D^-1 K D^-1 (unit diagonal), the minimizer on the face S of the simplex
+      (w = 0 off S) solves the face's KKT system in the scaled unknowns u_i = w_i d_i / s,
+      s = min_{i in S} d_i, and nu = -f / s^2:
+
+          [ C_SS   a_S ] [ u_S ]   [ 0 ]          a_i = s / d_i  (in (0, 1], max 1),
+          [ a_S^T   0  ] [ nu  ] = [ 1 ],         w_i = a_i u_i,  f = w^T K w = -s^2 nu.
+
+      Its entries are all O(1) whatever the spread of the gradient norms, so a backward-stable
+      solve is accurate to the problem's geometric conditioning (the angles between gradients),
+      not to the ratio of their norms -- no ridge, nothing absolute.  A face's point is THE
+      minimizer iff it satisfies the KKT conditions of the simplex problem: u_S >= 0 and
+      r_j = (C u)_j + a_j nu = ((K w)_j - f) / (s d_j) >= 0 for every j.  Both are tested
+      relative to their own rounding scale (|u|_inf; (|C| |u|)_j + a_j |nu|), with the relative
+      tolerance max(``tol``, 16 m eps) -- never an absolute threshold.
+      - m <= 10 (``EXACT_MAX_TASKS``): all 2^m - 1 faces in one batched solve; the faces that
+        satisfy the KKT conditions are all optimal (several only when the minimizer is not unique,
+        e.g. duplicated gradients): the one nearest ``start`` wins.  Should rounding leave no face
+        within tolerance, the least violating one is taken.
+      - m > 10: Wolfe's active-set method for the minimum-norm point of the convex hull of the
+        g_i (Wolfe 1976), on the same scaled face systems: start at the vertex of least norm;
+        a major step adds the task with the most negative relative r_j (stop when none is below
+        -tol); a minor step, when the new face's minimizer leaves the simplex, moves towards it
+        until a weight reaches 0 and drops that task.  It terminates after finitely many steps
+        in exact arithmetic (the objective strictly decreases and no face repeats); here it runs
+        ``max_iter`` steps (a fixed count: stopping early would need a host sync), frozen once the
+        KKT conditions hold.  Every iterate is feasible and no worse than the one before.
+    * A task with a zero gradient (K_ii = 0) is a minimizer by itself (w = e_i, value 0).
     """
     m = gram.shape[0]
     K = gram.double()
     if m == 1:
         return torch.ones(1, dtype=torch.float64, device=K.device)
     if m == 2:
-        denominator = K[0, 0] + K[1, 1] - 2.0 * K[0, 1]
-        degenerate = denominator <= 1e-12 * torch.clamp(K[0, 0] + K[1, 1], min=TINY)
+        # Each weight from its own numerator (never 1 - the other: next to 1 that loses every digit
+        # of a weight of 1e-8), both >= 0 and exactly 0 at the ends.
+        first = torch.clamp(K[1, 1] - K[0, 1], min=0.0)
+        second = torch.clamp(K[0, 0] - K[0, 1], min=0.0)
+        denominator = first + second  # = ||g1 - g2||^2 unless an end is the minimizer
+        # g1 = g2 up to the rounding of K: every w is optimal (within rounding), take 0.5 each.
+        degenerate = denominator <= 4.0 * _EPS * (K[0, 0] + K[1, 1] + 2.0 * K[0, 1].abs())
         safe = torch.where(degenerate, torch.ones_like(denominator), denominator)
-        exact = torch.clamp((K[1, 1] - K[0, 1]) / safe, 0.0, 1.0)
-        first = torch.where(degenerate, torch.full_like(denominator, 0.5), exact)
-        return torch.stack([first, 1.0 - first])
-    K = K / torch.clamp(torch.diagonal(K).max(), min=TINY)
+        weights = torch.stack([first, second]) / safe
+        return torch.where(degenerate, torch.full_like(weights, 0.5), weights)
     if m <= EXACT_MAX_TASKS:
-        return _min_norm_by_faces(K, start.double())
-    return _min_norm_by_projected_gradient(K, start.double(), max_iter, tol)
+        return _min_norm_by_faces(K, start.double(), tol)
+    return _min_norm_by_active_set(K, start.double(), max_iter, tol)
 
 
-def _min_norm_by_faces(K: Tensor, start: Tensor) -> Tensor:
-    m, device = K.shape[0], K.device
-    bits = torch.arange(m, device=device)
-    faces = ((torch.arange(1, 2**m, device=device)[:, None] >> bits) & 1).bool()  # [F, m] supports
-    on_face = faces.double()
-    ridged = K + FACE_RIDGE * torch.eye(m, dtype=K.dtype, device=device)
-    # KKT of min w^T K w s.t. sum w = 1, w_j = 0 off the face:  [K_SS 1; 1^T 0] [w; nu] = [0; 1],
-    # with identity rows/columns pinning the off-face coordinates to 0.
-    system = torch.zeros(faces.shape[0], m + 1, m + 1, dtype=K.dtype, device=device)
-    system[:, :m, :m] = ridged * (on_face[:, :, None] * on_face[:, None, :]) + torch.diag_embed(1.0 - on_face)
-    system[:, :m, m] = on_face
-    system[:, m, :m] = on_face
-    rhs = torch.zeros(faces.shape[0], m + 1, dtype=K.dtype, device=device)
+def _correlations(K: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(C, d, zero): d_i = sqrt(K_ii), C = D^-1 K D^-1 with unit diagonal, zero_i = (d_i == 0)."""
+    diagonal = torch.diagonal(K).clamp(min=0.0)
+    d = torch.sqrt(diagonal)
+    zero = diagonal == 0
+    safe = torch.where(zero, torch.ones_like(d), d)
+    # Divide by one factor at a time: |K_ij| <= d_i d_j, so neither quotient overflows, and no
+    # product d_i d_j can underflow.
+    C = (K / safe[:, None]) / safe[None, :]
+    C = torch.where(zero[:, None] | zero[None, :], torch.zeros_like(C), C)
+    C.diagonal().fill_(1.0)
+    return C, d, zero
+
+
+def _solve_faces(C: Tensor, d: Tensor, faces: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The minimizer on each face's affine hull, in the scaled form of :func:`min_norm_weights`.
+
+    faces: [F, m] bool supports.  Returns (w [F, m] with sum 1 and zeros off the face,
+    primal [F] = -min_{i in S} u_i / max|u| (> 0: the point leaves the simplex), dual [F, m] =
+    r_j / ((|C| |u|)_j + a_j |nu|) (< 0: adding j would lower w^T K w), solved [F] (finite)).
+    """
+    F, m = faces.shape
+    on = faces.to(C.dtype)
+    s = torch.where(faces, d, torch.full_like(on, float("inf"))).amin(dim=1)  # [F]
+    a = s[:, None] / d.clamp(min=torch.finfo(C.dtype).tiny)[None, :]  # [F, m]; <= 1 on the face
+    system = torch.zeros(F, m + 1, m + 1, dtype=C.dtype, device=C.device)
+    system[:, :m, :m] = C * (on[:, :, None] * on[:, None, :]) + torch.diag_embed(1.0 - on)
+    system[:, :m, m] = a * on
+    system[:, m, :m] = a * on
+    rhs = torch.zeros(F, m + 1, dtype=C.dtype, device=C.device)
     rhs[:, m] = 1.0
     solution, _ = torch.linalg.solve_ex(system, rhs)
-    candidates = solution[:, :m]
-    solved = torch.isfinite(candidates).all(dim=1, keepdim=True)  # a failed solve: the face's centre
-    candidates = torch.where(solved, candidates, on_face / on_face.sum(dim=1, keepdim=True))
-    candidates = project_simplex(candidates)
-    values = torch.einsum("fi,ij,fj->f", candidates, K, candidates)
-    near_best = values <= values.min() + 1e-12
-    distance = torch.where(near_best, ((candidates - start) ** 2).sum(dim=1), torch.full_like(values, float("inf")))
-    # index_select, not candidates[argmin]: a 0-d index tensor would be read on the host (a sync)
-    return candidates.index_select(0, torch.argmin(distance).reshape(1))[0]
+    solved = torch.isfinite(solution).all(dim=1)
+    solution = torch.where(solved[:, None], solution, torch.zeros_like(solution))
+    u, nu = solution[:, :m] * on, solution[:, m]
+    largest = u.abs().amax(dim=1).clamp(min=torch.finfo(C.dtype).tiny)
+    primal = -torch.where(faces, u, torch.full_like(u, float("inf"))).amin(dim=1) / largest
+    residual = u @ C + a * nu[:, None]
+    magnitude = u.abs() @ C.abs() + a * nu.abs()[:, None]
+    dual = residual / magnitude.clamp(min=torch.finfo(C.dtype).tiny)
+    w = (a * u).clamp(min=0.0)
+    w = w / w.sum(dim=1, keepdim=True).clamp(min=torch.finfo(C.dtype).tiny)
+    return w, primal, dual, solved
 
 
-def _min_norm_by_projected_gradient(K: Tensor, start: Tensor, max_iter: int, tol: float) -> Tensor:
-    lipschitz = 2.0 * torch.minimum(torch.trace(K), K.abs().sum(dim=1).max())
-    step = 1.0 / torch.clamp(lipschitz, min=TINY)
-    w = project_simplex(start)
-    y, momentum = w, torch.ones((), dtype=torch.float64, device=K.device)
-    done = torch.zeros((), dtype=torch.bool, device=K.device)
+def _zero_gradient_vertex(zero: Tensor, start: Tensor) -> Tensor:
+    """e_i for the zero-gradient task i with the largest start weight (the vertex nearest start)."""
+    i = torch.argmax(torch.where(zero, start, torch.full_like(start, -1.0)))
+    return torch.nn.functional.one_hot(i, zero.shape[0]).to(start.dtype)
+
+
+def _kkt_threshold(m: int, tol: float) -> float:
+    return max(tol, 16.0 * m * _EPS)
+
+
+def _min_norm_by_faces(K: Tensor, start: Tensor, tol: float = 1e-12) -> Tensor:
+    m, device = K.shape[0], K.device
+    C, d, zero = _correlations(K)
+    bits = torch.arange(m, device=device)
+    faces = ((torch.arange(1, 2**m, device=device)[:, None] >> bits) & 1).bool()  # [F, m] supports
+    w, primal, dual, solved = _solve_faces(C, d, faces)
+    dual_off_face = torch.where(faces, torch.zeros_like(dual), dual)
+    violation = torch.maximum(primal, -dual_off_face.amin(dim=1)).clamp(min=0.0)
+    violation = torch.where(solved, violation, torch.full_like(violation, float("inf")))
+    # Every face within tolerance is optimal (up to rounding); should none be, the least violating.
+    admissible = violation <= torch.clamp(violation.min(), min=_kkt_threshold(m, tol))
+    distance = torch.where(admissible, ((w - start) ** 2).sum(dim=1), torch.full_like(violation, float("inf")))
+    # index_select, not w[argmin]: a 0-d index tensor would be read on the host (a sync)
+    best = w.index_select(0, torch.argmin(distance).reshape(1))[0]
+    return torch.where(zero.any(), _zero_gradient_vertex(zero, start), best)
+
+
+def _min_norm_by_active_set(K: Tensor, start: Tensor, max_iter: int = 500, tol: float = 1e-12) -> Tensor:
+    m, dtype, device = K.shape[0], K.dtype, K.device
+    tiny = torch.finfo(dtype).tiny
+    C, d, zero = _correlations(K)
+    threshold = _kkt_threshold(m, tol)
+    inverse_d = 1.0 / d.clamp(min=tiny)
+    # [C 1/d; 1/d^T 0]: the face system of :func:`_solve_faces` is this matrix scaled by
+    # diag(on_S, s) on both sides, plus the identity on the rows and columns off the face.
+    bordered = torch.zeros(m + 1, m + 1, dtype=dtype, device=device)
+    bordered[:m, :m] = C
+    bordered[:m, m] = inverse_d
+    bordered[m, :m] = inverse_d
+    rhs = torch.zeros(m + 1, dtype=dtype, device=device)
+    rhs[m] = 1.0
+    magnitude_matrix = C.abs()
+    no_weight = torch.zeros(1, dtype=dtype, device=device)
+    w = torch.nn.functional.one_hot(torch.argmin(d), m).to(dtype)  # the vertex of least norm
+    support = w > 0
+    done = zero.any()
     for _ in range(max_iter):
-        w_next = project_simplex(y - step * 2.0 * (K @ y))
-        momentum_next = 0.5 * (1.0 + torch.sqrt(1.0 + 4.0 * momentum * momentum))
-        y_next = w_next + ((momentum - 1.0) / momentum_next) * (w_next - w)
-        # Restart when the momentum points uphill (O'Donoghue & Candes): keeps the linear rate.
-        restart = torch.dot(y - w_next, w_next - w) > 0
-        y_next = torch.where(restart, w_next, y_next)
-        momentum_next = torch.where(restart, torch.ones_like(momentum_next), momentum_next)
+        on = support.to(dtype)
+        s = torch.where(support, d, torch.full_like(d, float("inf"))).amin()
+        scaling = torch.cat([on, s.reshape(1)])
+        system = bordered * (scaling[:, None] * scaling[None, :])
+        system.diagonal()[:m].add_(1.0 - on)
+        solution, _ = torch.linalg.solve_ex(system, rhs)
+        solved = torch.isfinite(solution).all()
+        solution = torch.where(solved, solution, torch.zeros_like(solution))
+        u, scaled_nu = solution[:m] * on, s * solution[m]
+        # The face's minimizer y (weights on the simplex) and the KKT tests of :func:`_solve_faces`.
+        y = s * inverse_d * u
+        y = y / y.sum().clamp(min=tiny)
+        interior = solved & (torch.where(support, u, torch.full_like(u, float("inf"))).amin() > 0)
+        residual = u @ C + scaled_nu * inverse_d
+        magnitude = u.abs() @ magnitude_matrix + scaled_nu.abs() * inverse_d
+        dual = torch.where(support, torch.full_like(u, float("inf")), residual / magnitude.clamp(min=tiny))
+        # Major step (y interior): add the task with the most negative relative margin, if any.
+        improvable = dual.min() < -threshold
+        grow = (torch.arange(m, device=device) == torch.argmin(dual)) & improvable
+        # Minor step: walk from w towards y until the first weight reaches 0; drop that task.
+        leaving = support & (y <= 0.0)
+        ratios = torch.where(leaving, w / (w - y).clamp(min=tiny), torch.ones_like(w))
+        theta = ratios.min().clamp(0.0, 1.0)
+        blocking = leaving & (ratios <= theta)
+        walked = torch.where(blocking, no_weight, (w + theta * (y - w)).clamp(min=0.0))
+        walked = walked / walked.sum().clamp(min=tiny)
+        w_next = torch.where(interior, y, walked)
+        support_next = torch.where(interior, support | grow, support & (walked > 0))
         w = torch.where(done, w, w_next)
-        y = torch.where(done, y, y_next)
-        momentum = torch.where(done, momentum, momentum_next)
-        gradient_half = K @ w
-        done = done | (2.0 * (w @ gradient_half - gradient_half.min()) <= tol)
-    return w
+        support = torch.where(done, support, support_next)
+        done = done | ~solved | (interior & ~improvable)
+    return torch.where(zero.any(), _zero_gradient_vertex(zero, start), w)
 
 
 class MGDA(JointBaseline):
@@ -134,10 +231,10 @@ class MGDA(JointBaseline):
         theta_{t+1} = theta_t - lr * J^T w_{t+1}
         eta_{t+1}   = eta_t   - lr * z (.) w_{t+1}
 
-    Cost per step: 1 closure call (one batch of B samples), m backward passes; ``min_norm`` adds at
-    most ``max_iter`` tiny m x m iterations for m > 10 (one batched solve of 2^m - 1 KKT systems
-    for 3 <= m <= 10).  ``pref_lr`` and ``rho`` only enter the
-    one-step solver.
+    Cost per step: 1 closure call (one batch of B samples), m backward passes; ``min_norm`` adds
+    one batched solve of 2^m - 1 tiny KKT systems for 3 <= m <= 10, and ``max_iter`` active-set
+    steps (one (m+1) x (m+1) solve each; run in full, there is no host sync to stop early) for
+    m > 10.  ``pref_lr`` and ``rho`` only enter the one-step solver.
 
     ``stats``: ``w`` (= w_{t+1}), ``eta`` (new), ``dual_objective`` (L^i(theta_t, eta_t) on xi),
     ``balanced_grad_norm`` = ||[J^T w_{t+1} ; z (.) w_{t+1}]|| (for ``min_norm`` the minimal joint
@@ -151,8 +248,10 @@ class MGDA(JointBaseline):
     Args:
         params: the shared parameters.  num_tasks: m.  lr: step of theta and eta.  pref_lr: beta.
         rho: regularization of the one-step w update.  lam: lambda > 0.  divergence: f.
-        solver: ``"one_step"`` or ``"min_norm"``.  max_iter, tol: cap and tolerance of the min-norm
-            solver for m > 10.  backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        solver: ``"one_step"`` or ``"min_norm"``.  max_iter: active-set steps of the min-norm
+            solver for m > 10 (typically it needs fewer than 2m; more cost time, not accuracy).  tol: relative
+            tolerance of its KKT tests (m >= 3).  backend: kernel backend (see
+            :mod:`drmoo_kernels.dispatch`).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
