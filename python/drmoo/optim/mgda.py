@@ -132,7 +132,7 @@ def _solve_faces(C: Tensor, d: Tensor, faces: Tensor) -> tuple[Tensor, Tensor, T
 def _zero_gradient_vertex(zero: Tensor, start: Tensor) -> Tensor:
     """e_i for the zero-gradient task i with the largest start weight (the vertex nearest start)."""
     i = torch.argmax(torch.where(zero, start, torch.full_like(start, -1.0)))
-    return torch.nn.functional.one_hot(i, zero.shape[0]).to(start.dtype)
+    return (torch.arange(zero.shape[0], device=start.device) == i).to(start.dtype)
 
 
 def _kkt_threshold(m: int, tol: float) -> float:
@@ -172,7 +172,7 @@ def _min_norm_by_active_set(K: Tensor, start: Tensor, max_iter: int = 500, tol: 
     rhs[m] = 1.0
     magnitude_matrix = C.abs()
     no_weight = torch.zeros(1, dtype=dtype, device=device)
-    w = torch.nn.functional.one_hot(torch.argmin(d), m).to(dtype)  # the vertex of least norm
+    w = (torch.arange(m, device=device) == torch.argmin(d)).to(dtype)  # the vertex of least norm
     support = w > 0
     done = zero.any()
     for _ in range(max_iter):
