@@ -77,12 +77,23 @@ class NashMTL(JointBaseline):
                                                       on update steps; a zero d is left as it is)
         theta_{t+1} = theta_t - lr * clip * d_theta;   eta_{t+1} = eta_t - lr * clip * d_eta
 
-    Differences from the official code, on purpose: the weights are the exact solution of
-    K alpha = 1/alpha on the device (damped Newton, float64) instead of cvxpy/ECOS on the CPU with
-    20 iterations of a sequential convex programme; the official code keeps the alpha of the
-    *normalized* K/||K|| (so its d is sqrt(||K||) times larger before clipping), here alpha solves
-    the system for K itself; and the norm clip acts on the joint (theta, eta) direction, since both
-    are the optimized variables.
+    Differences from the authors' implementation (AvivNavon/nash-mtl, ``NashMTL`` in
+    ``methods/weight_methods.py``), each decided:
+
+    * The solver (kept).  The official code approximates alpha by a sequential convex programme on
+      the CPU: up to 20 cvxpy/ECOS solves, each linearising the concave part around the previous
+      alpha, stopped once ||K/||K|| alpha - 1/alpha|| < 1e-3 or alpha moves by < 1e-6.  Here damped
+      Newton in float64 on the device solves K alpha = 1/alpha to rounding, without a host sync.
+      Same fixed point, reached exactly.
+    * The normalisation (no difference).  Both solve for the *unnormalised* K.  The official code
+      hands cvxpy K/||K||_F but multiplies the factor back inside the log constraint,
+      log(alpha_i ||K||_F) + log((K/||K||_F alpha)_i) >= 0, i.e. alpha_i (K alpha)_i >= 1: the
+      factor cancels and alpha solves K alpha = 1/alpha as here (so ||d|| = sqrt(m) in both).
+    * The clip (deliberate).  The official code clips the shared parameters' gradient of
+      sum_i alpha_i L^i to norm ``max_norm``; here the clip acts on the joint (theta, eta)
+      direction, since both are the optimised variables of the DR dual.
+    * Vanished tasks (deliberate).  A task whose joint gradient vanishes gets alpha_i = 0 here; the
+      official problem is then infeasible (alpha_i (K alpha)_i = 0 < 1).
 
     Cost per step: 1 closure call (one batch); m backward passes on weight-update steps, one
     backward pass (plus a backward through the heads only, to give them their raw gradient) on
