@@ -44,13 +44,31 @@ class SDMGrad(JointBaseline):
         theta_{t+1} = theta_t - lr * J_zeta^T c     # = (J_zeta^T w + lambda_s J_zeta^T 1/m) / (1 + lambda_s)
         eta_{t+1}   = eta_t   - lr * z_zeta (.) c
 
-    Notes.  The two weight batches xi, xi' are really independent draws (the official code aliases
-    its gradient buffers, which makes it a one-sample method; not reproduced).  The momentum
-    buffer v persists across steps like w (the official code keeps one SGD optimizer on w for the
-    whole run); both are in ``state_dict``.  rho * w is the paper's regularization (rho = 0 gives
-    the published inner objective).  ``normalize`` is the heuristic gradient normalization the
-    paper mentions (App. E.1).  With lambda_s = 0, S = 1, momentum = 0, normalize = False the step
-    is exactly MoDo's with the same rho.
+    Notes.  w and the momentum buffer v both persist across steps (both in ``state_dict``).
+    rho * w is the paper's regularization (rho = 0 gives the published inner objective).
+    ``normalize`` is the heuristic gradient normalization the paper mentions (App. E.1).  With
+    lambda_s = 0, S = 1, momentum = 0, normalize = False the step is exactly MoDo's with the same
+    rho.
+
+    Differences from the authors' implementation (OptMN-Lab/sdmgrad, ``SDMGrad`` in
+    ``methods/weight_methods.py``), each decided:
+
+    * Three batches (deliberate).  The official code allocates its three gradient buffers as one
+      aliased tensor, so xi, xi' and zeta all hold the last batch's gradients: secretly a
+      one-sample method.  Here the three are independent draws, as in the paper.
+    * The inner momentum (kept; momentum = 0 removes the difference).  The official code creates a
+      new ``SGD([w], lr=10, momentum=0.5)`` on every call, so its heavy-ball buffer restarts from 0
+      at every step and only w is warm-started; here v is carried over like w.  Its inner step is
+      fixed at 10 with 20 inner steps by default; here beta = ``pref_lr`` and S = ``inner_steps``
+      (the DR paper's Tables 4-5 and App. E).
+    * The Gram scale (deliberate).  Official: s = mean_i sqrt(A_ii + 1e-4), an absolute 1e-4 that
+      dominates small gradients (and a NaN for a cross-batch A_ii < -1e-4, which only the aliasing
+      hides); here s = mean_i sqrt(max(A_ii, 0)), scale-free, skipped when s^2 ~ 0.
+    * The direction's scale and clip (deliberate, not reproduced).  The official code multiplies
+      the direction by m ("to match the sum loss") and then clips the shared parameters' gradient
+      to norm 1 (``max_norm = 1``, the same generic clip it applies to every method).  Here the
+      step is lr * the direction above, unclipped -- the paper's update, for which the DR paper's
+      learning rates were chosen; the factor m is a rescaling of lr (lr -> m lr).
 
     Cost per step: 3 closure calls (3 independent batches, 3B samples), 3m backward passes; the
     heads are fed from batch zeta only.
