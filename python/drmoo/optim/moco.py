@@ -30,9 +30,21 @@ class MoCo(JointBaseline):
         theta_{t+1} = theta_t - lr * Y_theta^T w_{t+1}
         eta_{t+1}   = eta_t   - lr * y_eta (.) w_{t+1}
 
-    This is the published projected update: LibMTL's and TorchJD's MoCo use softmax(w - step)
-    instead of Pi and rescale each g_i by loss / ||g_i||; neither is done here.  No bias correction
-    of the zero start is applied (Y = 0.05 J after the first step with ema = 0.95).
+    This is the published projected update.  No bias correction of the zero start is applied
+    (Y = 0.05 J after the first step with ema = 0.95), as in the authors' code.
+
+    Differences from the authors' implementation, each decided:
+
+    * Their MoCo in heshandevaka/Trade-Off-MOL (``LibMTL/weighting/MoCo.py``, and ``grad_moco`` of
+      its toy scripts) is this update: y <- y - beta_y (y - G) (beta_y = 1 - ema), w <- Pi(w -
+      gamma (Y Y^T w + rho w)), step along Y^T w_{t+1}.  No difference, except their optional
+      normalization of Y by loss or norm (``moco_gn``, default none), not offered here.
+    * Their first release (heshandevaka/MoCo, the "Tracking" weighting) decays both step sizes as
+      beta / t^sigma, puts a factor 2 on the gradient of w and has no rho: not reproduced (the DR
+      paper's constant rates, Tables 4-5).
+    * LibMTL's MoCo (median-research-group/LibMTL) uses softmax(w - step) instead of Pi, rescales
+      each g_i to loss_i g_i / ||g_i|| and decays its rates: not this method, not reproduced.
+      (TorchJD has no MoCo.)
 
     Cost per step: 1 closure call (one batch), m backward passes, and m x n persistent memory for
     Y_theta (saved in ``state_dict``).
