@@ -46,6 +46,22 @@ class FAMO(JointBaseline):
 
     (c is the gradient direction of sum_i p_i log D_i up to the factor 1/sum_j p_j/D_j.)
 
+    Differences from the authors' implementation (Cranial-XIX/FAMO: ``famo.py`` and ``FAMO`` in
+    ``methods/weight_methods.py``), each decided:
+
+    * c, the logits' gradient and their Adam (betas, eps, coupled weight decay gamma) are the same:
+      the official code backpropagates sum_i p_i log(D_i) / c, whose gradient is the direction
+      above, and its ``update`` sets xi.grad as above.
+    * The clip (deliberate, not reproduced).  ``famo.py`` clips the shared parameters' gradient to
+      norm ``max_norm = 1`` after the backward (famo.py line 69).  The repository's experiments go
+      through ``WeightMethod.backward`` of ``methods/weight_methods.py``, which runs the same clip
+      *before* ``loss.backward()`` (after the trainer's ``zero_grad``), where it does nothing.  Here
+      no clip: the paper's update, for which the DR paper's learning rates were chosen.
+    * The floor (deliberate).  Official D_i = L^i - l*_i + 1e-8, unguarded: a loss below l* takes
+      the log of a negative number (NaN).  Here D is clamped at eps and ``below_floor`` says so.
+    * The parameter step (the DR setting).  theta and eta take a plain gradient step of size
+      ``lr`` here; the official class leaves the step to the caller's optimizer (Adam in its demo).
+
     The same-batch re-evaluation.  FAMO needs the losses of the batch it just stepped on,
     recomputed at the new parameters.  Two ways to provide them:
 
