@@ -33,6 +33,15 @@ class MoDo(JointBaseline):
     batch would be biased by the gradient covariance); beta acts on squared-gradient-scaled
     quantities (LibMTL's 1e-3 vs the official code's 0.1 on different losses is the same method).
 
+    Differences from the authors' implementation (heshandevaka/Trade-Off-MOL), each decided:
+
+    * Their three-sample form (``grad_modo`` with ``num_samples = 3`` in the toy scripts) is this
+      update exactly: w <- Pi(w - gamma (G_1 (G_2^T w) + rho w)), step along G_3^T w_{t+1}.
+    * Their LibMTL ``MoDo`` (and the two-sample toy mode) draws only two batches and steps along
+      (G_1 + G_2)^T w_{t+1} (or half of it), re-using the weight batches for the step: not
+      reproduced -- the paper's algorithm and its analysis use a third, independent batch.
+    * Their commented-out gradient normalization (``modo_gn``) is not offered.
+
     Cost per step: 3 closure calls (3 independent batches, 3B samples), 3m backward passes; the
     heads are fed from batch 3 only.
 
