@@ -231,6 +231,18 @@ class MGDA(JointBaseline):
         theta_{t+1} = theta_t - lr * J^T w_{t+1}
         eta_{t+1}   = eta_t   - lr * z (.) w_{t+1}
 
+    Differences from the authors' implementation (Sener & Koltun's MGDA-UB, isl-org/
+    MultiObjectiveOptimization ``multi_task/min_norm_solvers.py``; the MoDo/MoCo authors ship
+    the same solver), each decided:
+
+    * The solver (deliberate).  Theirs: the best pair of tasks, then projected-gradient (or
+      Frank-Wolfe) steps until the weights move by < 1e-5 in l1 (its cap of 250 iterations is
+      never counted), on the CPU; the pair's ends are 0.999 / 0.001, never 0 / 1.  Here
+      ``min_norm`` is exact (to ~1e-12 relative, whatever the spread of the gradient norms) and
+      on the device; ``one_step`` is the DR paper's stochastic baseline.
+    * No gradient normalization (their ``l2`` / ``loss`` / ``loss+`` options; ``none`` here).
+    * The full shared gradient, not MGDA-UB's upper bound through the shared representation.
+
     Cost per step: 1 closure call (one batch of B samples), m backward passes; ``min_norm`` adds
     one batched solve of 2^m - 1 tiny KKT systems for 3 <= m <= 10, and ``max_iter`` active-set
     steps (one (m+1) x (m+1) solve each; run in full, there is no host sync to stop early) for
