@@ -5,10 +5,15 @@
 * :mod:`~drmoo_kernels.dispatch`    - backend selection (reference, cpp, cuda, triton).
 """
 
-from . import reference
-from .dispatch import BACKENDS, available_backends, backend_module, resolve_backend, why_unavailable
-from .divergences import DIVERGENCE_NAMES, Divergence, get_divergence
-from .reference import project_simplex
+# First, before anything else touches torch: an unsupported torch is an ImportError, not a wrong result.
+from ._compat import check_torch_version
+
+check_torch_version()
+
+from . import reference  # noqa: E402
+from .dispatch import BACKENDS, available_backends, backend_module, resolve_backend, why_unavailable  # noqa: E402
+from .divergences import DIVERGENCE_NAMES, Divergence, get_divergence  # noqa: E402
+from .reference import project_simplex  # noqa: E402
 
 __all__ = [
     "BACKENDS",

@@ -62,6 +62,11 @@ def availability() -> str | None:
     """
     if importlib.util.find_spec("triton") is None:
         return "the 'triton' package is not installed"
+    from .._compat import triton_version_problem  # the supported range (README), read without importing triton
+
+    too_old = triton_version_problem()
+    if too_old is not None:
+        return too_old
     has_cuda = torch.cuda.is_available()
     if not has_cuda and not _interpret_requested():
         return "there is no CUDA device (set TRITON_INTERPRET=1 to run the Triton kernels on the CPU, slowly)"

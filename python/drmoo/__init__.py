@@ -5,6 +5,7 @@
 * :mod:`drmoo.experiments` - the paper's experiments; ``drmoo`` on the command line runs them.
 """
 
+# drmoo_kernels is imported first: it refuses an unsupported torch (ImportError) before anything runs.
 from drmoo_kernels import DIVERGENCE_NAMES, Divergence, get_divergence, project_simplex
 
 from . import optim

@@ -632,29 +632,6 @@ def test_the_error_bounds_catch_planted_bugs() -> None:
     _must_fail(eta_planted, eta_want, bound.eta, "eta with gamma * 1.001")
 
 
-def test_cpu_results_do_not_depend_on_the_thread_count() -> None:
-    # Sizes large enough that the kernels use every thread (each pass goes parallel only above
-    # ~1 MB or ~64K loss entries per thread); the threads claim tasks dynamically, so this also
-    # checks that the per-task partial sums are combined in a fixed order.
-    J = _jacobian(5, 300_001, torch.float32, "cpu", seed=90)
-    losses, eta, _ = _losses(50_000, 5, torch.float32, "cpu", seed=91)
-    _, w, z, mu = _gram_step_inputs(5, 300_001, torch.float32, "cpu", seed=92)
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        for count in (1, max(2, threads)):
-            torch.set_num_threads(count)
-            params, w_step, eta_step = _params(300_001, torch.float32, "cpu", seed=93), w.clone(), eta.clone()
-            step = cpp_backend.gram_step(J, w_step, params, 0.1, 1.0, 0.5, 0.3, 1e-3, mu, z)
-            dual = cpp_backend.dual_step(losses, eta_step, w, 0.6, 1.0, Divergence("kl"), 0.1, 1.0, 0.5)
-            results.append((cpp_backend.gram(J), *cpp_backend.dual_forward(losses, eta, 0.6, 1.0, Divergence("kl")),
-                            *step, w_step, *params, *dual, eta_step))
-    finally:
-        torch.set_num_threads(threads)
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
-
-
 # ---------------------------------------------------------------------------- optimizer parity
 def _run_double_clip(toy: Callable, backend: str, device: str, tasks: int, divergence: str, resample: bool,
                      dtype: torch.dtype):
