@@ -101,7 +101,7 @@ def test_compare_writes_table_one_and_reuses_finished_runs(tmp_path: Path, cache
             "--out", str(out), "--cache-dir", cache_dir, *TINY]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "| method | Clean | 0.03 |" in printed and "| double-clip |" in printed and " ± " in printed
+    assert "| method | Clean (ours) | 0.03 (ours) |" in printed and "| double-clip |" in printed and " ± " in printed
     rows = list(csv.DictReader((out / "table.csv").open()))
     expected = {(m, e) for m in ("double-clip", "mgda") for e in (0, 0.03)}
     assert {(r["method"], float(r["eps"])) for r in rows} == expected
