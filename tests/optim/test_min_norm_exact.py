@@ -31,6 +31,7 @@ more than half of the instances, with relative excesses up to ~1e3 and weights o
 
 from __future__ import annotations
 
+import itertools
 import math
 from fractions import Fraction
 
@@ -230,3 +231,48 @@ def test_active_set_is_exact_for_many_tasks(m: int, n: int, joint: bool) -> None
         excess = value - best
         assert 0 <= excess <= RELATIVE_EXCESS * best + Fraction((ROUNDING_FLOOR_FACTOR * EPS * spread) ** 2), (
             float(excess / best) if best else float(excess))
+
+
+@pytest.mark.parametrize("m", [3, 5, 12])
+def test_a_zero_gradient_is_the_minimizer(m: int) -> None:
+    """A task whose gradient is exactly zero: w = e_i, value 0 (the scaled form divides by d_i)."""
+    gen = torch.Generator().manual_seed(m)
+    G = torch.randn(m, 7, generator=gen, dtype=torch.float64)
+    G[m - 2] = 0.0
+    K = G @ G.T
+    start = torch.full((m,), 1.0 / m, dtype=torch.float64)
+    expected = torch.zeros(m, dtype=torch.float64)
+    expected[m - 2] = 1.0
+    assert torch.equal(min_norm_weights(K, start), expected)
+    assert torch.equal(_min_norm_by_faces(K, start), expected)
+    assert torch.equal(_min_norm_by_active_set(K, start), expected)
+
+
+def test_ties_go_to_the_optimum_nearest_the_start() -> None:
+    """g1 = g2: w = (t, 0.5 - t, 0.5) is optimal for every t in [0, 0.5]; the faces path returns
+    the optimal vertex nearest the start (the warm start of MGDA), the active set a feasible one."""
+    G = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]], dtype=torch.float64) * 1e-5
+    K = G @ G.T
+    to_second = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)
+    to_first = torch.tensor([0.6, 0.1, 0.3], dtype=torch.float64)
+    assert torch.allclose(_min_norm_by_faces(K, to_second), torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64))
+    assert torch.allclose(_min_norm_by_faces(K, to_first), torch.tensor([0.5, 0.0, 0.5], dtype=torch.float64))
+    w = _min_norm_by_active_set(K, to_second)
+    assert float(w[0] + w[1]) == pytest.approx(0.5, abs=1e-15) and float(w[2]) == pytest.approx(0.5, abs=1e-15)
+
+
+def test_the_active_set_stopped_early_is_still_feasible() -> None:
+    """Cut at any step count, the active set returns a point of the simplex whose value never
+    increases with more steps (every step is a descent step), and it stops moving once exact."""
+    gen = torch.Generator().manual_seed(40)
+    scales = 10 ** torch.empty(40, 1, dtype=torch.float64).uniform_(-4, 4, generator=gen)
+    G = torch.randn(40, 12, generator=gen, dtype=torch.float64) * scales
+    K = G @ G.T
+    start = torch.full((40,), 1.0 / 40, dtype=torch.float64)
+    values = []
+    for steps in (1, 2, 5, 10, 20, 40, 80, 160):
+        w = _min_norm_by_active_set(K, start, max_iter=steps)
+        assert float(w.min()) >= 0.0 and float(w.sum()) == pytest.approx(1.0, abs=1e-14)
+        values.append(float(w @ K @ w))
+    assert all(later <= earlier + 1e-12 * values[0] for earlier, later in itertools.pairwise(values))
+    assert torch.equal(_min_norm_by_active_set(K, start, max_iter=160), _min_norm_by_active_set(K, start, max_iter=500))
