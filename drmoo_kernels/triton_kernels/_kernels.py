@@ -192,73 +192,226 @@ def dual_step_kernel(
     )
 
 
+# ------------------------------------------------------------------------------------ Jacobian ops
+# Multi-tensor launches: J may come as several blocks and the parameters as many tensors, yet each
+# op is one launch.  The host builds an "entry table" (int64, 4 per entry, one entry per program;
+# see ``_MultiTensorPlan`` in the backend): each entry names a run of at most ``chunk`` columns that
+# lies in one block of J (and, for combine, in one parameter), as element offsets from a base
+# pointer (the first tensor of the launch) - so one kernel reaches every tensor, and the number of
+# launches does not depend on how many tensors there are.  ALIGN_* (1, or the elements in 16 bytes)
+# says that every offset and row stride in the table is a multiple of it: the host checked, and
+# the hint lets the compiler vectorise the loads.
+
+
+@triton.jit
+def _gram_columns(
+    acc, base_a, base_b, ok_a, ok_b, offset, count,
+    MASK_COLS: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, ONE_TILE: tl.constexpr,
+):
+    """acc + the products of the two row tiles over columns [offset, offset + BLOCK_N).
+
+    Without MASK_COLS every column is in range: the masks are then constant along the columns,
+    which is what lets the compiler turn the loads into 16-byte vector loads.
+    """
+    cols = offset + tl.arange(0, BLOCK_N)
+    if MASK_COLS:
+        col_ok = cols < count
+    else:
+        col_ok = tl.full([BLOCK_N], True, tl.int1)
+    xa = tl.load(base_a + cols[None, :], mask=ok_a[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if ONE_TILE:
+        xb = xa
+    else:
+        xb = tl.load(base_b + cols[None, :], mask=ok_b[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if USE_DOT:
+        acc += tl.dot(xa, tl.trans(xb), input_precision="ieee")
+    else:
+        acc += tl.sum(xa[:, None, :] * xb[None, :, :], axis=2)
+    return acc
+
+
 @triton.jit
 def gram_partial_kernel(
-    j_ptr, part_ptr, M, N, stride_m, chunk,
+    j_ptr, table_ptr, part_ptr, M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, ONE_TILE: tl.constexpr,
+    ALIGN_J: tl.constexpr,
 ):
-    """Split reduction of J J^T over a grid (column chunks, row tiles, row tiles).
+    """Split reduction of J J^T over a grid (table entries, row tiles, row tiles).
 
-    Program (p, a, b) sums the products of row tile a with row tile b over the columns
-    [p*chunk, (p+1)*chunk) into part[p, a rows, b rows] (part is [programs, M, M]).  ``chunk`` is a
-    multiple of BLOCK_N.  Row tiles of at most 64 rows keep the BLOCK_M x BLOCK_M accumulator in
-    registers for any m (a single 128-wide or wider accumulator spills); with ONE_TILE (m <= BLOCK_M)
-    both operands are the same tile, loaded once.  Small task counts use a broadcast product (a dot
-    needs 16-wide operands on GPUs, mostly padding for m <= 8); larger ones use an IEEE-precision
-    dot so fp32 inputs are not rounded to tf32.
+    Entry p = (offset of J[0, c0] from j_ptr, row stride, columns, unused).  Program (p, a, b) sums
+    the products of row tile a with row tile b over the entry's columns into part[p, a rows, b rows]
+    (part is [entries, M, M]): whole BLOCK_N-column tiles first, then the ragged tail.  Row tiles of
+    at most 64 rows keep the BLOCK_M x BLOCK_M accumulator in registers for any m (a single 128-wide
+    or wider accumulator spills); with ONE_TILE (m <= BLOCK_M) both operands are the same tile,
+    loaded once.  Small task counts use a broadcast product (a dot needs 16-wide operands on GPUs,
+    mostly padding for m <= 8); larger ones use an IEEE-precision dot so fp32 inputs are not
+    rounded to tf32.
     """
     pid = tl.program_id(0)
+    entry = table_ptr + pid.to(tl.int64) * 4
+    start = tl.load(entry)
+    stride = tl.load(entry + 1)
+    count = tl.load(entry + 2)
+    if ALIGN_J > 1:
+        start = tl.multiple_of(start, ALIGN_J)
+        stride = tl.multiple_of(stride, ALIGN_J)
     rows_a = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_b = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok_a = rows_a < M
     ok_b = rows_b < M
-    off_a = rows_a.to(tl.int64)[:, None] * stride_m
-    off_b = rows_b.to(tl.int64)[:, None] * stride_m
-    first = pid.to(tl.int64) * chunk
+    base_a = j_ptr + start + rows_a.to(tl.int64)[:, None] * stride
+    base_b = j_ptr + start + rows_b.to(tl.int64)[:, None] * stride
     acc = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
-    for offset in range(0, chunk, BLOCK_N):
-        cols = first + offset + tl.arange(0, BLOCK_N)
-        col_ok = (cols < N)[None, :]
-        xa = tl.load(j_ptr + off_a + cols[None, :], mask=ok_a[:, None] & col_ok, other=0.0).to(tl.float32)
-        if ONE_TILE:
-            xb = xa
-        else:
-            xb = tl.load(j_ptr + off_b + cols[None, :], mask=ok_b[:, None] & col_ok, other=0.0).to(tl.float32)
-        if USE_DOT:
-            acc += tl.dot(xa, tl.trans(xb), input_precision="ieee")
-        else:
-            acc += tl.sum(xa[:, None, :] * xb[None, :, :], axis=2)
+    whole = count - count % BLOCK_N
+    for offset in range(0, whole, BLOCK_N):
+        acc = _gram_columns(acc, base_a, base_b, ok_a, ok_b, offset, count, False, BLOCK_N, USE_DOT, ONE_TILE)
+    if whole < count:
+        acc = _gram_columns(acc, base_a, base_b, ok_a, ok_b, whole, count, True, BLOCK_N, USE_DOT, ONE_TILE)
     out = part_ptr + pid.to(tl.int64) * M * M + rows_a[:, None] * M + rows_b[None, :]
     tl.store(out, acc, mask=ok_a[:, None] & ok_b[None, :])
 
 
 @triton.jit
-def combine_kernel(
-    j_ptr, w_ptr, p_ptr, lr_ptr, flag_ptr, M, count, stride_m, col0, lr_value,
-    LR_IS_TENSOR: tl.constexpr, HAS_FLAG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _combine_columns(
+    j_base, p_base, w_ptr, stride, M, lr, offset, count, allowed,
+    HAS_FLAG: tl.constexpr, MASK_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """p[c] -= lr * sum_i w[i] J[i, col0 + c] for c < count; p is one contiguous parameter.
-
-    The rows are walked BLOCK_M at a time, so the register tile stays BLOCK_M x BLOCK_N for any m.
-    With HAS_FLAG every load and store is masked by flag != 0 (the finiteness of the Gram): the
-    no-write guard of gram_step happens on the device, without a host synchronisation.
-    """
-    pid = tl.program_id(0)
-    cols = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < count
+    """p[c] -= lr * sum_i w[i] J[i, c] for the columns [offset, offset + BLOCK_N) of one entry."""
+    cols = offset + tl.arange(0, BLOCK_N)
+    if MASK_COLS:
+        col_ok = cols < count
+    else:  # constant along the columns: vector loads (see _gram_columns)
+        col_ok = tl.full([BLOCK_N], True, tl.int1)
     if HAS_FLAG:
-        col_ok = col_ok & (tl.load(flag_ptr) != 0)
+        col_ok = col_ok & allowed
     direction = tl.zeros([BLOCK_N], dtype=tl.float32)
     for row0 in range(0, M, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         w = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         ok = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(j_ptr + rows.to(tl.int64)[:, None] * stride_m + (col0 + cols)[None, :], mask=ok, other=0.0)
+        x = tl.load(j_base + rows.to(tl.int64)[:, None] * stride + cols[None, :], mask=ok, other=0.0)
         direction += tl.sum(x.to(tl.float32) * w[:, None], axis=0)
+    param = tl.load(p_base + cols, mask=col_ok, other=0.0)
+    tl.store(p_base + cols, (param.to(tl.float32) - lr * direction).to(param.dtype), mask=col_ok)
+
+
+@triton.jit
+def combine_kernel(
+    j_ptr, p_ptr, table_ptr, w_ptr, lr_ptr, flag_ptr, M, lr_value,
+    LR_IS_TENSOR: tl.constexpr, HAS_FLAG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ALIGN_J: tl.constexpr, ALIGN_P: tl.constexpr,
+):
+    """p[c] -= lr * sum_i w[i] J[i, c] over one table entry's columns (one program per entry).
+
+    Entry = (offset of J[0, c0] from j_ptr, J's row stride, offset of the parameter element that
+    column c0 updates from p_ptr, columns).  The rows are walked BLOCK_M at a time, so the register
+    tile stays BLOCK_M x BLOCK_N for any m.  With HAS_FLAG every load and store is masked by
+    flag != 0 (the finiteness of the Gram): the no-write guard of gram_step happens on the device,
+    without a host synchronisation.
+    """
+    pid = tl.program_id(0)
+    entry = table_ptr + pid.to(tl.int64) * 4
+    j_start = tl.load(entry)
+    stride = tl.load(entry + 1)
+    p_start = tl.load(entry + 2)
+    count = tl.load(entry + 3)
+    if ALIGN_J > 1:
+        j_start = tl.multiple_of(j_start, ALIGN_J)
+        stride = tl.multiple_of(stride, ALIGN_J)
+    if ALIGN_P > 1:
+        p_start = tl.multiple_of(p_start, ALIGN_P)
+    if HAS_FLAG:
+        allowed = tl.load(flag_ptr) != 0
+    else:
+        allowed = 1
     if LR_IS_TENSOR:
         lr = tl.load(lr_ptr).to(tl.float32)
     else:
         lr = lr_value
-    param = tl.load(p_ptr + cols, mask=col_ok, other=0.0)
-    tl.store(p_ptr + cols, (param.to(tl.float32) - lr * direction).to(param.dtype), mask=col_ok)
+    j_base = j_ptr + j_start
+    p_base = p_ptr + p_start
+    whole = count - count % BLOCK_N
+    for offset in range(0, whole, BLOCK_N):
+        _combine_columns(j_base, p_base, w_ptr, stride, M, lr, offset, count, allowed,
+                         HAS_FLAG, False, BLOCK_M, BLOCK_N)
+    if whole < count:
+        _combine_columns(j_base, p_base, w_ptr, stride, M, lr, whole, count, allowed,
+                         HAS_FLAG, True, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _split_double(hi, lo):
+    """A double passed as two float32 scalars (hi + lo: ~48 significant bits; launches pass floats as fp32)."""
+    return tl.cast(hi, tl.float64) + tl.cast(lo, tl.float64)
+
+
+@triton.jit
+def gram_finalize_kernel(
+    part_ptr, parts, gram_ptr, w_ptr, w_prev_ptr, z_ptr, mu_ptr, out_ptr, flag_ptr, M,
+    gamma_hi, gamma_lo, c1_hi, c1_lo, c2_hi, c2_lo, beta_hi, beta_lo, rho_hi, rho_lo, mu_hi, mu_lo,
+    MU_IS_TENSOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """gram_step's m x m part (reference.gram_step_small) in one program, for m <= BLOCK_M <= 64.
+
+    The Gram is the float32 sum of the ``parts`` partials [parts, M, M] (stored to gram_ptr); then,
+    in float64: finite = all(isfinite(G)); d = sqrt(w^T G w); alpha = min(c1, c2 / d) (c1 at d = 0,
+    0 when not finite); w <- Pi(w - beta (alpha G w + mu z^2 w + rho w)) written in place (kept when
+    not finite), the incoming w saved to w_prev (float32: what the combine pass must use).
+    out = (d as reported: NaN when not finite, alpha, gamma alpha) in float32; flag = finite.
+
+    The simplex projection Pi is the sort-based one of the reference without the sort: for each j,
+    S_j and K_j are the sum and the count of the entries >= u_j; the largest K_j with
+    K_j u_j - S_j + 1 > 0 is the reference's support size (ties share one value of that test).
+    """
+    rows = tl.arange(0, BLOCK_M)
+    ok_r = rows < M
+    ok = ok_r[:, None] & ok_r[None, :]
+    offsets = rows[:, None] * M + rows[None, :]
+    # BLOCK_P partials per step, so that the loop is a few wide loads rather than one per partial.
+    acc = tl.zeros([BLOCK_P, BLOCK_M, BLOCK_M], dtype=tl.float32)
+    for p0 in range(0, parts, BLOCK_P):
+        which = p0 + tl.arange(0, BLOCK_P)
+        ptrs = part_ptr + which.to(tl.int64)[:, None, None] * M * M + offsets[None, :, :]
+        acc += tl.load(ptrs, mask=(which < parts)[:, None, None] & ok[None, :, :], other=0.0)
+    g = tl.sum(acc, axis=0)
+    tl.store(gram_ptr + offsets, g, mask=ok)
+    # |x| <= FLT_MAX is false for inf and for NaN.
+    bad = tl.sum(tl.where(ok & ~(tl.abs(g) <= 3.4028234663852886e38), 1, 0), axis=1)
+    finite = tl.sum(bad, axis=0) == 0
+    safe = tl.where(finite & ok, g, 0.0).to(tl.float64)
+    w_in = tl.load(w_ptr + rows, mask=ok_r, other=0.0)
+    tl.store(w_prev_ptr + rows, w_in.to(tl.float32), mask=ok_r)
+    w = w_in.to(tl.float64)
+    gw = tl.sum(safe * w[None, :], axis=1)
+    d = tl.sqrt(tl.maximum(tl.sum(w * gw, axis=0), 0.0))
+    c1 = _split_double(c1_hi, c1_lo)
+    c2 = _split_double(c2_hi, c2_lo)
+    clip = tl.where(d > 0.0, tl.minimum(c2 / tl.where(d > 0.0, d, 1.0), c1), c1)
+    alpha = tl.where(finite, clip, 0.0)
+    if MU_IS_TENSOR:
+        mu = tl.load(mu_ptr).to(tl.float64)
+    else:
+        mu = _split_double(mu_hi, mu_lo)
+    z = tl.load(z_ptr + rows, mask=ok_r, other=0.0).to(tl.float64)
+    rho = _split_double(rho_hi, rho_lo)
+    pref_grad = alpha * gw + mu * (z * z) * w + rho * w
+    v = tl.where(ok_r, w - _split_double(beta_hi, beta_lo) * pref_grad, -1.0e300)
+    u = v - tl.max(v, axis=0)
+    at_least = (u[:, None] >= u[None, :]) & ok_r[:, None]  # [i, j]: u_i counts towards j
+    sums = tl.sum(tl.where(at_least, u[:, None], 0.0), axis=0)
+    counts = tl.sum(tl.where(at_least, 1.0, 0.0).to(tl.float64), axis=0)
+    support = (counts * u - sums + 1.0 > 0.0) & ok_r
+    size = tl.max(tl.where(support, counts, 0.0), axis=0)
+    total = tl.max(tl.where(support & (counts == size), sums, -1.0e300), axis=0)
+    size = tl.maximum(size, 1.0)
+    projected = tl.maximum(u - (total - 1.0) / size, 0.0)
+    w_next = tl.where(finite, projected, w)
+    if w_ptr.dtype.element_ty == tl.float64:
+        tl.store(w_ptr + rows, w_next, mask=ok_r)
+    else:  # torch rounds float64 to 16-bit floats through float32, too
+        tl.store(w_ptr + rows, w_next.to(tl.float32).to(w_ptr.dtype.element_ty), mask=ok_r)
+    tl.store(out_ptr, tl.where(finite, d, float("nan")).to(tl.float32))
+    tl.store(out_ptr + 1, alpha.to(tl.float32))
+    tl.store(out_ptr + 2, (_split_double(gamma_hi, gamma_lo) * alpha).to(tl.float32))
+    tl.store(flag_ptr, finite.to(tl.int32))

@@ -92,6 +92,7 @@ def _triton_variants() -> list[dict[str, Any]]:
                           "obj_ptr": "*fp32"},
                 "constexprs": {"CODE": code, "HAS_SW": code % 2 == 0, "BLOCK_B": forward.block_b,
                                "BLOCK_M": forward.block_m},
+                "options": {"num_warps": forward.num_warps},
             })
             step = tb.dual_step_launch(batch, tasks, interpreted=False)
             eta_f64 = code == 3
@@ -102,28 +103,47 @@ def _triton_variants() -> list[dict[str, Any]]:
                           "gamma": "fp32", "f1": "fp32", "f2": "fp32"},
                 "constexprs": {"CODE": code, "HAS_SW": code % 2 == 1, "ETA_F64": eta_f64, "BLOCK_B": step.block_b,
                                "BLOCK_M": step.block_m},
+                "options": {"num_warps": step.num_warps},
             })
     for tasks in JACOBIAN_TASKS:
         for dtype in ("fp32", "bf16") if tasks in (3, 40, 130) else ("fp32",):
-            gram = tb.gram_launch(tasks, interpreted=False)
-            variants.append({
-                "kernel": "gram_partial_kernel",
-                "types": {"j_ptr": f"*{dtype}", "part_ptr": "*fp32", "M": "i32", "N": "i64", "stride_m": "i64",
-                          "chunk": "i32"},
-                "constexprs": {"BLOCK_M": gram.block_m, "BLOCK_N": gram.block_n, "USE_DOT": gram.use_dot,
-                               "ONE_TILE": gram.one_tile},
-                "options": {"num_warps": gram.num_warps},
-            })
-            combine = tb.combine_launch(tasks, interpreted=False)
-            for with_guard in (True, False) if tasks == 3 else (True,):
+            vector = 4 if dtype == "fp32" else 8  # elements per 16-byte load: the aligned tables' hint
+            # Tables whose offsets are all 16-byte multiples (the usual case) and, at m = 3, ones that are not.
+            for align in (vector, 1) if tasks == 3 else (vector,):
+                gram = tb.gram_launch(tasks, interpreted=False)
                 variants.append({
-                    "kernel": "combine_kernel",
-                    "types": {"j_ptr": f"*{dtype}", "w_ptr": "*fp32", "p_ptr": f"*{dtype}", "lr_ptr": "*fp32",
-                              "flag_ptr": "*i32", "M": "i32", "count": "i32", "stride_m": "i64", "col0": "i64",
-                              "lr_value": "fp32"},
-                    "constexprs": {"LR_IS_TENSOR": with_guard, "HAS_FLAG": with_guard, "BLOCK_M": combine.block_m,
-                                   "BLOCK_N": combine.block_n},
+                    "kernel": "gram_partial_kernel",
+                    "types": {"j_ptr": f"*{dtype}", "table_ptr": "*i64", "part_ptr": "*fp32", "M": "i32"},
+                    "constexprs": {"BLOCK_M": gram.block_m, "BLOCK_N": gram.block_n, "USE_DOT": gram.use_dot,
+                                   "ONE_TILE": gram.one_tile, "ALIGN_J": align},
+                    "options": {"num_warps": gram.num_warps},
                 })
+                combine = tb.combine_launch(tasks, interpreted=False)
+                for with_guard in (True, False) if tasks == 3 else (True,):
+                    variants.append({
+                        "kernel": "combine_kernel",
+                        "types": {"j_ptr": f"*{dtype}", "p_ptr": f"*{dtype}", "table_ptr": "*i64", "w_ptr": "*fp32",
+                                  "lr_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32", "lr_value": "fp32"},
+                        "constexprs": {"LR_IS_TENSOR": with_guard, "HAS_FLAG": with_guard, "BLOCK_M": combine.block_m,
+                                       "BLOCK_N": combine.block_n, "ALIGN_J": align, "ALIGN_P": align},
+                        "options": {"num_warps": combine.num_warps},
+                    })
+    for tasks in JACOBIAN_TASKS:
+        finalize = tb.gram_finalize_launch(tasks)
+        if finalize is None:  # m > 64: torch ops instead
+            continue
+        for w_type, mu_is_tensor in (("*fp32", True), ("*bf16", False)) if tasks == 3 else (("*fp32", True),):
+            variants.append({
+                "kernel": "gram_finalize_kernel",
+                "types": {"part_ptr": "*fp32", "parts": "i32", "gram_ptr": "*fp32", "w_ptr": w_type,
+                          "w_prev_ptr": "*fp32", "z_ptr": "*fp32", "mu_ptr": "*fp32", "out_ptr": "*fp32",
+                          "flag_ptr": "*i32", "M": "i32",
+                          **{f"{name}_{part}": "fp32" for name in ("gamma", "c1", "c2", "beta", "rho", "mu")
+                             for part in ("hi", "lo")}},
+                "constexprs": {"MU_IS_TENSOR": mu_is_tensor, "BLOCK_M": finalize.block_m,
+                               "BLOCK_P": finalize.block_p},
+                "options": {"num_warps": finalize.num_warps},
+            })
     unique = {json.dumps(v, sort_keys=True): v for v in variants}
     return list(unique.values())
 
@@ -147,7 +167,10 @@ def _compile_variants(arch: int) -> list[dict[str, Any]]:
             signature = {name: variant["types"].get(name, "constexpr") for name in fn.arg_names}
             missing = [n for n in fn.arg_names if signature[n] == "constexpr" and n not in variant["constexprs"]]
             assert not missing, f"{variant['kernel']}: no type given for {missing}"
-            compiled = triton.compile(ASTSource(fn, signature, constexprs=variant["constexprs"]),
+            # What a launch specialises on: torch's allocations are 16-byte aligned (at least), so
+            # every pointer argument is compiled as divisible by 16, which enables vector loads.
+            aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if signature[n][0] == "*"}
+            compiled = triton.compile(ASTSource(fn, signature, constexprs=variant["constexprs"], attrs=aligned),
                                       target=GPUTarget("cuda", arch, 32), options=variant.get("options"))
             cubin = Path(tmp) / f"{index}.cubin"
             cubin.write_bytes(compiled.asm["cubin"])
@@ -174,7 +197,7 @@ def test_every_triton_variant_compiles_for_sm90_without_spills(triton_reports: l
     expected = _triton_variants()
     assert len(triton_reports) == len(expected) > 20
     assert {r["kernel"] for r in triton_reports} == {"dual_forward_kernel", "dual_step_kernel",
-                                                     "gram_partial_kernel", "combine_kernel"}
+                                                     "gram_partial_kernel", "combine_kernel", "gram_finalize_kernel"}
     spilled = []
     for report in triton_reports:
         assert len(report["usage"]) == 1, report["usage"]  # one kernel per cubin
