@@ -34,12 +34,14 @@ from __future__ import annotations
 import itertools
 import math
 from fractions import Fraction
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from drmoo.optim.mgda import _min_norm_by_active_set, _min_norm_by_faces, min_norm_weights
 
@@ -276,3 +278,24 @@ def test_the_active_set_stopped_early_is_still_feasible() -> None:
         values.append(float(w @ K @ w))
     assert all(later <= earlier + 1e-12 * values[0] for earlier, later in itertools.pairwise(values))
     assert torch.equal(_min_norm_by_active_set(K, start, max_iter=160), _min_norm_by_active_set(K, start, max_iter=500))
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Fail on every operator that reads a tensor's value on the host (a device sync on a GPU)."""
+
+    READS = frozenset({torch.ops.aten._local_scalar_dense, torch.ops.aten.item, torch.ops.aten.is_nonzero,
+                       torch.ops.aten.nonzero, torch.ops.aten.masked_select, torch.ops.aten.equal})
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        assert func.overloadpacket not in self.READS, f"{func} reads a tensor's value on the host"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("m", [2, 3, 10, 11, 40])
+def test_no_host_reads_on_any_path(m: int) -> None:
+    """Closed form, faces and active set: no .item()/bool()/nonzero, so no sync and capturable."""
+    G = torch.randn(m, 9, generator=torch.Generator().manual_seed(m), dtype=torch.float64)
+    start = torch.full((m,), 1.0 / m, dtype=torch.float64)
+    with _NoHostReads():
+        w = min_norm_weights(G @ G.T, start, max_iter=8)
+    assert w.shape == (m,)
