@@ -17,7 +17,9 @@ fi
 echo "[oldest] installing requirements-oldest.txt (torch 2.11.0 and its CUDA libraries the first time)"
 "$venv/bin/pip" install --quiet --progress-bar off -r requirements-oldest.txt
 installed=$(date +%s)
-versions=$(cd / && "$venv/bin/python" -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")')
+# Ask from outside the checkout (here, `import drmoo_kernels` would find the uncompiled source folder).
+venv_python="$(cd "$venv" && pwd)/bin/python"
+versions=$(cd / && "$venv_python" -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")')
 echo "[oldest] $versions ($(( installed - start ))s)"
 
 # The CPU kernels always; the CUDA kernels too when a CUDA toolkit is found (setup.py), so the
@@ -25,7 +27,6 @@ echo "[oldest] $versions ($(( installed - start ))s)"
 echo "[oldest] building and installing drmoo (compiles csrc/; MAX_JOBS=${MAX_JOBS:-2})"
 MAX_JOBS="${MAX_JOBS:-2}" "$venv/bin/pip" install --quiet --no-build-isolation --no-deps .
 built=$(date +%s)
-venv_python="$(cd "$venv" && pwd)/bin/python"
 backends=$(cd / && "$venv_python" -c 'import drmoo_kernels as k; print(", ".join(k.available_backends()))')
 echo "[oldest] drmoo built in $(( built - installed ))s; backends available here: $backends"
 
