@@ -2,6 +2,32 @@
 
 One file per method.  ``available()`` maps the registry names to classes; ``create(name, params,
 num_tasks, **overrides)`` builds one by name.
+
+Capturable steps.  Every optimizer takes ``capturable: bool = False``, with the meaning it has in
+``torch.optim.Adam``: with ``capturable=True`` a steady-state ``step()`` makes no host read -- no
+``.item()``, ``bool(tensor)``, ``float(tensor)``, ``.tolist()``, no Python branch on a tensor's value
+-- so the host never waits for the device, and the step can be captured in a CUDA graph.
+
+* Non-finite values.  Eagerly (the default) a NaN/Inf in the losses, the dual quantities or the
+  gradients raises :class:`NonFiniteStepError` before anything is written (one host read per check).
+  Capturable, the same checks are OR-ed into a 0-d bool on the device ("found_inf", as in
+  ``torch.amp.GradScaler``), and every write of the step -- theta, eta, w, the method's state --
+  is masked by it: a non-finite step is skipped on the device and writes nothing.  The heads' grads
+  receive zeros from a skipped step.  ``stats["found_inf"]`` (0-d float, 1 if this step was
+  skipped) and ``stats["skipped_steps"]`` / ``state["drmoo"]["skipped_steps"]`` (0-d int64, the
+  running count, in ``state_dict``) report it.  Negative or non-finite importance weights also
+  skip the step instead of raising.
+* Counters.  ``state["drmoo"]["step"]`` (``steps_taken``) counts calls of ``step`` in capturable
+  mode, skipped ones included (successful steps = step - skipped_steps); Nash-MTL's weight-update
+  schedule (``update_every``) follows it.  Double-Loop draws its inner indices from a host-side
+  ``random.Random`` (in ``state_dict``), which a skipped step consumes all the same.
+* CUDA graphs.  Host-side decisions are frozen into a captured graph: Nash-MTL with
+  ``update_every > 1`` needs one graph per branch, and Double-Loop's captured indices would repeat
+  on every replay (do not capture it).  Keep the heads' ``.grad`` allocated (zero them in place) so
+  that the graph's memory stays static.
+* Cost.  The theta update forms J^T w in a buffer before writing it (a skipped step must not write
+  0 * NaN), and FAMO restores theta on the device after its re-evaluation; otherwise the step does
+  the same work as the eager one and follows the same trajectory up to rounding.
 """
 
 from __future__ import annotations

@@ -149,6 +149,8 @@ def _all_or_nothing(step: Callable[..., Any]) -> Callable[..., Any]:
         if self._head_grads_before is not None:
             return step(self, *args, **kwargs)
         self._head_grads_before = {}
+        if self.capturable:
+            self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
         try:
             result = step(self, *args, **kwargs)
         except BaseException:
@@ -156,8 +158,10 @@ def _all_or_nothing(step: Callable[..., Any]) -> Callable[..., Any]:
             raise
         else:
             self._commit_head_grads()
+            self._count_skipped_step()
         finally:
             self._head_grads_before = None
+            self._found_inf = None
         return result
 
     return all_or_nothing_step
@@ -180,6 +184,9 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
     def __init__(self, params: ParamsT, num_tasks: int, defaults: dict[str, Any], backend: str | None) -> None:
         # {id: (head, its .grad before the step)} while a step runs (see _all_or_nothing), else None
         self._head_grads_before: dict[int, tuple[Tensor, Tensor | None]] | None = None
+        # While a capturable step runs: a 0-d bool on the device, "this step met a NaN/Inf" (the
+        # checks OR into it instead of raising; every write is masked by it).  None otherwise.
+        self._found_inf: Tensor | None = None
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
             raise ValueError(f"num_tasks must be a positive int, got {num_tasks!r}")
         defaults = dict(defaults)
@@ -217,6 +224,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             "eta": torch.zeros(num_tasks, device=self.device, dtype=state_dtype),
             "step": 0,
             "method": type(self).__name__,  # load_state_dict refuses another method's state
+            # steps skipped on the device by capturable=True (a NaN/Inf met; nothing written)
+            "skipped_steps": torch.zeros((), dtype=torch.int64, device=self.device),
         }
 
     # ----------------------------------------------------------------------------------- params
@@ -256,6 +265,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
 
     def _shared_params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    @property
+    def capturable(self) -> bool:
+        """``capturable=True``: a step makes no host read (see :mod:`drmoo.optim`, "Capturable steps")."""
+        return bool(self.param_groups[0].get("capturable", False))
 
     @property
     def jacobian_strategy(self) -> str:
@@ -418,22 +432,63 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                     f"the closure returned sample weights of shape {shape}; they must match the losses "
                     f"{tuple(losses.shape)} (one importance weight per sample and task)"
                 )
-            if not bool((torch.isfinite(weights) & (weights >= 0)).all()):
-                raise ValueError("the closure returned sample weights that are negative, NaN or Inf")
             weights = weights.detach()
+            valid = (torch.isfinite(weights) & (weights >= 0)).all()
+            if self._found_inf is not None:  # capturable: invalid weights skip the step
+                self._found_inf.logical_or_(~valid)
+            elif not bool(valid):
+                raise ValueError("the closure returned sample weights that are negative, NaN or Inf")
         self.batch_weight = weights
-        # One host sync per closure call: a NaN must stop the step before anything is updated
-        # (on every rank: the flags are agreed on, so no rank waits forever in a collective).
+        # Eager: one host sync per closure call, a NaN must stop the step before anything is
+        # updated (on every rank: the flags are agreed on, so no rank waits forever in a collective).
         finite = torch.isfinite(losses.detach()).all(dim=0)
         if distributed.is_distributed():
             finite = all_reduce_max((~finite).to(torch.int32)) == 0
-        if not bool(finite.all()):
-            bad = [i for i, ok in enumerate(finite.tolist()) if not ok]
-            raise NonFiniteStepError(
-                f"non-finite (NaN or Inf) per-sample losses for task(s) {bad} at step {self.steps_taken}; "
-                "the step was abandoned and nothing was updated"
-            )
+        self.require_finite(finite, lambda bad: (
+            f"non-finite (NaN or Inf) per-sample losses for task(s) {bad} at step {self.steps_taken}; "
+            "the step was abandoned and nothing was updated"))
         return losses
+
+    # ------------------------------------------------------------------------- checks and writes
+    def require_finite(self, flags: Tensor, describe: Callable[[list[int]], str]) -> None:
+        """Stop the step unless every flag is True (bool tensor: "this part is finite").
+
+        Eager (``capturable=False``): one host read; a False flag raises
+        :class:`NonFiniteStepError` with ``describe(indices of the False flags)`` before anything
+        is written.  Capturable: no host read; the flags are OR-ed, negated, into the step's
+        device-side ``found_inf`` and every later write is masked by it (:meth:`commit_`).
+        """
+        if self._found_inf is not None:
+            self._found_inf.logical_or_(~flags.all())
+            return
+        if not bool(flags.all()):
+            bad = [i for i, ok in enumerate(flags.reshape(-1).tolist()) if not ok]
+            raise NonFiniteStepError(describe(bad))
+
+    @property
+    def found_inf(self) -> Tensor | None:
+        """In a capturable step: the 0-d bool "this step is skipped" so far; None otherwise."""
+        return self._found_inf
+
+    def commit_(self, target: Tensor, value: Tensor) -> None:
+        """``target <- value`` in place -- unless this capturable step is being skipped."""
+        with torch.no_grad():
+            if self._found_inf is None:
+                target.copy_(value)
+            else:
+                target.copy_(torch.where(self._found_inf, target, value.to(target.dtype)))
+
+    def _count_skipped_step(self) -> None:
+        state = self.state[STATE_KEY]
+        if "skipped_steps" not in state:  # a state loaded from before the counter existed
+            state["skipped_steps"] = torch.zeros((), dtype=torch.int64, device=self.device)
+        found_inf = self._found_inf
+        if found_inf is not None:
+            state["skipped_steps"].add_(found_inf.to(torch.int64))
+        if self.stats:
+            self.stats["found_inf"] = (found_inf.float() if found_inf is not None
+                                       else torch.zeros((), dtype=torch.float32, device=self.device))
+            self.stats["skipped_steps"] = state["skipped_steps"].clone()
 
     # ------------------------------------------------------------------------------------ heads
     def set_aside_head_grads(self, heads: Iterable[Tensor]) -> None:
@@ -452,11 +507,17 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                 head.grad = None
 
     def _commit_head_grads(self) -> None:
+        """The step succeeded: add the kept gradients back (a skipped capturable step adds 0)."""
         assert self._head_grads_before is not None
+        found_inf = self._found_inf
         for head, before in self._head_grads_before.values():
+            fed = head.grad
+            if fed is not None and found_inf is not None:
+                with torch.no_grad():
+                    fed = torch.where(found_inf, torch.zeros_like(fed), fed)
+                head.grad = fed
             if before is None:
                 continue
-            fed = head.grad
             if fed is not None:
                 with torch.no_grad():
                     before.add_(fed)  # accumulate in place, as autograd does into an existing .grad
@@ -509,9 +570,20 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         return objective, z, cotangent
 
     def apply_direction(self, jacobian: Tensor, w: Tensor, lr: Tensor | float) -> None:
-        """theta -= lr * J^T w through the shared parameters (the ``combine`` op)."""
+        """theta -= lr * J^T w through the shared parameters (the ``combine`` op).
+
+        In a capturable step the direction J^T w is formed first and zeroed if the step is
+        skipped (0 * NaN would be NaN: scaling lr by 0 is not enough), then written by the same op.
+        """
         with torch.no_grad():
-            self._ops.combine(jacobian, w, self._shared_params(), lr)
+            if self._found_inf is None:
+                self._ops.combine(jacobian, w, self._shared_params(), lr)
+                return
+            acc = torch.float64 if jacobian.dtype == torch.float64 else torch.float32
+            direction = w.to(acc) @ jacobian.to(acc)
+            direction = torch.where(self._found_inf, torch.zeros_like(direction), direction)
+            one = torch.ones(1, dtype=acc, device=direction.device)
+            self._ops.combine(direction[None, :], one, self._shared_params(), lr)
 
     def _overflow_hint(self) -> str:
         if self.divergence.name == "kl":
@@ -520,23 +592,16 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
 
     def check_dual(self, *dual_quantities: Tensor) -> None:
         """The dual step's outputs (z, weights' means) must be finite before anything is written."""
-        finite = torch.stack([torch.isfinite(q).all() for q in dual_quantities]).all()
-        if not bool(finite):
-            raise NonFiniteStepError(
-                f"non-finite dual quantities (the worst-case weights f*'((loss - eta)/lam) overflowed) at step "
-                f"{self.steps_taken}; the step was abandoned and nothing was updated{self._overflow_hint()}"
-            )
+        finite = torch.stack([torch.isfinite(q).all() for q in dual_quantities])
+        self.require_finite(finite, lambda bad: (
+            f"non-finite dual quantities (the worst-case weights f*'((loss - eta)/lam) overflowed) at step "
+            f"{self.steps_taken}; the step was abandoned and nothing was updated{self._overflow_hint()}"))
 
     def check_jacobian(self, gram: Tensor, role: str) -> None:
         """A non-finite Gram diagonal means a non-finite gradient entry (NaN/Inf propagate into it)."""
-        finite = torch.isfinite(torch.diagonal(gram))
-        if not bool(finite.all()):
-            bad = [i for i, ok in enumerate(finite.tolist()) if not ok]
-            hint = self._overflow_hint()
-            raise NonFiniteStepError(
-                f"non-finite gradients of the shared parameters for task(s) {bad} ({role}) at step "
-                f"{self.steps_taken}; the step was abandoned and nothing was updated{hint}"
-            )
+        self.require_finite(torch.isfinite(torch.diagonal(gram)), lambda bad: (
+            f"non-finite gradients of the shared parameters for task(s) {bad} ({role}) at step "
+            f"{self.steps_taken}; the step was abandoned and nothing was updated{self._overflow_hint()}"))
 
     def _common_stats(self, objective: Tensor, balanced: Tensor, theta_norm: Tensor) -> dict[str, Tensor]:
         return {

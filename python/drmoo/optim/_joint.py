@@ -35,7 +35,6 @@ from ._base import (
     STATE_KEY,
     Closure,
     MultiObjectiveOptimizer,
-    NonFiniteStepError,
     check_count,
     check_fraction,
     check_positive,
@@ -207,7 +206,7 @@ class JointBaseline(MultiObjectiveOptimizer):
 
     # ----------------------------------------------------------------------------------- checks
     def raise_unless_finite(self, checks: Sequence[tuple[str, Tensor]]) -> None:
-        """One host sync for all checks of a step: (role, [m] bool 'task i finite') pairs.
+        """One host sync for all checks of a step (none if capturable): (role, [m] bool 'task i finite').
 
         NaN/Inf in a Jacobian row propagates into that row of any product computed from it (also
         through a zero weight: 0 * Inf = NaN), so checking the small products covers the big buffers.
@@ -215,15 +214,15 @@ class JointBaseline(MultiObjectiveOptimizer):
         if not checks:
             return
         flags = torch.stack([flag.reshape(-1).to(torch.bool) for _, flag in checks])
-        if bool(flags.all()):
-            return
-        rows = flags.tolist()
-        bad = [f"{role}: task(s) {[i for i, ok in enumerate(row) if not ok]}" for (role, _), row in zip(checks, rows)
-               if not all(row)]
-        raise NonFiniteStepError(
-            f"non-finite gradients of the shared parameters ({'; '.join(bad)}) at step {self.steps_taken}; "
-            "the step was abandoned and nothing was updated"
-        )
+
+        def describe(bad: list[int]) -> str:
+            width = flags.shape[1]
+            per_role = [(role, [i % width for i in bad if i // width == k]) for k, (role, _) in enumerate(checks)]
+            listed = "; ".join(f"{role}: task(s) {tasks}" for role, tasks in per_role if tasks)
+            return (f"non-finite gradients of the shared parameters ({listed}) at step {self.steps_taken}; "
+                    "the step was abandoned and nothing was updated")
+
+        self.require_finite(flags, describe)
 
     # ------------------------------------------------------------------------------------ steps
     def step_joint(self, jacobian: Tensor, z: Tensor, weights: Tensor, lr: Tensor | float) -> None:
@@ -232,13 +231,11 @@ class JointBaseline(MultiObjectiveOptimizer):
         self.step_eta(z, weights, lr)
 
     def step_eta(self, z: Tensor, weights: Tensor, lr: Tensor | float) -> None:
-        with torch.no_grad():
-            eta = self.eta
-            eta.sub_((lr * z.double() * weights.double()).to(eta.dtype))
+        eta = self.eta
+        self.commit_(eta, eta - (lr * z.double() * weights.double()).to(eta.dtype))
 
     def set_w(self, weights: Tensor) -> None:
-        with torch.no_grad():
-            self.w.copy_(weights.to(self.w.dtype))
+        self.commit_(self.w, weights.to(self.w.dtype))
 
     def finish_step(
         self,

@@ -8,7 +8,7 @@ from torch import Tensor
 from drmoo import distributed
 from drmoo_kernels.reference import clip_factor
 
-from ._base import Closure, MultiObjectiveOptimizer, ParamsT, check_positive
+from ._base import Closure, MultiObjectiveOptimizer, ParamsT, check_flag, check_positive
 
 
 class DoubleClipMGDA(MultiObjectiveOptimizer):
@@ -52,6 +52,7 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         lam: lambda > 0, the divergence regularization.  divergence: a name from
             :data:`drmoo_kernels.DIVERGENCE_NAMES` (``"cvar_smooth(0.2)"`` style for a parameter).
         dual_scale: s in L^(theta, eta) = L(theta, s*eta).  resample: draw a second batch for step 3.
+        capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend for the Gram/update (see :mod:`drmoo_kernels.dispatch`).
     """
 
@@ -71,6 +72,7 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         divergence: str = "chi2",
         dual_scale: float = 1.0,
         resample: bool = True,
+        capturable: bool = False,
         backend: str | None = None,
     ) -> None:
         defaults = {
@@ -84,7 +86,8 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
             "lam": check_positive("lam", lam),
             "divergence": divergence,
             "dual_scale": check_positive("dual_scale", dual_scale),
-            "resample": bool(resample),
+            "resample": check_flag("resample", resample),
+            "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
 
@@ -126,6 +129,11 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
 
         # Steps 4-5 in one fused op: Gram, clipped theta step through the parameters, w update.
         # The op writes nothing when J is not finite, so raising afterwards leaves theta and w intact.
+        # A capturable step that is already skipped (a NaN in the losses or dual quantities) plants
+        # a NaN in J's first entry, so that the op's own guard skips its writes: no host read.
+        if self.found_inf is not None:
+            first = jacobian.view(-1)[:1]
+            first.copy_(torch.where(self.found_inf, torch.full_like(first, float("nan")), first))
         w_before = w.clone()
         with torch.no_grad():
             gram, d_norm, alpha = ops.gram_step(
@@ -134,8 +142,7 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         self.check_jacobian(gram, "X")
 
         balanced = torch.sqrt(d_norm.double() ** 2 + torch.sum((z_next.double() * w_before.double()) ** 2))
-        with torch.no_grad():
-            eta.copy_(eta_next)
+        self.commit_(eta, eta_next)
         self.state["drmoo"]["step"] += 1
         self.stats = self._common_stats(objective, balanced, d_norm)
         self.stats.update(alpha=alpha.float(), mu=mu.float(), z=z.detach())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import random
 from typing import Any
 
 import torch
@@ -9,7 +11,7 @@ from torch import Tensor
 
 from drmoo_kernels.reference import project_simplex
 
-from ._base import STATE_KEY, Closure, MultiObjectiveOptimizer, NonFiniteStepError, ParamsT, check_positive
+from ._base import STATE_KEY, Closure, MultiObjectiveOptimizer, ParamsT, check_flag, check_positive
 
 
 class DoubleLoopMGDA(MultiObjectiveOptimizer):
@@ -40,7 +42,9 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
     Each inner draw xi_{t,d} serves all m tasks at once (one multi-task batch gives every task's
     losses); the three outer batches are independent of each other and of the inner ones.  Samples
     per iteration: (D + 3) batches.  The indices d, d_bar, d_tilde come from the optimizer's own
-    generator (seeded by ``seed``, saved in ``state_dict``) so that a resumed run is identical.
+    host-side generator, ``random.Random(seed)`` (three ``randrange(D)`` per step; its state is
+    saved in ``state_dict``), so that a resumed run is identical and drawing them never reads a
+    tensor.  Under CUDA-graph replay the captured indices repeat: do not capture this step.
 
     ``stats`` after a step: ``w``, ``eta`` (= eta_{t,D}), ``dual_objective`` (L at eta_{t,d} on xi),
     ``balanced_grad_norm`` = ||[Y^T w_t ; z (.) w_t]|| on xi (the joint (theta, eta) measure used for
@@ -52,6 +56,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         rho: regularization of the w update.  inner_steps: D >= 1.  lam: lambda > 0.
         divergence: see :func:`drmoo_kernels.get_divergence`.  seed: seed of the index generator
             (default: drawn from torch's global generator, so ``torch.manual_seed`` fixes it).
+        capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
     """
 
@@ -68,6 +73,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         lam: float = 0.6,
         divergence: str = "chi2",
         seed: int | None = None,
+        capturable: bool = False,
         backend: str | None = None,
     ) -> None:
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
@@ -80,21 +86,39 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
             "inner_steps": inner_steps,
             "lam": check_positive("lam", lam),
             "divergence": divergence,
+            "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
-        self._generator = torch.Generator().manual_seed(seed)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self._index_rng = random.Random(seed)
+
+    def state_entries(self) -> dict[str, Any]:
+        return {**super().state_entries(), "index_rng_state": self._index_rng.getstate()}
 
     def state_dict(self) -> dict[str, Any]:
-        self.state[STATE_KEY]["rng_state"] = self._generator.get_state()
+        self.state[STATE_KEY]["index_rng_state"] = self._index_rng.getstate()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a DoubleLoopMGDA state; one saved with the former torch index generator
+        (``rng_state``) continues with a generator seeded from that state's bytes."""
+        saved = state_dict.get("state", {}).get(STATE_KEY) if isinstance(state_dict, dict) else None
+        if isinstance(saved, dict) and "index_rng_state" not in saved and isinstance(saved.get("rng_state"), Tensor):
+            legacy = saved["rng_state"].detach().cpu().contiguous().numpy().tobytes()
+            upgraded = {key: value for key, value in saved.items() if key != "rng_state"}
+            upgraded["index_rng_state"] = random.Random(int.from_bytes(hashlib.sha256(legacy).digest()[:8])).getstate()
+            state_dict = {**state_dict, "state": {**state_dict["state"], STATE_KEY: upgraded}}
+        self.validate_state_dict(state_dict)
+        generator = random.Random()
+        try:
+            generator.setstate(state_dict["state"][STATE_KEY]["index_rng_state"])
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"state_dict's index_rng_state is not a random.Random state ({error})") from None
         super().load_state_dict(state_dict)
-        rng_state = self.state[STATE_KEY].get("rng_state")
-        if rng_state is not None:
-            self._generator.set_state(rng_state)
+        self._index_rng = generator
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One outer iteration of Algorithm 1; calls ``closure`` inner_steps + 3 times.
@@ -114,25 +138,23 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
                 _, grad_eta, _ = self.dual_forward(losses, etas[-1], lam, 1.0)
                 etas.append(etas[-1] - h["dual_lr"] * grad_eta)
             self.check_dual(*etas)
-        rng_before = self._generator.get_state()
-        indices = torch.randint(0, h["inner_steps"], (3,), generator=self._generator).tolist()
+        rng_before = self._index_rng.getstate()
+        indices = [self._index_rng.randrange(h["inner_steps"]) for _ in range(3)]  # host-side: no tensor read
         try:
-            jac, jac_bar, jac_tilde, objective, z_main, gram = self._outer_gradients(closure, etas, indices)
+            jac, cross, objective, z_main, gram = self._outer_gradients(closure, etas, indices)
         except BaseException:
-            self._generator.set_state(rng_before)  # a failed step leaves no trace, its draws included
+            self._index_rng.setstate(rng_before)  # a failed step leaves no trace, its draws included
             raise
         w64 = w.double()
         theta_norm = torch.sqrt(torch.clamp(w64 @ (gram.double() @ w64), min=0.0))
 
         # Lines 12-13.  Y_bar (Y_tilde^T w) costs two passes and never forms an n x n or m x m product.
         self.apply_direction(jac, w, h["lr"])
-        cross = (jac_bar.float() @ (w.float() @ jac_tilde.float())).double()
         w_next = project_simplex(w64 - h["pref_lr"] * (cross + h["rho"] * w64)).to(w.dtype)
 
         balanced = torch.sqrt(theta_norm**2 + torch.sum((z_main.double() * w64) ** 2))
-        with torch.no_grad():
-            self.eta.copy_(etas[-1])
-            w.copy_(w_next)
+        self.commit_(self.eta, etas[-1])
+        self.commit_(w, w_next)
         self.state[STATE_KEY]["step"] += 1
         self.stats = self._common_stats(objective, balanced, theta_norm)
         self.stats["inner_indices"] = torch.tensor(indices)
@@ -140,8 +162,8 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
 
     def _outer_gradients(
         self, closure: Closure | None, etas: list[Tensor], indices: list[int]
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Lines 8-11: Y, Y_bar, Y_tilde on three independent batches, checked for finiteness."""
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Lines 8-11 on three independent batches, checked: Y, Y_bar (Y_tilde^T w), L, z on xi, Y Y^T."""
         h, ops = self.param_groups[0], self._ops
         jacobians, objective, z_main = [], None, None
         for role, index in zip(("Y", "Y_bar", "Y_tilde"), indices):
@@ -155,10 +177,11 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         jac, jac_bar, jac_tilde = jacobians
         gram = ops.gram(jac)
         self.check_jacobian(gram, "Y")
-        for role, other in (("Y_bar", jac_bar), ("Y_tilde", jac_tilde)):
-            if not bool(torch.isfinite(other).all()):
-                raise NonFiniteStepError(
-                    f"non-finite gradients of the shared parameters ({role}) at step {self.steps_taken}; "
-                    "the step was abandoned and nothing was updated"
-                )
-        return jac, jac_bar, jac_tilde, objective, z_main, gram
+        # Y_bar (Y_tilde^T w), in the Jacobians' accumulation precision, is all the w update uses of
+        # them: a NaN/Inf anywhere in either reaches it (also through a zero weight: 0 * Inf = NaN).
+        acc = torch.float64 if jac_bar.dtype == torch.float64 else torch.float32
+        cross = (jac_bar.to(acc) @ (self.w.to(acc) @ jac_tilde.to(acc))).double()
+        self.require_finite(torch.isfinite(cross), lambda bad: (
+            f"non-finite gradients of the shared parameters (Y_bar, Y_tilde) at step {self.steps_taken}; "
+            "the step was abandoned and nothing was updated"))
+        return jac, cross, objective, z_main, gram

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import STATE_KEY, Closure, ParamsT, check_positive
+from ._base import HYPERPARAMETER_CHECKS, STATE_KEY, Closure, ParamsT, check_flag, check_positive
 from ._joint import JointBaseline, common_defaults
 
 ReevaluateFn = Callable[[], Tensor]
@@ -99,6 +99,7 @@ class FAMO(JointBaseline):
         LR of the logits.  logit_decay: gamma, Adam's weight decay on the logits.  loss_floor: l*
         (a number or one per task).  famo_eps: eps in D.  lam: lambda > 0.  divergence: f.
         backend: kernels.
+        capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -120,28 +121,47 @@ class FAMO(JointBaseline):
         famo_eps: float = 1e-8,
         lam: float = 0.6,
         divergence: str = "chi2",
+        capturable: bool = False,
         backend: str | None = None,
     ) -> None:
         # One number is broadcast to every task (stored as a 1-tuple); otherwise one per task.
-        floors = (loss_floor,) if isinstance(loss_floor, (int, float)) else tuple(loss_floor)
-        try:
-            floors = tuple(float(f) for f in floors)
-        except (TypeError, ValueError):
-            raise ValueError(f"loss_floor must be a number or one number per task, got {loss_floor!r}") from None
-        if not floors or any(f != f or abs(f) == float("inf") for f in floors):
-            raise ValueError(f"loss_floor must be finite, got {loss_floor!r}")
+        floors = HYPERPARAMETER_CHECKS["loss_floor"]("loss_floor", loss_floor)
         defaults = {
             **common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, logit_decay=logit_decay),
             "loss_floor": floors,
             "famo_eps": check_positive("famo_eps", famo_eps),
+            "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
         if len(floors) not in (1, num_tasks):
             raise ValueError(f"loss_floor has {len(floors)} values, but num_tasks={num_tasks}")
+        self._floor_cache: tuple[tuple[float, ...], Tensor] | None = None
 
     def extra_state(self) -> dict[str, Any]:
         zeros = torch.zeros(self.num_tasks, device=self.device, dtype=torch.float64)
-        return {"logits": zeros, "adam_exp_avg": zeros.clone(), "adam_exp_avg_sq": zeros.clone(), "adam_steps": 0}
+        # adam_steps is a 0-d tensor on the device (as torch.optim.Adam's capturable step): a
+        # skipped capturable step must not advance Adam's bias correction, decided on the device.
+        return {"logits": zeros, "adam_exp_avg": zeros.clone(), "adam_exp_avg_sq": zeros.clone(),
+                "adam_steps": torch.zeros((), device=self.device, dtype=torch.float64)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a FAMO state; one saved when ``adam_steps`` was an int is accepted (made a tensor)."""
+        saved = state_dict.get("state", {}).get(STATE_KEY) if isinstance(state_dict, dict) else None
+        steps = saved.get("adam_steps") if isinstance(saved, dict) else None
+        if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0:
+            upgraded = {**saved, "adam_steps": torch.tensor(float(steps), dtype=torch.float64)}
+            state_dict = {**state_dict, "state": {**state_dict["state"], STATE_KEY: upgraded}}
+        super().load_state_dict(state_dict)
+
+    def _loss_floor(self) -> Tensor:
+        """l* as an [m] float64 tensor on the device, made once per value (no copy inside a step)."""
+        floors = self.param_groups[0]["loss_floor"]
+        if self._floor_cache is None or self._floor_cache[0] != floors:
+            if len(floors) not in (1, self.num_tasks):
+                raise ValueError(f"loss_floor has {len(floors)} values, but num_tasks={self.num_tasks}")
+            values = torch.tensor(floors, dtype=torch.float64).expand(self.num_tasks).to(self.device)
+            self._floor_cache = (floors, values)
+        return self._floor_cache[1]
 
     def step(  # type: ignore[override]
         self, closure: Closure | None = None, reevaluate: ReevaluateFn | None = None
@@ -161,7 +181,7 @@ class FAMO(JointBaseline):
         batch = self.draw_batch(closure)
         assert reevaluate is not None
 
-        floor = torch.tensor(h["loss_floor"], dtype=torch.float64, device=self.device).expand(self.num_tasks)
+        floor = self._loss_floor()
         eps = h["famo_eps"]
         gap = batch.objective.double() - floor
         below_floor = (gap < 0).any()
@@ -172,6 +192,7 @@ class FAMO(JointBaseline):
 
         combined = self.combined_gradient(batch, weights, "d")
         self.raise_unless_finite([("sum_i c_i grad L^i", torch.isfinite(combined).all().expand(self.num_tasks))])
+        capturable = self.found_inf is not None
 
         shared = self._shared_params()
         backup = [p.detach().clone() for p in shared]
@@ -193,6 +214,12 @@ class FAMO(JointBaseline):
                     p.copy_(saved)
                 self.eta.copy_(eta_backup)
             raise
+        if capturable:  # a non-finite re-evaluation (or earlier NaN): theta and eta back, on the device
+            found_inf = self.found_inf
+            with torch.no_grad():
+                for p, saved in zip(shared, backup):
+                    p.copy_(torch.where(found_inf, saved, p))
+                self.eta.copy_(torch.where(found_inf, eta_backup, self.eta))
         objective_after, _, _ = self.dual_forward(after, self.eta, h["lam"], 1.0)
         distance_after = torch.clamp(objective_after.double() - floor, min=0.0) + eps
         decrease = torch.log(distance) - torch.log(distance_after)
@@ -212,9 +239,12 @@ class FAMO(JointBaseline):
         beta1, beta2 = self.ADAM_BETAS
         logits = state["logits"]
         gradient = gradient + h["logit_decay"] * logits
-        steps = int(state["adam_steps"]) + 1
+        steps = state["adam_steps"] + 1.0
         exp_avg = beta1 * state["adam_exp_avg"] + (1.0 - beta1) * gradient
         exp_avg_sq = beta2 * state["adam_exp_avg_sq"] + (1.0 - beta2) * gradient * gradient
-        denominator = torch.sqrt(exp_avg_sq) / (1.0 - beta2**steps) ** 0.5 + self.ADAM_EPS
-        state["logits"] = logits - (h["pref_lr"] / (1.0 - beta1**steps)) * exp_avg / denominator
-        state["adam_exp_avg"], state["adam_exp_avg_sq"], state["adam_steps"] = exp_avg, exp_avg_sq, steps
+        denominator = torch.sqrt(exp_avg_sq) / torch.sqrt(1.0 - beta2**steps) + self.ADAM_EPS
+        # in place (masked in a capturable step): the state tensors keep their storage
+        self.commit_(logits, logits - (h["pref_lr"] / (1.0 - beta1**steps)) * exp_avg / denominator)
+        self.commit_(state["adam_exp_avg"], exp_avg)
+        self.commit_(state["adam_exp_avg_sq"], exp_avg_sq)
+        self.commit_(state["adam_steps"], steps)

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import Closure, ParamsT, check_positive
+from ._base import Closure, ParamsT, check_flag, check_positive
 from ._joint import (
     JointBaseline,
     check_count,
@@ -23,12 +23,17 @@ SOLVERS = ("one_step", "min_norm")
 # Exact enumeration of the faces of the simplex up to this many tasks (2^m - 1 tiny systems, one
 # batched solve); above it the active-set method (one small system per iteration).
 EXACT_MAX_TASKS = 10
+# With ``early_exit``, the active set reads its "done" flag on the host once per this many steps.
+EARLY_EXIT_EVERY = 8
 # Unit roundoff of float64: the KKT tests below never demand more than a small multiple of it.
 _EPS = 2.0**-53
 
 
-def min_norm_weights(gram: Tensor, start: Tensor, *, max_iter: int = 500, tol: float = 1e-12) -> Tensor:
-    r"""w* = argmin_{w in simplex} w^T K w, in float64 on K's device, with no host synchronisation.
+def min_norm_weights(
+    gram: Tensor, start: Tensor, *, max_iter: int = 500, tol: float = 1e-12, early_exit: bool = False
+) -> Tensor:
+    r"""w* = argmin_{w in simplex} w^T K w, in float64 on K's device, with no host synchronisation
+    (unless ``early_exit``).
 
     * m = 1: [1].
     * m = 2: the closed form w^1 = clip((K22 - K12) / (K11 + K22 - 2 K12), 0, 1), computed as
@@ -60,8 +65,10 @@ def min_norm_weights(gram: Tensor, start: Tensor, *, max_iter: int = 500, tol: f
         -tol); a minor step, when the new face's minimizer leaves the simplex, moves towards it
         until a weight reaches 0 and drops that task.  It terminates after finitely many steps
         in exact arithmetic (the objective strictly decreases and no face repeats); here it runs
-        ``max_iter`` steps (a fixed count: stopping early would need a host sync), frozen once the
-        KKT conditions hold.  Every iterate is feasible and no worse than the one before.
+        ``max_iter`` steps (a fixed count: stopping early needs a host read), frozen once the KKT
+        conditions hold; with ``early_exit`` it reads its "done" flag on the host every
+        ``EARLY_EXIT_EVERY`` steps and stops there (m = 40 typically needs 25-50 steps, not 500).
+        Every iterate is feasible and no worse than the one before.
     * A task with a zero gradient (K_ii = 0) is a minimizer by itself (w = e_i, value 0).
     """
     m = gram.shape[0]
@@ -81,7 +88,7 @@ def min_norm_weights(gram: Tensor, start: Tensor, *, max_iter: int = 500, tol: f
         return torch.where(degenerate, torch.full_like(weights, 0.5), weights)
     if m <= EXACT_MAX_TASKS:
         return _min_norm_by_faces(K, start.double(), tol)
-    return _min_norm_by_active_set(K, start.double(), max_iter, tol)
+    return _min_norm_by_active_set(K, start.double(), max_iter, tol, early_exit)
 
 
 def _correlations(K: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -156,7 +163,9 @@ def _min_norm_by_faces(K: Tensor, start: Tensor, tol: float = 1e-12) -> Tensor:
     return torch.where(zero.any(), _zero_gradient_vertex(zero, start), best)
 
 
-def _min_norm_by_active_set(K: Tensor, start: Tensor, max_iter: int = 500, tol: float = 1e-12) -> Tensor:
+def _min_norm_by_active_set(
+    K: Tensor, start: Tensor, max_iter: int = 500, tol: float = 1e-12, early_exit: bool = False
+) -> Tensor:
     m, dtype, device = K.shape[0], K.dtype, K.device
     tiny = torch.finfo(dtype).tiny
     C, d, zero = _correlations(K)
@@ -175,7 +184,9 @@ def _min_norm_by_active_set(K: Tensor, start: Tensor, max_iter: int = 500, tol: 
     w = (torch.arange(m, device=device) == torch.argmin(d)).to(dtype)  # the vertex of least norm
     support = w > 0
     done = zero.any()
-    for _ in range(max_iter):
+    for taken in range(max_iter):
+        if early_exit and taken % EARLY_EXIT_EVERY == 0 and taken > 0 and bool(done):  # a host read
+            break
         on = support.to(dtype)
         s = torch.where(support, d, torch.full_like(d, float("inf"))).amin()
         scaling = torch.cat([on, s.reshape(1)])
@@ -244,9 +255,10 @@ class MGDA(JointBaseline):
     * The full shared gradient, not MGDA-UB's upper bound through the shared representation.
 
     Cost per step: 1 closure call (one batch of B samples), m backward passes; ``min_norm`` adds
-    one batched solve of 2^m - 1 tiny KKT systems for 3 <= m <= 10, and ``max_iter`` active-set
-    steps (one (m+1) x (m+1) solve each; run in full, there is no host sync to stop early) for
-    m > 10.  ``pref_lr`` and ``rho`` only enter the one-step solver.
+    one batched solve of 2^m - 1 tiny KKT systems for 3 <= m <= 10, and for m > 10 active-set
+    steps (one (m+1) x (m+1) solve each): eagerly until exact (typically < 2m, one host read per 8
+    steps), with ``capturable`` all ``max_iter`` of them (no host read).  ``pref_lr`` and ``rho``
+    only enter the one-step solver.
 
     ``stats``: ``w`` (= w_{t+1}), ``eta`` (new), ``dual_objective`` (L^i(theta_t, eta_t) on xi),
     ``balanced_grad_norm`` = ||[J^T w_{t+1} ; z (.) w_{t+1}]|| (for ``min_norm`` the minimal joint
@@ -260,10 +272,11 @@ class MGDA(JointBaseline):
     Args:
         params: the shared parameters.  num_tasks: m.  lr: step of theta and eta.  pref_lr: beta.
         rho: regularization of the one-step w update.  lam: lambda > 0.  divergence: f.
-        solver: ``"one_step"`` or ``"min_norm"``.  max_iter: active-set steps of the min-norm
-            solver for m > 10 (typically it needs fewer than 2m; more cost time, not accuracy).  tol: relative
-            tolerance of its KKT tests (m >= 3).  backend: kernel backend (see
-            :mod:`drmoo_kernels.dispatch`).
+        solver: ``"one_step"`` or ``"min_norm"``.  max_iter: cap on the active-set steps of the
+            min-norm solver for m > 10 (it typically needs fewer than 2m; all are run when
+            ``capturable``, eagerly it stops once exact).  tol: relative tolerance of its KKT tests
+            (m >= 3).  backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -286,6 +299,7 @@ class MGDA(JointBaseline):
         solver: str = "one_step",
         max_iter: int = 500,
         tol: float = 1e-12,
+        capturable: bool = False,
         backend: str | None = None,
     ) -> None:
         if solver not in SOLVERS:
@@ -295,6 +309,7 @@ class MGDA(JointBaseline):
             "solver": solver,
             "max_iter": check_count("max_iter", max_iter),
             "tol": check_positive("tol", tol),
+            "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
 
@@ -312,7 +327,9 @@ class MGDA(JointBaseline):
         if h["solver"] == "one_step":
             w_next = simplex_step(w, K @ w + h["rho"] * w, h["pref_lr"])
         else:
-            w_next = min_norm_weights(K, w, max_iter=h["max_iter"], tol=h["tol"])
+            w_next = min_norm_weights(
+                K, w, max_iter=h["max_iter"], tol=h["tol"], early_exit=not h.get("capturable", False)
+            )
 
         self.step_joint(batch.jacobian, batch.z, w_next, h["lr"])
         self.set_w(w_next)

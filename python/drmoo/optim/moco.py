@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import STATE_KEY, Closure, ParamsT
+from ._base import STATE_KEY, Closure, ParamsT, check_flag
 from ._joint import JointBaseline, check_fraction, common_defaults, joint_gram, joint_norm, simplex_step
 
 
@@ -62,6 +62,7 @@ class MoCo(JointBaseline):
         params: the shared parameters.  num_tasks: m.  lr: step of theta and eta.  pref_lr: beta.
         rho: regularization of the w update.  ema: in [0, 1), the weight of the old Y.
         lam: lambda > 0.  divergence: f.  backend: kernels.
+        capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -82,11 +83,13 @@ class MoCo(JointBaseline):
         ema: float = 0.95,
         lam: float = 0.6,
         divergence: str = "chi2",
+        capturable: bool = False,
         backend: str | None = None,
     ) -> None:
         defaults = {
             **common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, rho=rho),
             "ema": check_fraction("ema", ema, "the weight of the old tracking estimate"),
+            "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
 
@@ -107,12 +110,16 @@ class MoCo(JointBaseline):
         gram = self._ops.gram(batch.jacobian)
         self.raise_unless_finite([("J", torch.isfinite(torch.diagonal(gram)))])
 
-        # Only now, with J known to be finite, may the persistent tracking state change.
+        # Only now, with J known to be finite, may the persistent tracking state change (in a
+        # capturable step: change unless the step is skipped, decided on the device).
         tracking: Tensor = state["tracking"]
-        with torch.no_grad():
-            tracking.mul_(h["ema"]).add_(batch.jacobian, alpha=1.0 - h["ema"])
-        tracking_eta = h["ema"] * state["tracking_eta"] + (1.0 - h["ema"]) * batch.z.double()
-        state["tracking_eta"] = tracking_eta
+        if self.found_inf is None:
+            with torch.no_grad():
+                tracking.mul_(h["ema"]).add_(batch.jacobian, alpha=1.0 - h["ema"])
+        else:
+            self.commit_(tracking, h["ema"] * tracking + (1.0 - h["ema"]) * batch.jacobian)
+        self.commit_(state["tracking_eta"], h["ema"] * state["tracking_eta"] + (1.0 - h["ema"]) * batch.z.double())
+        tracking_eta = state["tracking_eta"]
 
         tracked_gram = joint_gram(self._ops.gram(tracking), tracking_eta)
         w = self.w.double()

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import Closure, ParamsT
+from ._base import Closure, ParamsT, check_flag
 from ._joint import JointBaseline, common_defaults, joint_norm, simplex_step
 
 
@@ -55,6 +55,7 @@ class MoDo(JointBaseline):
     Args:
         params: the shared parameters.  num_tasks: m.  lr: step of theta and eta.  pref_lr: beta.
         rho: regularization of the w update.  lam: lambda > 0.  divergence: f.  backend: kernels.
+        capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -74,9 +75,11 @@ class MoDo(JointBaseline):
         rho: float = 1e-5,
         lam: float = 0.6,
         divergence: str = "chi2",
+        capturable: bool = False,
         backend: str | None = None,
     ) -> None:
-        super().__init__(params, num_tasks, common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, rho=rho), backend)
+        defaults = common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, rho=rho)
+        super().__init__(params, num_tasks, {**defaults, "capturable": check_flag("capturable", capturable)}, backend)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One MoDo iteration; calls ``closure`` three times.  Nothing changes if a check fails."""

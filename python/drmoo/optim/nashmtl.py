@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import STATE_KEY, Closure, ParamsT, check_positive
+from ._base import STATE_KEY, Closure, ParamsT, check_flag, check_positive
 from ._joint import TINY, JointBaseline, check_count, common_defaults, joint_gram, joint_norm
 
 # Ridge on the unit-diagonal (Jacobi-scaled) Gram matrix.  When the joint gradients are linearly
@@ -111,6 +111,7 @@ class NashMTL(JointBaseline):
         on the joint direction's norm.  update_every: k >= 1, steps between weight solves.
         solver_iters: Newton iterations (the paper ran 100 solver iterations per step).
         lam: lambda > 0.  divergence: f.  backend: kernels.
+        capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -129,6 +130,7 @@ class NashMTL(JointBaseline):
         solver_iters: int = 100,
         lam: float = 0.6,
         divergence: str = "chi2",
+        capturable: bool = False,
         backend: str | None = None,
     ) -> None:
         defaults = {
@@ -136,6 +138,7 @@ class NashMTL(JointBaseline):
             "max_norm": check_positive("max_norm", max_norm),
             "update_every": check_count("update_every", update_every),
             "solver_iters": check_count("solver_iters", solver_iters),
+            "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
 
@@ -174,7 +177,7 @@ class NashMTL(JointBaseline):
         total = alpha.sum()
         # every task gradient vanished (alpha = 0): report uniform weights, the direction is 0 anyway
         normalized = torch.where(total > 0, alpha / torch.where(total > 0, total, 1.0), 1.0 / self.num_tasks)
-        state["alpha"] = alpha.clone()
+        self.commit_(state["alpha"], alpha)
         self.set_w(normalized)
         safe_total = torch.where(total > 0, total, 1.0)
         return self.finish_step(

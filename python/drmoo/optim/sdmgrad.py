@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import STATE_KEY, Closure, ParamsT
+from ._base import STATE_KEY, Closure, ParamsT, check_flag
 from ._joint import (
     TINY,
     JointBaseline,
@@ -86,6 +86,7 @@ class SDMGrad(JointBaseline):
         rho: regularization of the inner objective.  sdm_lambda: lambda_s >= 0, the pull towards
         the average direction.  inner_steps: S >= 1.  momentum: in [0, 1).  normalize: scale A.
         lam: lambda > 0 (the divergence regularization).  divergence: f.  backend: kernels.
+        capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -109,13 +110,15 @@ class SDMGrad(JointBaseline):
         normalize: bool = True,
         lam: float = 0.6,
         divergence: str = "chi2",
+        capturable: bool = False,
         backend: str | None = None,
     ) -> None:
         defaults = {
             **common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, rho=rho, sdm_lambda=sdm_lambda),
             "inner_steps": check_count("inner_steps", inner_steps),
             "momentum": check_fraction("momentum", momentum, "the momentum of the inner SGD"),
-            "normalize": bool(normalize),
+            "normalize": check_flag("normalize", normalize),
+            "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
 
@@ -156,7 +159,7 @@ class SDMGrad(JointBaseline):
 
         self.step_joint(step_batch.jacobian, step_batch.z, step_weights, h["lr"])
         self.set_w(w)
-        state["momentum_buffer"] = velocity
+        self.commit_(state["momentum_buffer"], velocity)
         return self.finish_step(
             step_batch, step_weights, joint_norm(gram, step_weights), step_batch.z.double() * step_weights,
             gram_scale=gram_scale.float(),
