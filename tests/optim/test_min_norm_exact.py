@@ -299,3 +299,15 @@ def test_no_host_reads_on_any_path(m: int) -> None:
     with _NoHostReads():
         w = min_norm_weights(G @ G.T, start, max_iter=8)
     assert w.shape == (m,)
+
+
+@pytest.mark.parametrize("m, n", [(11, 3), (24, 50), (40, 12)])
+def test_early_exit_returns_exactly_the_fixed_count_answer(m: int, n: int) -> None:
+    """Eagerly the active set stops once exact (host reads allowed); the iterate is frozen from
+    then on, so the answer is bit-for-bit that of all ``max_iter`` steps."""
+    gen = torch.Generator().manual_seed(7 * m + n)
+    scales = 10 ** torch.empty(m, 1, dtype=torch.float64).uniform_(-4, 4, generator=gen)
+    G = torch.randn(m, n, generator=gen, dtype=torch.float64) * scales
+    K = G @ G.T
+    start = torch.full((m,), 1.0 / m, dtype=torch.float64)
+    assert torch.equal(min_norm_weights(K, start, early_exit=True), min_norm_weights(K, start))
