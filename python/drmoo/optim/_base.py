@@ -580,10 +580,15 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                 self._ops.combine(jacobian, w, self._shared_params(), lr)
                 return
             acc = torch.float64 if jacobian.dtype == torch.float64 else torch.float32
-            direction = w.to(acc) @ jacobian.to(acc)
-            direction = torch.where(self._found_inf, torch.zeros_like(direction), direction)
+            # A persistent buffer: backends that cache per-address launch plans (triton) reuse theirs.
+            direction = self._buffers.get("direction")
+            if direction is None or direction.dtype != acc or direction.shape != (1, jacobian.shape[1]):
+                direction = torch.empty(1, jacobian.shape[1], dtype=acc, device=jacobian.device)
+                self._buffers["direction"] = direction
+            torch.matmul(w.to(acc)[None, :], jacobian.to(acc), out=direction)
+            direction.masked_fill_(self._found_inf, 0.0)
             one = torch.ones(1, dtype=acc, device=direction.device)
-            self._ops.combine(direction[None, :], one, self._shared_params(), lr)
+            self._ops.combine(direction, one, self._shared_params(), lr)
 
     def _overflow_hint(self) -> str:
         if self.divergence.name == "kl":
