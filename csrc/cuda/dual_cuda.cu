@@ -1,8 +1,14 @@
-// CUDA kernels of dual_forward and dual_step.  Launched on the current stream; scalars that the
-// next kernel needs (z, mu, the updated eta) stay on the device, so there is no host sync.
-//   dual_forward: one block per task column reduces over the batch and writes that column's weights.
-//   dual_step:    the same column reduction for z at eta_t; a one-thread kernel for mu and
-//                 eta_{t+1} (mu couples all tasks); an elementwise kernel for the weights at eta_{t+1}.
+// CUDA kernels of dual_forward and dual_step.  Launched on the current stream, nothing waits for
+// the device, and eta / w are read (and eta written) in their own dtypes inside the kernels, so
+// the host adds no conversion launches.
+//
+// Small batches (B*m <= kFusedMaxElements, m <= kFusedThreads, e.g. B = 256, m = 8): ONE launch
+// of one block does the whole op.
+//   dual_forward: per-task column sums of omega f*'(u) and omega f*(u) -> z, objective, weights;
+//   dual_step:    the column sums at eta_t -> z; thread 0: mu and eta_{t+1} (mu couples all tasks);
+//                 then the weights at eta_{t+1}.
+// Larger batches spread the column sums over m blocks: dual_forward is still one launch;
+// dual_step is three (column sums, the one-thread mu/eta kernel, the elementwise weights).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -15,16 +21,121 @@
 namespace drmoo {
 namespace {
 
+constexpr int kFusedThreads = 512;
+// One block streams this many losses per pass in a few round trips to memory (at most 32 per
+// thread); past it, one block per task column spreads the reduction over the device.
+constexpr int64_t kFusedMaxElements = 16 * 1024;
+
+// Thread 0 of the block: mu = min(f1, f2 / ||z w||) and eta -= gamma mu (z w), each value rounded
+// to eta's dtype as the reference's in-place update on a tensor of that dtype; eta_next[i] gets
+// the new eta in the math dtype (may be nullptr).
+template <typename acc_t>
+__device__ void update_eta(const acc_t* z, ValueRef w, int64_t m, acc_t gamma, acc_t f1, acc_t f2, ValueRef eta,
+                           acc_t* mu_out, acc_t* eta_next) {
+  double norm_sq = 0.0;
+  for (int64_t i = 0; i < m; ++i) {
+    const double d = static_cast<double>(z[i] * static_cast<acc_t>(load_value(w, i)));
+    norm_sq += d * d;
+  }
+  const acc_t mu = clip_factor(f1, f2, static_cast<acc_t>(sqrt(norm_sq)));
+  *mu_out = mu;
+  const acc_t step = gamma * mu;
+  for (int64_t i = 0; i < m; ++i) {
+    const acc_t direction = z[i] * static_cast<acc_t>(load_value(w, i));
+    const double update = round_to(eta.code, static_cast<double>(step * direction));
+    const double next = round_to(eta.code, load_value(eta, i) - update);
+    store_value(eta, i, next);
+    if (eta_next != nullptr) eta_next[i] = static_cast<acc_t>(next);
+  }
+}
+
+// ------------------------------------------------------------------------- one block, one launch
+// Thread t handles task column i = t % m and rows t / m, t / m + per_col, ... (consecutive threads
+// read consecutive losses).  Column sums are deterministic: each thread's float64 partial goes to
+// shared memory, then warp w adds columns w, w + 16, ...: lane l adds every 32nd partial of the
+// column in order, then a fixed butterfly adds the lanes.
+template <typename scalar_t, typename acc_t, bool kStep>
+__global__ void __launch_bounds__(kFusedThreads)
+    dual_fused_kernel(const scalar_t* __restrict__ losses, const acc_t* __restrict__ omega, int64_t batch, int m,
+                      ValueRef eta, ValueRef w, acc_t lam, acc_t scale, Divergence<acc_t> div, acc_t gamma, acc_t f1,
+                      acc_t f2, acc_t* __restrict__ z_out, acc_t* __restrict__ objective, acc_t* __restrict__ mu_out,
+                      acc_t* __restrict__ weights) {
+  __shared__ double part_grad[kFusedThreads];
+  __shared__ double part_conj[kStep ? 1 : kFusedThreads];
+  __shared__ acc_t eta_shared[kFusedThreads];
+  __shared__ acc_t z_shared[kFusedThreads];
+  const int tid = threadIdx.x;
+  for (int i = tid; i < m; i += blockDim.x) eta_shared[i] = static_cast<acc_t>(load_value(eta, i));
+  __syncthreads();
+
+  const int per_col = blockDim.x / m;  // >= 1: the host launches this kernel only for m <= blockDim
+  const acc_t count = static_cast<acc_t>(batch);
+  double sum_grad = 0.0, sum_conj = 0.0;
+  if (tid < per_col * m) {
+    const int i = tid % m;
+    const acc_t shift = scale * eta_shared[i];
+#pragma unroll 4
+    for (int64_t b = tid / m; b < batch; b += per_col) {
+      const int64_t idx = b * m + i;
+      const acc_t u = (static_cast<acc_t>(losses[idx]) - shift) / lam;
+      const acc_t om = omega != nullptr ? omega[idx] : acc_t(1);
+      const acc_t g = conj_grad(div, u) * om;
+      sum_grad += static_cast<double>(g);
+      if constexpr (!kStep) {
+        sum_conj += static_cast<double>(conj(div, u) * om);
+        weights[idx] = g / count;
+      }
+    }
+  }
+  part_grad[tid] = sum_grad;
+  if constexpr (!kStep) part_conj[tid] = sum_conj;
+  __syncthreads();
+
+  const int warp = tid >> 5, lane = tid & 31, warps = blockDim.x >> 5;
+  for (int i = warp; i < m; i += warps) {
+    double g = 0.0, c = 0.0;
+    for (int k = lane; k < per_col; k += 32) {
+      g += part_grad[k * m + i];
+      if constexpr (!kStep) c += part_conj[k * m + i];
+    }
+    g = warp_sum(g);
+    if constexpr (!kStep) c = warp_sum(c);
+    if (lane == 0) {
+      const acc_t mean_grad = static_cast<acc_t>(g / static_cast<double>(batch));
+      const acc_t z = scale * (acc_t(1) - mean_grad);
+      z_out[i] = z;
+      z_shared[i] = z;
+      if constexpr (!kStep) {
+        objective[i] = lam * static_cast<acc_t>(c / static_cast<double>(batch)) + scale * eta_shared[i];
+      }
+    }
+  }
+  if constexpr (kStep) {
+    __syncthreads();
+    if (tid == 0) update_eta<acc_t>(z_shared, w, m, gamma, f1, f2, eta, mu_out, eta_shared);
+    __syncthreads();
+    const int64_t total = batch * m;
+#pragma unroll 4
+    for (int64_t idx = tid; idx < total; idx += blockDim.x) {
+      const int i = static_cast<int>(idx % m);
+      const acc_t u = (static_cast<acc_t>(losses[idx]) - scale * eta_shared[i]) / lam;
+      const acc_t om = omega != nullptr ? omega[idx] : acc_t(1);
+      weights[idx] = conj_grad(div, u) * om / count;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------- larger batches
 // Block i: over the batch, sums of omega f*'(u) and omega f*(u) for task i (float64), then z[i]
 // and objective[i]; weights[:, i] = omega f*'(u) / B when `weights` is given.
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads)
     dual_column_kernel(const scalar_t* __restrict__ losses, const acc_t* __restrict__ omega, int64_t batch, int64_t m,
-                       const double* __restrict__ eta, acc_t lam, acc_t scale, Divergence<acc_t> div,
-                       acc_t* __restrict__ z, acc_t* __restrict__ objective, acc_t* __restrict__ weights) {
+                       ValueRef eta, acc_t lam, acc_t scale, Divergence<acc_t> div, acc_t* __restrict__ z,
+                       acc_t* __restrict__ objective, acc_t* __restrict__ weights) {
   __shared__ double shared[kWarps];
   const int64_t i = blockIdx.x;
-  const acc_t eta_i = static_cast<acc_t>(eta[i]);
+  const acc_t eta_i = static_cast<acc_t>(load_value(eta, i));
   const acc_t shift = scale * eta_i;
   const acc_t count = static_cast<acc_t>(batch);
   double sum_grad = 0.0, sum_conj = 0.0;
@@ -48,41 +159,30 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// mu = min(f1, f2 / ||z w||) and eta -= gamma mu (z w), each value rounded to eta's dtype.
 template <typename acc_t>
-__global__ void dual_eta_kernel(const acc_t* __restrict__ z, const double* __restrict__ w, int64_t m, acc_t gamma,
-                                acc_t f1, acc_t f2, int eta_code, double* __restrict__ eta, acc_t* __restrict__ mu_out) {
-  double norm_sq = 0.0;
-  for (int64_t i = 0; i < m; ++i) {
-    const double d = static_cast<double>(z[i] * static_cast<acc_t>(w[i]));
-    norm_sq += d * d;
-  }
-  const acc_t mu = clip_factor(f1, f2, static_cast<acc_t>(sqrt(norm_sq)));
-  *mu_out = mu;
-  const acc_t step = gamma * mu;
-  for (int64_t i = 0; i < m; ++i) {
-    const acc_t direction = z[i] * static_cast<acc_t>(w[i]);
-    const double update = round_to(eta_code, static_cast<double>(step * direction));
-    eta[i] = round_to(eta_code, eta[i] - update);
-  }
+__global__ void dual_eta_kernel(const acc_t* __restrict__ z, ValueRef w, int64_t m, acc_t gamma, acc_t f1, acc_t f2,
+                                ValueRef eta, acc_t* __restrict__ mu_out) {
+  update_eta<acc_t>(z, w, m, gamma, f1, f2, eta, mu_out, nullptr);
 }
 
-// weights[b, i] = omega f*'((loss - scale eta_i) / lam) / B
+// weights[b, i] = omega f*'((loss - scale eta_i) / lam) / B, eta read in its own dtype.
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads)
     dual_weights_kernel(const scalar_t* __restrict__ losses, const acc_t* __restrict__ omega, int64_t batch,
-                        int64_t m, const double* __restrict__ eta, acc_t lam, acc_t scale, Divergence<acc_t> div,
+                        int64_t m, ValueRef eta, acc_t lam, acc_t scale, Divergence<acc_t> div,
                         acc_t* __restrict__ weights) {
   const int64_t total = batch * m;
   const acc_t count = static_cast<acc_t>(batch);
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t i = idx % m;
-    const acc_t u = (static_cast<acc_t>(losses[idx]) - scale * static_cast<acc_t>(eta[i])) / lam;
+    const acc_t u = (static_cast<acc_t>(losses[idx]) - scale * static_cast<acc_t>(load_value(eta, i))) / lam;
     const acc_t w = omega != nullptr ? omega[idx] : acc_t(1);
     weights[idx] = conj_grad(div, u) * w / count;
   }
 }
+
+bool use_fused(int64_t batch, int64_t m) { return m <= kFusedThreads && batch * m <= kFusedMaxElements; }
 
 DualInputs prepare(const char* op, const at::Tensor& losses, const at::Tensor& eta,
                    const c10::optional<at::Tensor>& sample_weight, int64_t code, double param, double lam) {
@@ -101,15 +201,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_forward_cuda(const at::Tenso
   at::Tensor objective = at::empty({m}, options);
   at::Tensor grad_eta = at::empty({m}, options);
   at::Tensor weights = at::empty({batch, m}, options);
-  const at::Tensor eta64 = eta.to(at::kDouble).contiguous();
+  const ValueRef eta_ref = value_ref(eta);
   const cudaStream_t stream = current_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.losses.scalar_type(), "drmoo_dual_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    dual_column_kernel<scalar_t, acc_t><<<m, kThreads, 0, stream>>>(
-        in.losses.data_ptr<scalar_t>(), in.sample_weight.defined() ? in.sample_weight.data_ptr<acc_t>() : nullptr,
-        batch, m, eta64.data_ptr<double>(), static_cast<acc_t>(lam), static_cast<acc_t>(scale),
-        make_divergence<acc_t>(code, param), grad_eta.data_ptr<acc_t>(), objective.data_ptr<acc_t>(),
-        weights.data_ptr<acc_t>());
+    const scalar_t* losses = in.losses.data_ptr<scalar_t>();
+    const acc_t* omega = in.sample_weight.defined() ? in.sample_weight.data_ptr<acc_t>() : nullptr;
+    const auto div = make_divergence<acc_t>(code, param);
+    if (use_fused(batch, m)) {
+      dual_fused_kernel<scalar_t, acc_t, false><<<1, kFusedThreads, 0, stream>>>(
+          losses, omega, batch, static_cast<int>(m), eta_ref, ValueRef{}, static_cast<acc_t>(lam),
+          static_cast<acc_t>(scale), div, acc_t(0), acc_t(0), acc_t(0), grad_eta.data_ptr<acc_t>(),
+          objective.data_ptr<acc_t>(), nullptr, weights.data_ptr<acc_t>());
+    } else {
+      dual_column_kernel<scalar_t, acc_t><<<m, kThreads, 0, stream>>>(
+          losses, omega, batch, m, eta_ref, static_cast<acc_t>(lam), static_cast<acc_t>(scale), div,
+          grad_eta.data_ptr<acc_t>(), objective.data_ptr<acc_t>(), weights.data_ptr<acc_t>());
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {objective, grad_eta, weights};
@@ -128,33 +236,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_step_cuda(const at::Tensor& 
   at::Tensor z = at::empty({m}, options);
   at::Tensor mu = at::empty({}, options);
   at::Tensor weights = at::empty({batch, m}, options);
-  // eta is updated through a float64 work copy rounded to eta's dtype at each write (see
-  // drmoo_math.h round_to); copied back at the end, on the stream.
-  at::Tensor eta_work = eta.to(at::kDouble).contiguous();
-  const at::Tensor w64 = w.to(at::kDouble).contiguous();
+  // eta is updated in place in its own dtype (each value rounded as drmoo_math.h round_to says).
+  const ValueRef eta_ref = value_ref(eta);
+  const ValueRef w_ref = value_ref(w);
   const cudaStream_t stream = current_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.losses.scalar_type(), "drmoo_dual_step_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto div = make_divergence<acc_t>(code, param);
     const scalar_t* losses = in.losses.data_ptr<scalar_t>();
     const acc_t* omega = in.sample_weight.defined() ? in.sample_weight.data_ptr<acc_t>() : nullptr;
-    double* eta64 = eta_work.data_ptr<double>();
-    dual_column_kernel<scalar_t, acc_t><<<m, kThreads, 0, stream>>>(
-        losses, omega, batch, m, eta64, static_cast<acc_t>(lam), static_cast<acc_t>(scale), div,
-        z.data_ptr<acc_t>(), nullptr, nullptr);
+    if (use_fused(batch, m)) {
+      dual_fused_kernel<scalar_t, acc_t, true><<<1, kFusedThreads, 0, stream>>>(
+          losses, omega, batch, static_cast<int>(m), eta_ref, w_ref, static_cast<acc_t>(lam),
+          static_cast<acc_t>(scale), div, static_cast<acc_t>(gamma), static_cast<acc_t>(f1), static_cast<acc_t>(f2),
+          z.data_ptr<acc_t>(), nullptr, mu.data_ptr<acc_t>(), weights.data_ptr<acc_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+    dual_column_kernel<scalar_t, acc_t><<<m, kThreads, 0, stream>>>(losses, omega, batch, m, eta_ref,
+                                                                     static_cast<acc_t>(lam),
+                                                                     static_cast<acc_t>(scale), div,
+                                                                     z.data_ptr<acc_t>(), nullptr, nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    dual_eta_kernel<acc_t><<<1, 1, 0, stream>>>(z.data_ptr<acc_t>(), w64.data_ptr<double>(), m,
-                                                 static_cast<acc_t>(gamma), static_cast<acc_t>(f1),
-                                                 static_cast<acc_t>(f2), storage_code(eta.scalar_type()), eta64,
+    dual_eta_kernel<acc_t><<<1, 1, 0, stream>>>(z.data_ptr<acc_t>(), w_ref, m, static_cast<acc_t>(gamma),
+                                                 static_cast<acc_t>(f1), static_cast<acc_t>(f2), eta_ref,
                                                  mu.data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int64_t blocks = std::max<int64_t>(1, std::min(ceil_div(batch * m, kThreads), resident_blocks()));
     dual_weights_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(
-        losses, omega, batch, m, eta64, static_cast<acc_t>(lam), static_cast<acc_t>(scale), div,
+        losses, omega, batch, m, eta_ref, static_cast<acc_t>(lam), static_cast<acc_t>(scale), div,
         weights.data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  if (!eta_work.is_same(eta)) eta.copy_(eta_work);
   return {z, mu, weights};
 }
 

@@ -1,11 +1,18 @@
 // CUDA kernels of gram, combine and gram_step over J [m, n].  Everything runs on the current
-// stream and nothing waits for the device:
-//   1. split reduction: each block sums the m(m+1)/2 products over its columns into one float64
-//      partial per pair (register accumulators for m <= 8; a shared-memory tile for larger m);
-//   2. a one-block kernel sums the partials in a fixed order (deterministic), writes the Gram and,
-//      for gram_step, does the m x m work (drmoo_math.h) and leaves lr = gamma*alpha, the
-//      finiteness flag and the incoming w in a small device buffer;
-//   3. the update pass params -= lr * J^T w, which returns without writing when the flag is 0.
+// stream and nothing waits for the device.  gram_step is three launches, whatever the number of
+// parameter tensors (up to kMaxTensorsPerLaunch):
+//   1. split reduction: each block sums the m(m+1)/2 products over its columns and writes one
+//      float64 partial per pair to a workspace ([pairs][blocks]), no atomics:
+//        m <= 8: every thread holds all pairs in registers and streams J with 128-bit loads;
+//        m >  8: each warp owns an R x R register tile of the Gram (R = 8, 4 for float64), the
+//                block stages J's rows in shared memory with cp.async, double-buffered;
+//   2. one block sums the partials in a fixed order (deterministic run to run), writes the Gram
+//      and, for gram_step, runs the m x m step (drmoo_math.h) on it: control = [gamma*alpha,
+//      finite, incoming w], w written back in its own dtype, d_norm and alpha;
+//   3. the update pass params -= lr * J^T w over a table of parameter pointers (one launch for up
+//      to kMaxTensorsPerLaunch tensors), 128-bit loads where J's columns and the parameter are both
+//      16-byte aligned; it returns without writing when the finiteness flag is 0.
+// gram is passes 1-2; combine is pass 3 with lr and w read in their own dtypes.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -20,27 +27,63 @@
 namespace drmoo {
 namespace {
 
-constexpr int kMaxSmallTasks = 8;         // m up to this uses register accumulators
-constexpr int kPairsPerThread = 4;        // tile kernel: pairs owned by one thread per launch
-constexpr int kColumnsPerThread = 4;      // update kernel
-constexpr int kColumnsPerBlock = kThreads * kColumnsPerThread;
-constexpr int kMaxTensorsPerLaunch = 32;  // update kernel: parameters per launch
-constexpr int64_t kTileBytes = 48 * 1024;
+constexpr int kMaxSmallTasks = 8;        // m up to this: register accumulators for every pair
+constexpr int kFinalizeThreads = 512;    // the one-block reduction of the partials
+constexpr int kTileWarps = 8;            // tile kernel: warps (= Gram register tiles) per block
+constexpr int kMaxSlots = 2 * kTileWarps;  // row blocks one tile block can touch
+constexpr int kTileShared = 48 * 1024;   // tile kernel: both stages of the shared J tile
+constexpr int kMaxTensorsPerLaunch = 96;  // update kernel: parameter pointers per launch (4 KB params)
+constexpr int kUpdatePerThread = 8;      // update kernel: elements per thread
+constexpr int kUpdateChunk = kThreads * kUpdatePerThread;  // elements per block
 
-// ----------------------------------------------------------------------------------- 1. partials
-// Register accumulators for m <= M rows (M a compile-time bound: 2, 4 or 8, so that only three
-// variants per dtype are compiled); rows m..M-1 read as zeros and their pairs are not written.
+// ----------------------------------------------------------------------- 1a. partials, m <= 8
+// All M(M+1)/2 pair sums in registers (M a compile-time bound: 2, 3, 4 or 8; rows m..M-1 are
+// neither read nor written).  Columns [head, head + groups*V) are read V at a time with 16-byte
+// loads (V = 16 / sizeof(scalar_t)); the rest (a misaligned head, a tail shorter than V, or all
+// columns when the rows cannot be read 16 bytes at a time) one by one.
 template <int M, typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads)
-    gram_small_kernel(const scalar_t* __restrict__ J, int64_t ld, int64_t m, int64_t n,
+    gram_small_kernel(const scalar_t* __restrict__ J, int64_t ld, int m, int64_t n, int64_t head, int64_t groups,
                       double* __restrict__ partials) {
+  using Vec = Vec16<scalar_t>;
+  constexpr int V = Vec::kSize;
   constexpr int P = M * (M + 1) / 2;
-  __shared__ double warp_sums[kWarps][P];
   acc_t acc[P];
 #pragma unroll
   for (int p = 0; p < P; ++p) acc[p] = acc_t(0);
-  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < n;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+
+  for (int64_t g = first; g < groups; g += stride) {
+    const int64_t c = head + g * V;
+    Vec raw[M];
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+      // Zeros for rows past m: a row left unset made ptxas keep part of raw on the stack.
+      raw[r] = r < m ? *reinterpret_cast<const Vec*>(J + r * ld + c) : Vec{};
+    }
+    acc_t x[M][V];
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) x[r][e] = r < m ? static_cast<acc_t>(raw[r].v[e]) : acc_t(0);
+    }
+    int p = 0;
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+#pragma unroll
+      for (int j = i; j < M; ++j) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[p] += x[i][e] * x[j][e];
+        ++p;
+      }
+    }
+  }
+
+  const int64_t vector_end = head + groups * V;
+  const int64_t scalar_columns = n - groups * V;  // [0, head) and [vector_end, n)
+  for (int64_t s = first; s < scalar_columns; s += stride) {
+    const int64_t c = s < head ? s : vector_end + (s - head);
     acc_t x[M];
 #pragma unroll
     for (int r = 0; r < M; ++r) x[r] = r < m ? static_cast<acc_t>(J[r * ld + c]) : acc_t(0);
@@ -51,202 +94,517 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = i; j < M; ++j) acc[p++] += x[i] * x[j];
     }
   }
+
+  // Block sum per pair (float64), then one partial per (pair, block).
+  __shared__ double warp_sums[kWarps][P];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int p = 0; p < P; ++p) {
     double v = static_cast<double>(acc[p]);
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(kFullMask, v, offset);
     if (lane == 0) warp_sums[warp][p] = v;
   }
   __syncthreads();
-  const int64_t pairs = m * (m + 1) / 2;
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    int64_t i, j;
-    pair_from_index(M, p, &i, &j);
+    int i = 0, q = p;  // (i, j) of pair p in the M-row order
+    while (q >= M - i) {
+      q -= M - i;
+      ++i;
+    }
+    const int j = i + q;
     if (j >= m) continue;
     double s = 0.0;
     for (int w = 0; w < kWarps; ++w) s += warp_sums[w][p];
-    // (i, j) in the pair order of m rows
-    partials[blockIdx.x * pairs + i * m - i * (i - 1) / 2 + (j - i)] = s;
+    partials[index_of_pair(m, i, j) * gridDim.x + blockIdx.x] = s;
   }
 }
 
-// Larger m: the block stages m x tile_cols values in shared memory (read from global memory once)
-// and each thread owns up to kPairsPerThread pairs of [pair_begin, pair_begin + kThreads*kPairsPerThread).
-template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads)
-    gram_tile_kernel(const scalar_t* __restrict__ J, int64_t ld, int64_t m, int64_t n, int tile_cols,
-                     int64_t pair_begin, int64_t pairs_total, double* __restrict__ partials) {
-  extern __shared__ unsigned char tile_raw[];
-  acc_t* tile = reinterpret_cast<acc_t*>(tile_raw);
-  const int stride = tile_cols + 1;  // padding: rows start in different banks
-  int64_t pi[kPairsPerThread], pj[kPairsPerThread];
-  acc_t acc[kPairsPerThread];
-#pragma unroll
-  for (int k = 0; k < kPairsPerThread; ++k) {
-    const int64_t p = pair_begin + threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-    pi[k] = -1;
-    pj[k] = -1;
-    if (p < pairs_total) pair_from_index(m, p, &pi[k], &pj[k]);
-    acc[k] = acc_t(0);
+// ------------------------------------------------------------------------ 1b. partials, m > 8
+// Gram rows are cut into row blocks of R; the pairs of row blocks (bi <= bj) are the tile pairs,
+// numbered row by row.  Block (x, y) owns tile pairs [x*kTileWarps, x*kTileWarps + kTileWarps), one
+// per warp, and the column chunks y, y + gridDim.y, ... of K columns each.  Per chunk it stages
+// the rows of the (at most kMaxSlots) row blocks its tile pairs use in shared memory, row-major
+// [slot*R + r][K], and each lane of a warp accumulates the warp's R x R tile over the columns
+// lane, lane + 32, ...: per column 2R shared loads (R on the diagonal) for R*R FMAs, conflict-free
+// (a warp reads 32 consecutive entries of a row).  Blocks with the same y read the same columns
+// at about the same time, so J comes from DRAM once and from L2 for the other tile groups.
+// kAsync: J's rows are 16-byte aligned, so the next chunk is copied with cp.async while this one
+// is used (two stages); otherwise one stage loaded element by element.
+template <typename scalar_t, typename acc_t, int R, bool kAsync>
+__global__ void __launch_bounds__(kTileWarps * 32, 2)
+    gram_tile_kernel(const scalar_t* __restrict__ J, int64_t ld, int m, int64_t n, int64_t row_blocks,
+                     int64_t tile_pairs, int K, int64_t chunks, int64_t stage_elems, double* __restrict__ partials) {
+  extern __shared__ __align__(16) unsigned char tile_raw[];
+  scalar_t* tiles = reinterpret_cast<scalar_t*>(tile_raw);
+  __shared__ int64_t slot_block[kMaxSlots];
+  __shared__ int warp_slot[kTileWarps][2];
+  __shared__ int slot_count;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+
+  if (threadIdx.x == 0) {
+    int count = 0;
+    for (int w = 0; w < warps; ++w) {
+      const int64_t p = static_cast<int64_t>(blockIdx.x) * kTileWarps + w;
+      warp_slot[w][0] = warp_slot[w][1] = -1;
+      if (p >= tile_pairs) continue;
+      int64_t bi, bj;
+      pair_of_index(row_blocks, p, &bi, &bj);
+      int si = -1, sj = -1;
+      for (int s = 0; s < count; ++s) {
+        if (slot_block[s] == bi) si = s;
+        if (slot_block[s] == bj) sj = s;
+      }
+      if (si < 0) {
+        si = count;
+        slot_block[count++] = bi;
+      }
+      if (sj < 0) {
+        if (bj == bi) {
+          sj = si;
+        } else {
+          sj = count;
+          slot_block[count++] = bj;
+        }
+      }
+      warp_slot[w][0] = si;
+      warp_slot[w][1] = sj;
+    }
+    slot_count = count;
   }
-  for (int64_t base = blockIdx.x * static_cast<int64_t>(tile_cols); base < n;
-       base += static_cast<int64_t>(gridDim.x) * tile_cols) {
-    const int len = static_cast<int>(min(static_cast<int64_t>(tile_cols), n - base));
-    for (int64_t e = threadIdx.x; e < m * tile_cols; e += blockDim.x) {
-      const int64_t r = e / tile_cols;
-      const int c = static_cast<int>(e % tile_cols);
-      tile[r * stride + c] = c < len ? static_cast<acc_t>(J[r * ld + base + c]) : acc_t(0);
+  __syncthreads();
+
+  const int rows = slot_count * R;
+  // Stage the rows of every slot for columns [chunk*K, chunk*K + K): zeros past n and past m.
+  auto load_chunk = [&](int64_t chunk, scalar_t* dst) {
+    const int64_t base = chunk * K;
+    if constexpr (kAsync) {
+      constexpr int V = Vec16<scalar_t>::kSize;
+      const int per_row = K / V;
+      for (int e = threadIdx.x; e < rows * per_row; e += blockDim.x) {
+        const int row = e / per_row, q = e - row * per_row;
+        const int64_t grow = slot_block[row / R] * R + row % R;
+        const int64_t col = base + static_cast<int64_t>(q) * V;
+        int bytes = 0;
+        const scalar_t* src = J;
+        if (grow < m && col < n) {
+          bytes = static_cast<int>(std::min<int64_t>(V, n - col)) * static_cast<int>(sizeof(scalar_t));
+          src = J + grow * ld + col;
+        }
+        copy_async_16(dst + row * K + q * V, src, bytes);
+      }
+      copy_async_commit();
+    } else {
+      for (int e = threadIdx.x; e < rows * K; e += blockDim.x) {
+        const int row = e / K, c = e - row * K;
+        const int64_t grow = slot_block[row / R] * R + row % R;
+        const int64_t col = base + c;
+        dst[row * K + c] = (grow < m && col < n) ? J[grow * ld + col] : static_cast<scalar_t>(0.0f);
+      }
+    }
+  };
+
+  const int si = warp_slot[warp][0], sj = warp_slot[warp][1];
+  acc_t acc[R][R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int s = 0; s < R; ++s) acc[r][s] = acc_t(0);
+  }
+
+  int64_t chunk = blockIdx.y;
+  int stage = 0;
+  if constexpr (kAsync) {
+    if (chunk < chunks) load_chunk(chunk, tiles);
+  }
+  for (; chunk < chunks; chunk += gridDim.y) {
+    if constexpr (kAsync) {
+      const int64_t next = chunk + gridDim.y;
+      if (next < chunks) {
+        load_chunk(next, tiles + (stage ^ 1) * stage_elems);
+      } else {
+        copy_async_commit();  // an empty group keeps "all but the newest group" meaning this chunk
+      }
+      copy_async_wait<1>();
+    } else {
+      load_chunk(chunk, tiles);
     }
     __syncthreads();
+    if (si >= 0) {
+      const scalar_t* a_rows = tiles + stage * stage_elems + si * R * K;
+      const scalar_t* b_rows = tiles + stage * stage_elems + sj * R * K;
+      if (si == sj) {  // a diagonal tile: the pairs r <= s only (warp-uniform branch)
+#pragma unroll 2
+        for (int c = lane; c < K; c += 32) {
+          acc_t a[R];
 #pragma unroll
-    for (int k = 0; k < kPairsPerThread; ++k) {
-      if (pi[k] < 0) continue;
-      const acc_t* a = tile + pi[k] * stride;
-      const acc_t* b = tile + pj[k] * stride;
-      acc_t s = acc_t(0);
-      for (int c = 0; c < len; ++c) s += a[c] * b[c];
-      acc[k] += s;
+          for (int r = 0; r < R; ++r) a[r] = static_cast<acc_t>(a_rows[r * K + c]);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int s = r; s < R; ++s) acc[r][s] += a[r] * a[s];
+          }
+        }
+      } else {
+#pragma unroll 2
+        for (int c = lane; c < K; c += 32) {
+          acc_t a[R], b[R];
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            a[r] = static_cast<acc_t>(a_rows[r * K + c]);
+            b[r] = static_cast<acc_t>(b_rows[r * K + c]);
+          }
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int s = 0; s < R; ++s) acc[r][s] += a[r] * b[s];
+          }
+        }
+      }
     }
-    __syncthreads();
+    __syncthreads();  // the stage read above is the one the next iteration's copy overwrites
+    stage ^= kAsync ? 1 : 0;
   }
+
+  if (si < 0) return;
+  const int64_t bi = slot_block[si], bj = slot_block[sj];
 #pragma unroll
-  for (int k = 0; k < kPairsPerThread; ++k) {
-    const int64_t p = pair_begin + threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-    if (p < pairs_total) partials[blockIdx.x * pairs_total + p] = static_cast<double>(acc[k]);
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int s = 0; s < R; ++s) {
+      if (bi == bj && s < r) continue;  // below the diagonal of a diagonal tile: not accumulated
+      double v = static_cast<double>(acc[r][s]);
+      for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(kFullMask, v, offset);
+      const int64_t i = bi * R + r, j = bj * R + s;
+      if (lane == 0 && i < m && j < m) partials[index_of_pair(m, i, j) * gridDim.y + blockIdx.y] = v;
+    }
   }
 }
+
+// Launches pass 1 into `partials` ([pairs][blocks] float64, `blocks` from plan_partials).
+struct PartialsPlan {
+  int64_t blocks = 1;  // partials per pair
+  // m <= 8
+  int64_t head = 0, groups = 0;
+  // m > 8
+  int R = 8, K = 128;
+  int64_t row_blocks = 0, tile_pairs = 0, chunks = 0, stage_elems = 0;
+  dim3 grid, block;
+  size_t shared = 0;
+  bool async = false;
+};
 
 template <int M, typename scalar_t, typename acc_t>
-void launch_small(const scalar_t* J, int64_t ld, int64_t m, int64_t n, int64_t blocks, double* partials,
-                  cudaStream_t stream) {
-  gram_small_kernel<M, scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(J, ld, m, n, partials);
+void plan_small(PartialsPlan* plan, const scalar_t* data, int64_t m, int64_t ld, int64_t n) {
+  constexpr int V = Vec16<scalar_t>::kSize;
+  // 16-byte loads need every row start aligned, so the row stride must be a multiple of V (or
+  // there is one row); the first `head` columns are read one by one up to a 16-byte boundary.
+  if (m == 1 || ld % V == 0) {
+    const int64_t misalignment = static_cast<int64_t>(reinterpret_cast<uintptr_t>(data) % 16);
+    plan->head = misalignment == 0 ? 0 : std::min<int64_t>(n, (16 - misalignment) / sizeof(scalar_t));
+    plan->groups = (n - plan->head) / V;
+  }
+  const int per_sm = blocks_per_sm(reinterpret_cast<const void*>(&gram_small_kernel<M, scalar_t, acc_t>), kThreads, 0);
+  const int64_t items = plan->groups + (n - plan->groups * V);
+  plan->blocks = std::max<int64_t>(1, std::min(ceil_div(items, kThreads), static_cast<int64_t>(per_sm) * sm_count()));
+}
+
+template <typename scalar_t, typename acc_t, int R, bool kAsync>
+const void* tile_kernel() {
+  return reinterpret_cast<const void*>(&gram_tile_kernel<scalar_t, acc_t, R, kAsync>);
+}
+
+template <typename scalar_t>
+PartialsPlan plan_partials(const at::Tensor& J) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t m = J.size(0), n = J.size(1), ld = J.stride(0);
+  const scalar_t* data = J.data_ptr<scalar_t>();
+  PartialsPlan plan;
+  if (m <= kMaxSmallTasks) {
+    if (m <= 2) {
+      plan_small<2, scalar_t, acc_t>(&plan, data, m, ld, n);
+    } else if (m == 3) {
+      plan_small<3, scalar_t, acc_t>(&plan, data, m, ld, n);
+    } else if (m == 4) {
+      plan_small<4, scalar_t, acc_t>(&plan, data, m, ld, n);
+    } else {
+      plan_small<8, scalar_t, acc_t>(&plan, data, m, ld, n);
+    }
+    return plan;
+  }
+  constexpr int R = sizeof(acc_t) == 8 ? 4 : 8;
+  plan.R = R;
+  plan.row_blocks = ceil_div(m, R);
+  plan.tile_pairs = plan.row_blocks * (plan.row_blocks + 1) / 2;
+  const int64_t tile_groups = ceil_div(plan.tile_pairs, kTileWarps);
+  const int warps = static_cast<int>(std::min<int64_t>(kTileWarps, plan.tile_pairs));
+  const int64_t slots = std::min<int64_t>(std::min<int64_t>(kMaxSlots, 2 * warps), plan.row_blocks);
+  plan.async = aligned16(data) && (ld * static_cast<int64_t>(sizeof(scalar_t))) % 16 == 0;
+  const int stages = plan.async ? 2 : 1;
+  plan.K = 128;
+  while (plan.K > 32 && stages * slots * R * plan.K * static_cast<int64_t>(sizeof(scalar_t)) > kTileShared) {
+    plan.K /= 2;
+  }
+  plan.stage_elems = slots * R * plan.K;
+  plan.shared = static_cast<size_t>(stages * plan.stage_elems) * sizeof(scalar_t);
+  plan.chunks = ceil_div(n, plan.K);
+  plan.block = dim3(static_cast<unsigned>(32 * warps));
+  const void* kernel = plan.async ? tile_kernel<scalar_t, acc_t, R, true>() : tile_kernel<scalar_t, acc_t, R, false>();
+  const int64_t resident = static_cast<int64_t>(blocks_per_sm(kernel, 32 * warps, plan.shared)) * sm_count();
+  TORCH_CHECK(tile_groups < (int64_t{1} << 31), "drmoo.gram: too many tasks for the CUDA kernel (m = ", m, ")");
+  plan.blocks = std::max<int64_t>(1, std::min<int64_t>({plan.chunks, std::max<int64_t>(1, resident / tile_groups),
+                                                        int64_t{65535}}));
+  plan.grid = dim3(static_cast<unsigned>(tile_groups), static_cast<unsigned>(plan.blocks));
+  return plan;
+}
+
+template <typename scalar_t>
+void launch_partials(const PartialsPlan& plan, const at::Tensor& J, double* partials, cudaStream_t stream) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int m = static_cast<int>(J.size(0));
+  const int64_t n = J.size(1), ld = J.stride(0);
+  const scalar_t* data = J.data_ptr<scalar_t>();
+  if (m <= kMaxSmallTasks) {
+    const auto blocks = static_cast<unsigned>(plan.blocks);
+    if (m <= 2) {
+      gram_small_kernel<2, scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(data, ld, m, n, plan.head, plan.groups,
+                                                                             partials);
+    } else if (m == 3) {
+      gram_small_kernel<3, scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(data, ld, m, n, plan.head, plan.groups,
+                                                                             partials);
+    } else if (m == 4) {
+      gram_small_kernel<4, scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(data, ld, m, n, plan.head, plan.groups,
+                                                                             partials);
+    } else {
+      gram_small_kernel<8, scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(data, ld, m, n, plan.head, plan.groups,
+                                                                             partials);
+    }
+  } else {
+    constexpr int R = sizeof(acc_t) == 8 ? 4 : 8;
+    auto kernel = plan.async ? &gram_tile_kernel<scalar_t, acc_t, R, true> : &gram_tile_kernel<scalar_t, acc_t, R, false>;
+    kernel<<<plan.grid, plan.block, plan.shared, stream>>>(data, ld, m, n, plan.row_blocks, plan.tile_pairs, plan.K,
+                                                           plan.chunks, plan.stage_elems, partials);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Per-block partial sums [blocks, m(m+1)/2] (float64) of J's pair products.
-template <typename scalar_t>
-at::Tensor gram_partials(const at::Tensor& J, cudaStream_t stream) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const int64_t m = J.size(0), n = J.size(1), ld = J.stride(0);
-  const int64_t pairs = m * (m + 1) / 2;
-  const scalar_t* data = J.data_ptr<scalar_t>();
-  if (m <= kMaxSmallTasks) {
-    const int64_t blocks = std::max<int64_t>(1, std::min(ceil_div(n, kThreads * 4), resident_blocks()));
-    at::Tensor partials = at::empty({blocks, pairs}, J.options().dtype(at::kDouble));
-    double* out = partials.data_ptr<double>();
-    if (m <= 2) {
-      launch_small<2, scalar_t, acc_t>(data, ld, m, n, blocks, out, stream);
-    } else if (m <= 4) {
-      launch_small<4, scalar_t, acc_t>(data, ld, m, n, blocks, out, stream);
-    } else {
-      launch_small<8, scalar_t, acc_t>(data, ld, m, n, blocks, out, stream);
-    }
-    return partials;
-  }
-  int tile_cols = 64;
-  while (tile_cols > 1 && m * (tile_cols + 1) * static_cast<int64_t>(sizeof(acc_t)) > kTileBytes) tile_cols /= 2;
-  TORCH_CHECK(m * (tile_cols + 1) * static_cast<int64_t>(sizeof(acc_t)) <= kTileBytes,
-              "drmoo: the CUDA gram supports up to ", kTileBytes / (2 * sizeof(acc_t)), " tasks, got m = ", m);
-  const int64_t blocks = std::max<int64_t>(1, std::min(ceil_div(n, tile_cols), resident_blocks()));
-  at::Tensor partials = at::empty({blocks, pairs}, J.options().dtype(at::kDouble));
-  const size_t smem = static_cast<size_t>(m * (tile_cols + 1)) * sizeof(acc_t);
-  for (int64_t begin = 0; begin < pairs; begin += static_cast<int64_t>(kThreads) * kPairsPerThread) {
-    gram_tile_kernel<scalar_t, acc_t><<<blocks, kThreads, smem, stream>>>(data, ld, m, n, tile_cols, begin, pairs,
-                                                                           partials.data_ptr<double>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  return partials;
-}
-
 // ------------------------------------------------------------------------------------ 2. finalize
-// Sums the partials into the Gram (rounded to acc_t).  With `w` given (gram_step) thread 0 then
-// runs the m x m step: control = [gamma*alpha, finite, incoming w (m values)], w updated in place
-// (float64 work copy), d_norm / alpha written as float32.
+constexpr int kSharedGramTasks = 64;  // m up to this: the m x m step works in shared memory (34 KB)
+
+// The arguments of the m x m step (absent for gram).
+struct StepArgs {
+  bool enabled;
+  ValueRef w, z, mu;  // w is read, then written back in its own dtype when the Gram is finite
+  double gamma, c1, c2, beta, rho;
+  double* control;  // [gamma*alpha, finite, incoming w (m values)], read by the update pass
+  double* work;     // 4m doubles for m > kSharedGramTasks: w work copy, z, G w, projection scratch
+  float* d_norm;
+  float* alpha;
+};
+
+// Sums the partials into the Gram (rounded to acc_t): warp w takes pairs w, w + warps, ...; its
+// lanes add every 32nd block in order and a fixed butterfly adds the lanes, so the result does
+// not depend on timing.  Then the m x m step, the operations of gram_step_small (drmoo_math.h) in
+// the same order: the finiteness check and G w spread over the threads (each row of G w summed in
+// column order by one thread), the O(m) rest and the simplex projection on thread 0.  For m up to
+// kSharedGramTasks the Gram and the vectors live in shared memory, so thread 0's serial part does
+// not wait on global-memory latency at every step.
 template <typename acc_t>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kFinalizeThreads)
     gram_finalize_kernel(const double* __restrict__ partials, int64_t blocks, int64_t m, acc_t* __restrict__ gram,
-                         double* __restrict__ w, const double* __restrict__ z, const double* __restrict__ mu,
-                         double gamma, double c1, double c2, double beta, double rho, double* __restrict__ scratch,
-                         double* __restrict__ control, float* __restrict__ d_norm_out,
-                         float* __restrict__ alpha_out) {
+                         StepArgs step) {
+  __shared__ double gram_shared[kSharedGramTasks * kSharedGramTasks];
+  __shared__ double vectors_shared[4 * kSharedGramTasks];
+  const bool in_shared = step.enabled && m <= kSharedGramTasks;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int64_t pairs = m * (m + 1) / 2;
-  for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) {
+  for (int64_t p = warp; p < pairs; p += warps) {
+    const double* row = partials + p * blocks;
     double s = 0.0;
-    for (int64_t b = 0; b < blocks; ++b) s += partials[b * pairs + p];
-    int64_t i, j;
-    pair_from_index(m, p, &i, &j);
-    const acc_t value = static_cast<acc_t>(s);
-    gram[i * m + j] = value;
-    gram[j * m + i] = value;
+#pragma unroll 4
+    for (int64_t b = lane; b < blocks; b += 32) s += row[b];
+    s = warp_sum(s);
+    if (lane == 0) {
+      int64_t i, j;
+      pair_of_index(m, p, &i, &j);
+      const acc_t value = static_cast<acc_t>(s);
+      gram[i * m + j] = value;
+      gram[j * m + i] = value;
+      if (in_shared) {
+        gram_shared[i * m + j] = static_cast<double>(value);
+        gram_shared[j * m + i] = static_cast<double>(value);
+      }
+    }
   }
-  if (w == nullptr) return;
-  __syncthreads();  // the Gram written above is visible to thread 0
+  if (!step.enabled) return;
+  // G as the step sees it: the Gram's stored (acc_t) values, as float64.
+  auto gram_at = [&](int64_t e) { return in_shared ? gram_shared[e] : static_cast<double>(gram[e]); };
+  double* vectors = in_shared ? vectors_shared : step.work;
+  double* w_work = vectors;
+  double* z = vectors + m;
+  double* gram_w = vectors + 2 * m;
+  double* scratch = vectors + 3 * m;
+  for (int64_t i = threadIdx.x; i < m; i += blockDim.x) {
+    const double w_i = load_value(step.w, i);
+    step.control[2 + i] = w_i;  // the incoming w, for the update pass
+    w_work[i] = w_i;
+    z[i] = load_value(step.z, i);
+  }
+  __syncthreads();  // the Gram (global and shared) and the vectors above are visible to every thread
+  bool not_finite = false;
+  for (int64_t e = threadIdx.x; e < m * m; e += blockDim.x) not_finite |= !d_isfinite(gram_at(e));
+  const bool finite = __syncthreads_or(not_finite) == 0;
+  if (finite) {
+    for (int64_t i = threadIdx.x; i < m; i += blockDim.x) {
+      double s = 0.0;
+      for (int64_t j = 0; j < m; ++j) s += gram_at(i * m + j) * w_work[j];
+      gram_w[i] = s;
+    }
+  }
+  __syncthreads();
   if (threadIdx.x != 0) return;
-  for (int64_t i = 0; i < m; ++i) control[2 + i] = w[i];
-  auto gram_at = [gram, m](int64_t i, int64_t j) { return static_cast<double>(gram[i * m + j]); };
-  const GramStepResult r = gram_step_small(m, gram_at, w, z, *mu, c1, c2, beta, rho, scratch);
-  control[0] = gamma * r.alpha;
-  control[1] = r.finite ? 1.0 : 0.0;
-  *d_norm_out = static_cast<float>(r.d_norm);
-  *alpha_out = static_cast<float>(r.alpha);
+  double d_norm = NAN, alpha = 0.0;
+  if (finite) {
+    double quad = 0.0;
+    for (int64_t i = 0; i < m; ++i) quad += w_work[i] * gram_w[i];
+    d_norm = d_sqrt(quad > 0.0 ? quad : 0.0);
+    alpha = clip_factor(step.c1, step.c2, d_norm);
+    const double mu = load_value(step.mu, 0);
+    for (int64_t i = 0; i < m; ++i) {
+      const double pref_grad = alpha * gram_w[i] + mu * (z[i] * z[i]) * w_work[i] + step.rho * w_work[i];
+      w_work[i] = w_work[i] - step.beta * pref_grad;
+    }
+    project_simplex_inplace(m, w_work, scratch);
+  }
+  step.control[0] = step.gamma * alpha;
+  step.control[1] = finite ? 1.0 : 0.0;
+  *step.d_norm = static_cast<float>(d_norm);
+  *step.alpha = static_cast<float>(alpha);
+  if (finite) {
+    for (int64_t i = 0; i < m; ++i) store_value(step.w, i, w_work[i]);
+  }
 }
 
 // -------------------------------------------------------------------------------------- 3. update
+// Up to kMaxTensorsPerLaunch parameters; parameter k holds J's columns [col0[k], col0[k] + numel[k])
+// and blocks [chunk_end[k-1], chunk_end[k]) (kUpdateChunk elements per block).  Passed as a
+// __grid_constant__ kernel argument (no copy to local memory when indexed at run time).
 template <typename scalar_t>
-struct ParamBatch {
+struct ParamTable {
   scalar_t* ptr[kMaxTensorsPerLaunch];
-  int64_t col0[kMaxTensorsPerLaunch];       // first column of J belonging to the parameter
+  int64_t col0[kMaxTensorsPerLaunch];
   int64_t numel[kMaxTensorsPerLaunch];
-  int64_t block_end[kMaxTensorsPerLaunch];  // cumulative block counts
+  int64_t chunk_end[kMaxTensorsPerLaunch];
   int count;
 };
 
-// params -= lr * J^T w over up to kMaxTensorsPerLaunch parameters, kColumnsPerBlock columns per
-// block.  control = [lr, flag]; flag 0 (non-finite Gram) means no write at all.
+struct UpdateArgs {
+  ValueRef lr;           // one value
+  ValueRef w;            // m values
+  const double* finite;  // nullptr: always write; else write only when *finite != 0
+};
+
+// params -= lr * J^T w.  Blocks run from the last chunk to the first: pass 1 read J's last
+// columns last, so some of them are still in L2 when this pass starts.
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads)
-    update_kernel(const scalar_t* __restrict__ J, int64_t ld, int64_t m, const double* __restrict__ control,
-                  const double* __restrict__ w, ParamBatch<scalar_t> batch) {
-  if (control[1] == 0.0) return;  // uniform over the grid
-  extern __shared__ unsigned char w_raw[];
+    update_kernel(const scalar_t* __restrict__ J, int64_t ld, int m, UpdateArgs args,
+                  const __grid_constant__ ParamTable<scalar_t> table) {
+  if (args.finite != nullptr && *args.finite == 0.0) return;  // uniform over the grid
+  extern __shared__ __align__(16) unsigned char w_raw[];
   acc_t* w_shared = reinterpret_cast<acc_t*>(w_raw);
-  for (int64_t i = threadIdx.x; i < m; i += blockDim.x) w_shared[i] = static_cast<acc_t>(w[i]);
+  for (int i = threadIdx.x; i < m; i += blockDim.x) w_shared[i] = static_cast<acc_t>(load_value(args.w, i));
+  const acc_t lr = static_cast<acc_t>(load_value(args.lr, 0));
   __syncthreads();
-  const acc_t lr = static_cast<acc_t>(control[0]);
-  int t = 0;
-  while (blockIdx.x >= batch.block_end[t]) ++t;
-  const int64_t first_block = t == 0 ? 0 : batch.block_end[t - 1];
-  const int64_t base = (blockIdx.x - first_block) * kColumnsPerBlock;
-  const int64_t count = batch.numel[t];
-  const scalar_t* cols = J + batch.col0[t];
-  scalar_t* out = batch.ptr[t];
+
+  const int64_t chunk = static_cast<int64_t>(gridDim.x) - 1 - blockIdx.x;
+  int lo = 0, hi = table.count - 1;  // the parameter holding this chunk: first k with chunk < chunk_end[k]
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (chunk < table.chunk_end[mid]) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  const int k = lo;
+  const int64_t begin = (chunk - (k == 0 ? 0 : table.chunk_end[k - 1])) * kUpdateChunk;
+  const int64_t count = std::min<int64_t>(kUpdateChunk, table.numel[k] - begin);
+  const scalar_t* cols = J + table.col0[k] + begin;
+  scalar_t* out = table.ptr[k] + begin;
+
+  using Vec = Vec16<scalar_t>;
+  constexpr int V = Vec::kSize;
+  constexpr int U = kUpdatePerThread / V;  // vectors per thread
+  static_assert(U * V == kUpdatePerThread, "the update chunk must be whole 16-byte vectors per thread");
+  const bool vectorized = count == kUpdateChunk && aligned16(cols) && aligned16(out) &&
+                          (ld * static_cast<int64_t>(sizeof(scalar_t))) % 16 == 0;
+  if (vectorized) {  // uniform over the block
+    acc_t d[U][V];
 #pragma unroll
-  for (int k = 0; k < kColumnsPerThread; ++k) {
-    const int64_t c = base + k * blockDim.x + threadIdx.x;
-    if (c >= count) break;
-    acc_t d = w_shared[0] * static_cast<acc_t>(cols[c]);
-    for (int64_t i = 1; i < m; ++i) d += w_shared[i] * static_cast<acc_t>(cols[i * ld + c]);
-    out[c] = static_cast<scalar_t>(static_cast<acc_t>(out[c]) - lr * d);
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) d[u][e] = acc_t(0);
+    }
+    for (int i = 0; i < m; ++i) {
+      const acc_t w_i = w_shared[i];
+      const Vec* row = reinterpret_cast<const Vec*>(cols + i * ld);
+      Vec x[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) x[u] = row[threadIdx.x + u * kThreads];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) d[u][e] += w_i * static_cast<acc_t>(x[u].v[e]);
+      }
+    }
+    Vec* dst = reinterpret_cast<Vec*>(out);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      Vec p = dst[threadIdx.x + u * kThreads];
+#pragma unroll
+      for (int e = 0; e < V; ++e) p.v[e] = static_cast<scalar_t>(static_cast<acc_t>(p.v[e]) - lr * d[u][e]);
+      dst[threadIdx.x + u * kThreads] = p;
+    }
+  } else {  // element by element, still coalesced: thread t takes t, t + kThreads, ...
+    acc_t d[kUpdatePerThread];
+#pragma unroll
+    for (int u = 0; u < kUpdatePerThread; ++u) d[u] = acc_t(0);
+    for (int i = 0; i < m; ++i) {
+      const acc_t w_i = w_shared[i];
+      const scalar_t* row = cols + i * ld;
+#pragma unroll
+      for (int u = 0; u < kUpdatePerThread; ++u) {
+        const int e = threadIdx.x + u * kThreads;
+        if (e < count) d[u] += w_i * static_cast<acc_t>(row[e]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUpdatePerThread; ++u) {
+      const int e = threadIdx.x + u * kThreads;
+      if (e < count) out[e] = static_cast<scalar_t>(static_cast<acc_t>(out[e]) - lr * d[u]);
+    }
   }
 }
 
 template <typename scalar_t>
-void launch_update(const at::Tensor& J, at::TensorList params, const double* control, const double* w,
-                   cudaStream_t stream) {
+void launch_update(const at::Tensor& J, at::TensorList params, const UpdateArgs& args, cudaStream_t stream) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t m = J.size(0), ld = J.stride(0);
-  const size_t smem = static_cast<size_t>(m) * sizeof(acc_t);
+  const size_t shared = static_cast<size_t>(m) * sizeof(acc_t);
+  TORCH_CHECK(shared <= 48 * 1024, "drmoo: the CUDA update supports up to ", 48 * 1024 / sizeof(acc_t),
+              " tasks, got m = ", m);
+  const scalar_t* data = J.data_ptr<scalar_t>();
   std::vector<at::Tensor> staged;  // contiguous copies of non-contiguous parameters, written back
-  ParamBatch<scalar_t> batch{};
-  int64_t blocks = 0, offset = 0;
+  ParamTable<scalar_t> table{};
+  int64_t chunks = 0, offset = 0;
   auto flush = [&] {
-    if (batch.count == 0) return;
-    update_kernel<scalar_t, acc_t><<<blocks, kThreads, smem, stream>>>(J.data_ptr<scalar_t>(), ld, m, control, w,
-                                                                        batch);
+    if (table.count == 0) return;
+    TORCH_CHECK(chunks < (int64_t{1} << 31), "drmoo: too many parameter elements for one CUDA launch");
+    update_kernel<scalar_t, acc_t><<<static_cast<unsigned>(chunks), kThreads, shared, stream>>>(
+        data, ld, static_cast<int>(m), args, table);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    batch = ParamBatch<scalar_t>{};
-    blocks = 0;
+    table = ParamTable<scalar_t>{};
+    chunks = 0;
   };
   for (const at::Tensor& param : params) {
     const int64_t count = param.numel();
@@ -256,14 +614,14 @@ void launch_update(const at::Tensor& J, at::TensorList params, const double* con
       target = param.contiguous();
       staged.push_back(target);
     }
-    const int k = batch.count++;
-    batch.ptr[k] = target.data_ptr<scalar_t>();
-    batch.col0[k] = offset;
-    batch.numel[k] = count;
-    blocks += ceil_div(count, kColumnsPerBlock);
-    batch.block_end[k] = blocks;
+    const int k = table.count++;
+    table.ptr[k] = target.data_ptr<scalar_t>();
+    table.col0[k] = offset;
+    table.numel[k] = count;
+    chunks += ceil_div(count, kUpdateChunk);
+    table.chunk_end[k] = chunks;
     offset += count;
-    if (batch.count == kMaxTensorsPerLaunch) flush();
+    if (table.count == kMaxTensorsPerLaunch) flush();
   }
   flush();
   // Write the staged copies back (unchanged values when the guard skipped the update).
@@ -283,10 +641,13 @@ at::Tensor gram_cuda(const at::Tensor& J_in) {
   const cudaStream_t stream = current_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, J.scalar_type(), "drmoo_gram_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const at::Tensor partials = gram_partials<scalar_t>(J, stream);
-    gram_finalize_kernel<acc_t><<<1, kThreads, 0, stream>>>(partials.data_ptr<double>(), partials.size(0), m,
-                                                             out.data_ptr<acc_t>(), nullptr, nullptr, nullptr, 0.0,
-                                                             0.0, 0.0, 0.0, 0.0, nullptr, nullptr, nullptr, nullptr);
+    const PartialsPlan plan = plan_partials<scalar_t>(J);
+    const at::Tensor partials = at::empty({plan.blocks * m * (m + 1) / 2}, J.options().dtype(at::kDouble));
+    launch_partials<scalar_t>(plan, J, partials.data_ptr<double>(), stream);
+    StepArgs none{};
+    none.enabled = false;
+    gram_finalize_kernel<acc_t><<<1, kFinalizeThreads, 0, stream>>>(partials.data_ptr<double>(), plan.blocks, m,
+                                                                     out.data_ptr<acc_t>(), none);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
@@ -299,13 +660,11 @@ void combine_cuda(const at::Tensor& J_in, const at::Tensor& w, at::TensorList pa
   check_vector("combine", "w", w, J.size(0), J);
   check_params("combine", J, params);
   TORCH_CHECK_VALUE(lr.numel() == 1, "drmoo.combine: lr must hold one value, got shape ", shape_str(lr));
-  // control = [lr, 1]: always write.  Built with device copies, no host round trip.
-  at::Tensor control = at::ones({2}, J.options().dtype(at::kDouble));
-  control.narrow(0, 0, 1).copy_(lr.reshape({1}));
-  const at::Tensor w64 = w.to(at::kDouble).contiguous();
+  at::Tensor lr_keep;
+  UpdateArgs args{scalar_ref(lr, J.device(), &lr_keep), value_ref(w), nullptr};
   const cudaStream_t stream = current_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, J.scalar_type(), "drmoo_combine_cuda", [&] {
-    launch_update<scalar_t>(J, params, control.data_ptr<double>(), w64.data_ptr<double>(), stream);
+    launch_update<scalar_t>(J, params, args, stream);
   });
 }
 
@@ -321,29 +680,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gram_step_cuda(const at::Tensor& 
   check_vector("gram_step", "z", z, m, J);
   check_params("gram_step", J, params);
   TORCH_CHECK_VALUE(mu.numel() == 1, "drmoo.gram_step: mu must hold one value, got shape ", shape_str(mu));
-  const auto f64 = J.options().dtype(at::kDouble);
   at::Tensor gram = at::empty({m, m}, J.options().dtype(acc_dtype(J.scalar_type())));
   at::Tensor d_norm = at::empty({}, J.options().dtype(at::kFloat));
   at::Tensor alpha = at::empty({}, J.options().dtype(at::kFloat));
-  at::Tensor w_work = w.to(at::kDouble).contiguous();
-  const at::Tensor z64 = z.to(at::kDouble).contiguous();
-  const at::Tensor mu64 = mu.to(J.device(), at::kDouble).reshape({1});
-  at::Tensor control = at::empty({2 + m}, f64);
-  at::Tensor scratch = at::empty({2 * m}, f64);
+  at::Tensor mu_keep;
+  StepArgs step{};
+  step.enabled = true;
+  step.w = value_ref(w);
+  step.z = value_ref(z);
+  step.mu = scalar_ref(mu, J.device(), &mu_keep);
+  step.gamma = gamma;
+  step.c1 = c1;
+  step.c2 = c2;
+  step.beta = beta;
+  step.rho = rho;
+  step.d_norm = d_norm.data_ptr<float>();
+  step.alpha = alpha.data_ptr<float>();
   const cudaStream_t stream = current_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, J.scalar_type(), "drmoo_gram_step_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const at::Tensor partials = gram_partials<scalar_t>(J, stream);
-    gram_finalize_kernel<acc_t><<<1, kThreads, 0, stream>>>(
-        partials.data_ptr<double>(), partials.size(0), m, gram.data_ptr<acc_t>(), w_work.data_ptr<double>(),
-        z64.data_ptr<double>(), mu64.data_ptr<double>(), gamma, c1, c2, beta, rho, scratch.data_ptr<double>(),
-        control.data_ptr<double>(), d_norm.data_ptr<float>(), alpha.data_ptr<float>());
+    const PartialsPlan plan = plan_partials<scalar_t>(J);
+    const int64_t partial_count = plan.blocks * m * (m + 1) / 2;
+    // One float64 workspace: partials, control (2 + m), the m x m step's work (4m).
+    const at::Tensor workspace = at::empty({partial_count + 2 + 5 * m}, J.options().dtype(at::kDouble));
+    double* partials = workspace.data_ptr<double>();
+    step.control = partials + partial_count;
+    step.work = step.control + 2 + m;
+    launch_partials<scalar_t>(plan, J, partials, stream);
+    gram_finalize_kernel<acc_t><<<1, kFinalizeThreads, 0, stream>>>(partials, plan.blocks, m, gram.data_ptr<acc_t>(),
+                                                                     step);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    // The update reads the incoming w that the finalize kernel saved in control[2:].
-    launch_update<scalar_t>(J, params, control.data_ptr<double>(), control.data_ptr<double>() + 2, stream);
+    // The update reads lr = gamma*alpha, the flag and the incoming w from control.
+    const UpdateArgs args{ValueRef{step.control, kStoreDouble, 0}, ValueRef{step.control + 2, kStoreDouble, 1},
+                          step.control + 1};
+    launch_update<scalar_t>(J, params, args, stream);
   });
-  // w_work holds w's own values when the Gram was not finite, so this copy changes nothing then.
-  if (!w_work.is_same(w)) w.copy_(w_work);
   return {gram, d_norm, alpha};
 }
 
