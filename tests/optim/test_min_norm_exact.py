@@ -311,3 +311,27 @@ def test_early_exit_returns_exactly_the_fixed_count_answer(m: int, n: int) -> No
     K = G @ G.T
     start = torch.full((m,), 1.0 / m, dtype=torch.float64)
     assert torch.equal(min_norm_weights(K, start, early_exit=True), min_norm_weights(K, start))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("m", [2, 3, 10, 11, 40])
+def test_on_cuda_without_a_sync_and_as_on_the_cpu(m: int) -> None:
+    """On the GPU: no device-to-host synchronisation (torch's sync debug mode raises on one), and
+    the same minimizer as on the CPU (another LAPACK, so up to rounding, not bit for bit)."""
+    gen = torch.Generator().manual_seed(m)
+    scales = 10 ** torch.empty(m, 1, dtype=torch.float64).uniform_(-4, 4, generator=gen)
+    G = torch.randn(m, 2 * m + 3, generator=gen, dtype=torch.float64) * scales
+    K = G @ G.T
+    start = torch.full((m,), 1.0 / m, dtype=torch.float64)
+    expected = min_norm_weights(K, start)
+    K_cuda, start_cuda = K.cuda(), start.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        w = min_norm_weights(K_cuda, start_cuda, max_iter=200)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    w = w.cpu()
+    value, best = float(w @ K @ w), float(expected @ K @ expected)
+    assert abs(value - best) <= 1e-10 * best
+    assert float((w - expected).abs().max()) <= 1e-8
