@@ -26,12 +26,13 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from types import ModuleType
 
-import numpy
 import torch
 from torch import Tensor
 
@@ -89,26 +90,44 @@ def availability() -> str | None:
             "there is no CUDA device, and TRITON_INTERPRET=1 came too late: triton was already imported in "
             "compiled mode (the variable must be set before the first 'import triton')"
         )
+    if interpreted:
+        from ..triton_kernels import interpreter_problem
+
+        return interpreter_problem()
     return None
 
 
-def _kernels(device: torch.device) -> ModuleType:
-    from ..triton_kernels import load_kernels, triton_interpreted
+_KERNELS_FOR: dict[str, ModuleType] = {}  # device type -> the kernel module, once its checks passed
+_MODE: list[bool] = []  # [interpreted], fixed for the process once triton is imported
 
-    if device.type == "cpu" and not triton_interpreted():
+
+def _kernels(device: torch.device) -> ModuleType:
+    module = _KERNELS_FOR.get(device.type)
+    if module is not None:
+        return module
+    from ..triton_kernels import interpreter_problem, load_kernels
+
+    if device.type == "cpu" and not _interpreted():
         raise RuntimeError(
             "the triton backend got CPU tensors, but triton runs in compiled (GPU) mode in this process; "
             "CPU tensors need TRITON_INTERPRET=1 set before triton is first imported"
         )
     if device.type not in ("cpu", "cuda"):
         raise RuntimeError(f"the triton backend runs on CUDA tensors (or CPU tensors, interpreted), not {device}")
-    return load_kernels()
+    if device.type == "cpu":
+        problem = interpreter_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
+    module = _KERNELS_FOR[device.type] = load_kernels()
+    return module
 
 
 def _interpreted() -> bool:
-    from ..triton_kernels import triton_interpreted
+    if not _MODE:
+        from ..triton_kernels import triton_interpreted
 
-    return triton_interpreted()
+        _MODE.append(triton_interpreted())
+    return _MODE[0]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -384,6 +403,7 @@ def _blocks(jacobian: JacobianBlocks) -> list[Tensor]:
 _PROGRAMS_PER_SM = 8  # programs in flight per SM for the Jacobian kernels (each loops over its chunk)
 _INTERPRETER_PROGRAMS = 4  # the interpreter runs programs one by one: few, but more than one
 _PLAN_CACHE_SIZE = 64
+_FLOAT32 = struct.Struct("<f")
 _ALIGN_BYTES = 16  # one vector load
 
 
@@ -489,13 +509,21 @@ def _gram_plan(blocks: list[Tensor], block_n: int, max_programs: int) -> MultiTe
 
 
 def _combine_plan(
-    blocks: list[Tensor], targets: list[Tensor], block_n: int, max_programs: int
+    blocks: list[Tensor], layout: ParamLayout, block_n: int, max_programs: int
 ) -> MultiTensorPlan:
     tasks = blocks[0].shape[0]
-    key = ("combine", tasks, block_n, max_programs, blocks[0].device, _block_key(blocks),
-           tuple((t.data_ptr(), t.numel(), t.dtype) for t in targets))
+    targets = layout.targets
+    key = ("combine", tasks, block_n, max_programs, blocks[0].device, _block_key(blocks), layout.key)
 
     def build() -> MultiTensorPlan:
+        # Checked here, on a cache miss only: a hit has the very addresses checked before, and
+        # CPU and CUDA allocations never share an address (CUDA's unified virtual addressing).
+        device = blocks[0].device
+        for target in targets:
+            if target.device != device:
+                raise ValueError(f"a parameter is on {target.device} but J is on {device}")
+            if target.data_ptr() % target.element_size():  # never so for torch's own allocations
+                raise ValueError("a parameter's address is not a multiple of its element size")
         # Pieces: the intersections of J's blocks with the parameters, in column order.
         pieces: list[tuple[int, int, int, int, int]] = []  # (block, column, target, element, count)
         block_index, column = 0, 0
@@ -568,41 +596,61 @@ def gram(jacobian: JacobianBlocks) -> Tensor:
     return _gram_blocks(blocks)
 
 
-def _check_params(blocks: list[Tensor], params: Sequence[Tensor]) -> None:
-    """Raise (before anything is written) unless the parameters match J's columns and device."""
-    device = blocks[0].device
+@dataclass(frozen=True)
+class ParamLayout:
+    """The parameters as the Jacobian kernels see them, checked against J before anything is written."""
+
+    live: list[Tensor]  # the non-empty parameters, in order
+    targets: list[Tensor]  # what the kernel writes: ``live``, with a contiguous copy of any strided one
+    key: tuple[object, ...]  # addresses, sizes and dtypes of the targets (the plan cache's key)
+    has_float64: bool
+
+
+_DTYPE = attrgetter("dtype")
+
+
+def _param_layout(blocks: list[Tensor], params: Sequence[Tensor]) -> ParamLayout:
+    """One pass of cheap C-level attribute reads over the parameters (this runs on every step)."""
+    params = list(params)
+    numels = tuple(map(Tensor.numel, params))
     columns = sum(b.shape[1] for b in blocks)
-    elements = sum(p.numel() for p in params)
-    if elements != columns:
-        raise ValueError(f"J has {columns} columns but the parameters hold {elements} elements")
-    for param in params:
-        if param.device != device:
-            raise ValueError(f"a parameter is on {param.device} but J is on {device}")
+    if sum(numels) != columns:
+        raise ValueError(f"J has {columns} columns but the parameters hold {sum(numels)} elements")
+    dtypes = tuple(map(_DTYPE, params))
+    if 0 in numels or not all(map(Tensor.is_contiguous, params)):
+        # The kernel writes each parameter through its address as one contiguous run: a strided
+        # parameter is updated in a contiguous copy, written back afterwards.
+        kept = [i for i, count in enumerate(numels) if count > 0]
+        live = [params[i] for i in kept]
+        targets = [p if p.is_contiguous() else p.contiguous() for p in live]
+        numels, dtypes = tuple(numels[i] for i in kept), tuple(dtypes[i] for i in kept)
+    else:
+        live = targets = params
+    key = (tuple(map(Tensor.data_ptr, targets)), numels, dtypes)
+    return ParamLayout(live, targets, key, torch.float64 in dtypes)
 
 
 def _combine_blocks(
-    blocks: list[Tensor], w: Tensor, params: Sequence[Tensor], lr: float | Tensor, flag: Tensor | None
+    blocks: list[Tensor],
+    w: Tensor,
+    layout: ParamLayout,
+    lr: float | Tensor,
+    flag: Tensor | None,
+    plan: MultiTensorPlan | None = None,
 ) -> None:
     tasks = blocks[0].shape[0]
     if w.shape != (tasks,):
         raise ValueError(f"w must have shape ({tasks},) to match J's {tasks} rows, got {tuple(w.shape)}")
     device = blocks[0].device
-    params = list(params)
-    _check_params(blocks, params)
     kernels = _kernels(device)
-    interpreted = _interpreted()
-    launch = combine_launch(tasks, interpreted)
-    # The kernel writes each parameter through its address as one contiguous run: a strided (or
-    # oddly placed) parameter is updated in a contiguous copy, written back afterwards.
-    targets = [
-        p if p.is_contiguous() and p.data_ptr() % p.element_size() == 0 else p.contiguous()
-        for p in params if p.numel() > 0
-    ]
-    plan = _combine_plan(blocks, targets, launch.block_n, _max_programs(device, interpreted))
+    launch = combine_launch(tasks, _interpreted())
+    if plan is None:
+        plan = _combine_plan(blocks, layout, launch.block_n, _max_programs(device, _interpreted()))
     w_in = w.contiguous()
     lr_is_tensor = isinstance(lr, Tensor)
     lr_tensor = lr.reshape(()).to(device=device, dtype=torch.float32) if lr_is_tensor else w_in
     lr_value = 0.0 if lr_is_tensor else float(lr)
+    targets = layout.targets
     for part in plan.launches:
         kernels.combine_kernel[(part.entries,)](
             blocks[part.j_index], targets[part.p_index], part.table, w_in, lr_tensor,
@@ -610,20 +658,21 @@ def _combine_blocks(
             LR_IS_TENSOR=lr_is_tensor, HAS_FLAG=flag is not None, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
             ALIGN_J=part.align_j, ALIGN_P=part.align_p,
         )
-    live = [p for p in params if p.numel() > 0]
-    for param, target in zip(live, targets):
-        if target is not param:
-            param.copy_(target)
-    _bump_version(live)
+    if targets is not layout.live:
+        for param, target in zip(layout.live, targets):
+            if target is not param:
+                param.copy_(target)
+    _bump_version(layout.live)
 
 
 def combine(jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:
     """params -= lr * J^T w in one launch for any number of parameters (float32 math, rounded on store)."""
     blocks = _blocks(jacobian)
-    if _float64(*blocks, *params):
+    layout = _param_layout(blocks, params)
+    if layout.has_float64 or _float64(*blocks):
         reference.combine(blocks, w, params, lr)
         return
-    _combine_blocks(blocks, w, params, lr, None)
+    _combine_blocks(blocks, w, layout, lr, None)
 
 
 def gram_step(
@@ -640,7 +689,8 @@ def gram_step(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Alg. 2 steps 4-5 (see the reference): nothing is written when the Gram is not finite."""
     blocks = _blocks(jacobian)
-    if _float64(*blocks, *params):
+    layout = _param_layout(blocks, params)  # raises on a size mismatch, before anything is written
+    if layout.has_float64 or _float64(*blocks):
         return reference.gram_step(blocks, w, params, gamma, c1, c2, beta, rho, mu, z)
     tasks = blocks[0].shape[0]
     finalize = gram_finalize_launch(tasks)
@@ -649,11 +699,13 @@ def gram_step(
         # float64 torch ops on the device, no host synchronisation.
         gram_matrix = _gram_blocks(blocks)
         finite, alpha, d_norm, w_next = reference.gram_step_small(gram_matrix, w, c1, c2, beta, rho, mu, z)
-        _combine_blocks(blocks, w, params, (gamma * alpha).float(), finite.to(torch.int32))
+        _combine_blocks(blocks, w, layout, (gamma * alpha).float(), finite.to(torch.int32))
         w.copy_(w_next)
         return gram_matrix, d_norm, alpha.float()
     device = blocks[0].device
-    _check_params(blocks, params)  # the finalize kernel writes w: fail before it runs
+    # The finalize kernel writes w: the combine plan (and its device check) comes before it.
+    plan = _combine_plan(blocks, layout, combine_launch(tasks, _interpreted()).block_n,
+                         _max_programs(device, _interpreted()))
     partials = _gram_partials(blocks)
     if partials is None:
         partials = torch.zeros(1, tasks, tasks, device=device, dtype=torch.float32)
@@ -673,7 +725,7 @@ def gram_step(
         MU_IS_TENSOR=mu_is_tensor, BLOCK_M=finalize.block_m, BLOCK_P=finalize.block_p, num_warps=finalize.num_warps,
     )
     # The update uses the incoming w, saved by the kernel before it wrote the next one.
-    _combine_blocks(blocks, w_prev, params, outputs[2], flag)
+    _combine_blocks(blocks, w_prev, layout, outputs[2], flag, plan)
     if w_work is not w:
         w.copy_(w_work)
     else:
@@ -684,8 +736,14 @@ def gram_step(
 def _split(value: float | Tensor) -> tuple[float, float]:
     """A double as float32 hi + lo (the kernel adds them back in float64: ~48 significant bits)."""
     value = float(value)
-    with numpy.errstate(over="ignore"):
-        hi = float(numpy.float32(value))
+    hi = _to_float32(value)
     if not math.isfinite(hi):
         return hi, 0.0
-    return hi, float(numpy.float32(value - hi))
+    return hi, _to_float32(value - hi)
+
+
+def _to_float32(value: float) -> float:
+    try:
+        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+    except OverflowError:  # beyond float32's range: rounds to infinity
+        return math.copysign(math.inf, value)

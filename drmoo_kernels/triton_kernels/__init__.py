@@ -13,10 +13,11 @@ import importlib
 import threading
 from types import ModuleType
 
-__all__ = ["load_kernels", "triton_interpreted"]
+__all__ = ["interpreter_problem", "load_kernels", "triton_interpreted"]
 
 _LOCK = threading.Lock()
 _MODULE: ModuleType | None = None
+_INTERPRETER_PROBLEM: list[str | None] = []  # empty until probed
 
 
 def triton_interpreted() -> bool:
@@ -40,3 +41,27 @@ def load_kernels() -> ModuleType:
                 knobs.runtime.interpret = interpret
                 _MODULE = importlib.import_module(f"{__name__}._kernels")
         return _MODULE
+
+
+def interpreter_problem() -> str | None:
+    """None when the interpreter runs the kernels here, else why not (probed once per process).
+
+    Triton 3.6's interpreter converts a loop bound with ``int()`` of a 1-element array, which
+    numpy 2.4 turned into an error: every kernel with a runtime loop bound fails there.
+    """
+    if not _INTERPRETER_PROBLEM:
+        import numpy
+        import torch
+        import triton
+
+        out = torch.zeros(1, dtype=torch.int32)
+        try:
+            load_kernels().loop_bound_probe_kernel[(1,)](out, 3)
+        except Exception as error:  # the interpreter wraps what failed in its own error type
+            _INTERPRETER_PROBLEM.append(
+                f"Triton {triton.__version__}'s interpreter cannot run the kernels with numpy {numpy.__version__} "
+                f"({type(error).__name__}: {error}); with Triton 3.6 install numpy<2.4"
+            )
+        else:
+            _INTERPRETER_PROBLEM.append(None if int(out[0]) == 3 else "the Triton interpreter miscounted a loop")
+    return _INTERPRETER_PROBLEM[0]

@@ -18,6 +18,15 @@ import triton.language as tl
 
 
 @triton.jit
+def loop_bound_probe_kernel(out_ptr, n):
+    """Self-check of the interpreter (``triton_kernels.interpreter_problem``): a loop with a runtime bound."""
+    total = 0
+    for _ in range(0, n):
+        total += 1
+    tl.store(out_ptr, total)
+
+
+@triton.jit
 def _log1p_unit(x):
     """log(1 + x) for x in [0, 1], accurate for tiny x (the rounding of 1 + x is divided back out)."""
     y = 1.0 + x
