@@ -17,8 +17,10 @@ Work split (one launch per op for any number of tensors; see "multi-tensor launc
   programs cover every block of J through one pointer table.
 * ``combine``: one program per run of columns of J (inside one parameter), walking the rows 64 at
   a time; every parameter tensor is reached through the same pointer table.
-* ``gram_step``: ``gram``, the m x m work in float64 torch ops on the device (no host sync), and the
-  ``combine`` pass with every load/store masked by the Gram's finiteness (the no-write guard).
+* ``gram_step``: three launches, no host sync: the ``gram`` partials; one program that sums them and
+  does the m x m work in float64 (``gram_finalize_kernel``, m <= 64; above that the reference's
+  torch ops); the ``combine`` pass with every load/store masked by the Gram's finiteness (the
+  no-write guard), using the incoming w that the finalize kernel saved before updating it.
 """
 
 from __future__ import annotations
