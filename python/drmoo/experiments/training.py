@@ -468,7 +468,8 @@ def _train_locked(
     model, data = build(config)
     model.to(device)
     shared = model.shared_parameters()
-    optimizer = create(config.method, shared, data.num_tasks, backend=config.backend, **config.hparams)
+    optimizer = create(config.method, shared, data.num_tasks, backend=config.backend,  # fp16 scaling needs the raise
+                       **{"capturable": device.type == "cuda" and config.amp != "fp16", **config.hparams})
     optimizer.jacobian_strategy = config.jacobian
     heads = torch.optim.SGD(model.task_parameters(), lr=config.head_lr)
     stream = IndexStream(data.train_labels.shape[0], config.batch_size, seed=config.seed)
