@@ -350,3 +350,30 @@ def test_planted_bug_is_caught_by_the_gram_bound() -> None:
     dropped = tb.gram([blocks[0], blocks[1][:, 1:]])
     with pytest.raises(AssertionError, match="Gram error"):
         _assert_gram_close(dropped, blocks)
+
+
+def test_vector_load_hints_hold_for_every_table_entry() -> None:
+    """ALIGN_* > 1 promises the compiler that every offset and stride is a multiple of a 16-byte
+    vector: on a GPU a wrong promise is a misaligned-address fault, so check it for both layouts."""
+    tb.clear_plan_cache()
+    jac = torch.randn(3, 4 * 300, device=DEVICE)
+    aligned = [torch.randn(4 * k, device=DEVICE) for k in (1, 7, 50, 242)]  # every size a multiple of 4
+    odd = [torch.randn(size, device=DEVICE) for size in (5, 400, 795)]  # 5: every later column run is odd
+    flat = torch.randn(1200, device=DEVICE)
+    views = [flat[:5], flat[5:405], flat[405:]]  # parameters viewing one buffer at odd offsets
+    # (params, J's runs vectorisable, the parameters' runs vectorisable): separate allocations
+    # always start 16-byte aligned; views into one buffer start where their offset puts them.
+    for params, j_vectors, p_vectors in ((aligned, True, True), (odd, False, True), (views, False, False)):
+        blocks = tb._blocks(jac)
+        plan = tb._combine_plan(blocks, tb._param_layout(blocks, params), 64, 4)
+        gram_plan = tb._gram_plan(blocks, 64, 4)
+        for launch in (*plan.launches, *gram_plan.launches):
+            rows = launch.table.cpu()
+            assert rows.shape[0] == launch.entries
+            if launch.align_j > 1:
+                assert bool((rows[:, :2] % launch.align_j == 0).all())
+            if launch.align_p > 1:
+                assert bool((rows[:, 2] % launch.align_p == 0).all())
+        assert (plan.launches[0].align_j > 1) == j_vectors  # float32: 4 elements per vector
+        assert (plan.launches[0].align_p > 1) == p_vectors
+        assert gram_plan.launches[0].align_j == 4  # J itself: 1200 columns, row stride 1200
