@@ -178,6 +178,40 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     lines = [f"# drmoo kernels on {device} (torch {torch.__version__}, CUDA {torch.version.cuda})", ""]
     lines.append(f"Peak bandwidth (2 x clock x bus width): {peak:.0f} GB/s" if peak else "Peak bandwidth: unknown")
+    lines.append("")
+
+    # ------------------------------------------------------------------ dual ops latency
+    lines += [f"## dual ops, float32, B = {DUAL_B}, m = {DUAL_M} (chi2)", "",
+              "| op | backend | events us | wall us | graph us (device only) |", "|---|---|---|---|---|"]
+    losses = 3.0 * torch.rand(DUAL_B, DUAL_M, device="cuda")
+    eta = torch.zeros(DUAL_M, device="cuda")
+    w = torch.full((DUAL_M,), 1.0 / DUAL_M, device="cuda")
+    chi2 = Divergence("chi2")
+    for op in ("dual_forward", "dual_step"):
+        for name, module in backends.items():
+            row: dict[str, Any] = {"op": op, "B": DUAL_B, "m": DUAL_M, "backend": name}
+            if isinstance(module, str):
+                row["skipped"] = module
+            elif time.perf_counter() - began > args.budget_s:
+                row["skipped"] = "time budget"
+            else:
+                if op == "dual_forward":
+                    def call(ops: Any = module) -> Any:
+                        return ops.dual_forward(losses, eta, 0.6, 1.0, chi2)
+                else:
+                    def call(ops: Any = module) -> Any:
+                        return ops.dual_step(losses, eta, w, 0.6, 1.0, chi2, 1e-6, 1.0, 0.5)
+                try:
+                    row["events_us"] = events_ms(call) * 1e3
+                    row["wall_us"] = wall_ms(call) * 1e3
+                except Exception as error:  # report it and go on with the other backends
+                    row["skipped"] = f"error: {type(error).__name__}: {str(error)[:200]}"
+                else:
+                    graph = graph_ms(call)
+                    row["graph_us"] = None if graph is None else graph * 1e3
+            records.append(row)
+            lines.append(_dual_line(row))
+    lines.append("")
 
     # ------------------------------------------------------------------ gram_step bandwidth
     sizes = parameter_split(N_PARAMS)
@@ -190,14 +224,21 @@ def main(argv: list[str] | None = None) -> int:
     for tasks in TASKS:
         nbytes = 2 * tasks * N_PARAMS * 4 + 2 * N_PARAMS * 4
         for name, module in backends.items():
-            row: dict[str, Any] = {"op": "gram_step", "m": tasks, "n": N_PARAMS, "backend": name, "bytes": nbytes}
+            row = {"op": "gram_step", "m": tasks, "n": N_PARAMS, "backend": name, "bytes": nbytes}
             if isinstance(module, str):
                 row["skipped"] = module
             elif time.perf_counter() - began > args.budget_s:
                 row["skipped"] = "time budget"
             else:
-                ms, wms = time_gram_step(module, tasks, sizes)
-                torch.cuda.empty_cache()
+                try:
+                    ms, wms = time_gram_step(module, tasks, sizes)
+                except Exception as error:  # report it and go on with the other backends
+                    row["skipped"] = f"error: {type(error).__name__}: {str(error)[:200]}"
+                    records.append(row)
+                    lines.append(_gram_line(row))
+                    continue
+                finally:
+                    torch.cuda.empty_cache()
                 row.update(events_ms=ms, gb_per_s=nbytes / (ms * 1e-3) / 1e9, wall_ms=wms,
                            gb_per_s_wall=nbytes / (wms * 1e-3) / 1e9)
                 row["fraction_of_peak"] = row["gb_per_s"] / peak if peak else None
@@ -205,34 +246,6 @@ def main(argv: list[str] | None = None) -> int:
                 row["fraction_of_copy"] = row["gb_per_s"] / copy_rate
             records.append(row)
             lines.append(_gram_line(row))
-
-    # ------------------------------------------------------------------ dual ops latency
-    lines += ["", f"## dual ops, float32, B = {DUAL_B}, m = {DUAL_M} (chi2)", "",
-              "| op | backend | events us | wall us | graph us (device only) |", "|---|---|---|---|---|"]
-    losses = 3.0 * torch.rand(DUAL_B, DUAL_M, device="cuda")
-    eta = torch.zeros(DUAL_M, device="cuda")
-    w = torch.full((DUAL_M,), 1.0 / DUAL_M, device="cuda")
-    chi2 = Divergence("chi2")
-    for op in ("dual_forward", "dual_step"):
-        for name, module in backends.items():
-            row = {"op": op, "B": DUAL_B, "m": DUAL_M, "backend": name}
-            if isinstance(module, str):
-                row["skipped"] = module
-            elif time.perf_counter() - began > args.budget_s:
-                row["skipped"] = "time budget"
-            else:
-                if op == "dual_forward":
-                    def call(ops: Any = module) -> Any:
-                        return ops.dual_forward(losses, eta, 0.6, 1.0, chi2)
-                else:
-                    def call(ops: Any = module) -> Any:
-                        return ops.dual_step(losses, eta, w, 0.6, 1.0, chi2, 1e-6, 1.0, 0.5)
-                row["events_us"] = events_ms(call) * 1e3
-                row["wall_us"] = wall_ms(call) * 1e3
-                graph = graph_ms(call)
-                row["graph_us"] = None if graph is None else graph * 1e3
-            records.append(row)
-            lines.append(_dual_line(row))
 
     lines += ["", f"Finished in {time.perf_counter() - began:.1f} s."]
     text = "\n".join(lines)

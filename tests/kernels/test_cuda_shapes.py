@@ -58,20 +58,25 @@ def _gram_tol(dtype: torch.dtype, gram: Tensor) -> tuple[float, float]:
 
 
 def _jacobian(tasks: int, n: int, dtype: torch.dtype, seed: int, layout: str = "contiguous") -> Tensor:
-    """J [tasks, n] on the GPU: contiguous, starting `offset` columns into a wider tensor (rows
-    16-byte aligned relative to each other, the first column not), or with an odd row stride."""
+    """J [tasks, n] on the GPU:
+    contiguous;
+    offset:     starting 3 columns into a wider tensor (rows 16-byte aligned relative to each other,
+                the first column not);
+    odd_stride: a row stride of n + 1 elements (rows not 16-byte aligned: element-wise paths);
+    padded:     aligned rows padded to a multiple of 8 elements, so that n need not be a multiple
+                of the vector width (16-byte copies that read only part of their 16 bytes)."""
     gen = _gen(seed)
     if layout == "contiguous":
         return torch.randn(tasks, n, generator=gen).to(dtype).to(DEVICE)
     if layout == "offset":
         wide = torch.randn(tasks, n + 8 + 3, generator=gen).to(dtype).to(DEVICE)
         return wide[:, 3 : 3 + n]
-    assert layout == "odd_stride"
-    wide = torch.randn(tasks, n + 1, generator=gen).to(dtype).to(DEVICE)
-    return wide[:, :n]
+    width = n + 1 if layout == "odd_stride" else 8 * (n // 8 + 1)
+    assert layout in ("odd_stride", "padded")
+    return torch.randn(tasks, width, generator=gen).to(dtype).to(DEVICE)[:, :n]
 
 
-LAYOUTS = ["contiguous", "offset", "odd_stride"]
+LAYOUTS = ["contiguous", "offset", "odd_stride", "padded"]
 GRAM_TASKS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 40, 41, 70]
 GRAM_COLUMNS = [0, 1, 3, 7, 33, 1029, 40_003]
 
@@ -158,11 +163,12 @@ def test_gram_step_every_path(dtype: torch.dtype, tasks: int) -> None:
                     want = reference.gram_step(J, w_want, p_want, 0.1, c1, c2, beta, 1e-3, mu, z)
                     _close(got[0], want[0], _gram_tol(dtype, want[0]))
                     # The m x m step inherits the Gram's float32 summation error (~1e-5 relative in the
-                    # reference's own matmul at n = 200003); float64 Grams agree to ~1e-12.
+                    # reference's own matmul at n = 200003), in w times beta * alpha * |G w| (~2 here);
+                    # float64 Grams agree to ~1e-12.
                     loose = n > 10_000 and dtype != torch.float64
                     for a, b in zip(got[1:], want[1:]):
                         _close(a, b, (1e-4, 1e-6) if loose else (1e-5, 1e-6))
-                    w_tol = (1e-4, 1e-5) if loose else (1e-5, 1e-6)
+                    w_tol = (1e-4, 1e-4) if loose else (1e-5, 1e-6)
                     _close(w_got, w_want, STORE_TOL[torch.bfloat16] if w_dtype == torch.bfloat16 else w_tol)
                     for a, b in zip(p_got, p_want):
                         _close(a, b, STORE_TOL[dtype])
@@ -204,11 +210,13 @@ def test_gram_step_guard_on_every_gram_path(tasks: int, layout: str) -> None:
         assert torch.equal(p, q)
 
 
-def test_tile_gram_past_32_bit_offsets() -> None:
+@pytest.mark.parametrize("extra", [24, 5])
+def test_tile_gram_past_32_bit_offsets(extra: int) -> None:
     """m = 9 (the shared-memory tile path) with 9 * n > 2^31 bfloat16 elements: row r holds (r + 1) / 4
     everywhere but in its last column (r + 1), so the exact Gram is known and every partial sum is an
-    exact float32 value; a wrapped 32-bit offset or a lost tail column changes it."""
-    tasks, n = 9, (1 << 28) + 5
+    exact float32 value; a wrapped 32-bit offset or a lost tail column changes it.  n = 2^28 + 24 has
+    16-byte aligned rows (cp.async), n = 2^28 + 5 does not (element-wise loads)."""
+    tasks, n = 9, (1 << 28) + extra
     values = torch.arange(1, tasks + 1, dtype=torch.float64) / 4
     J = torch.empty(tasks, n, dtype=torch.bfloat16, device=DEVICE)
     for r in range(tasks):
@@ -219,6 +227,7 @@ def test_tile_gram_past_32_bit_offsets() -> None:
     exact = (n - 1) * torch.outer(values, values) + torch.outer(last, last)
     torch.testing.assert_close(cuda_backend.gram(J).double().cpu(), exact, rtol=1e-7, atol=0.0)
     del J
+    torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------ dual ops
@@ -255,7 +264,7 @@ def test_dual_ops_every_path(divergence: Divergence, dtype: torch.dtype) -> None
             for a, b in zip(got, want):
                 _close(a, b, MATH_TOL[dtype])
             for gamma, f1, f2 in ((0.1, 1.0, 0.05), (0.5, 0.3, 10.0)):
-                eta_got, eta_want = eta.to(eta_dtype), eta.to(eta_dtype)
+                eta_got, eta_want = eta.to(eta_dtype, copy=True), eta.to(eta_dtype, copy=True)
                 got = cuda_backend.dual_step(losses, eta_got, w, 0.7, 1.3, divergence, gamma, f1, f2, sample_weight)
                 want = reference.dual_step(losses, eta_want, w, 0.7, 1.3, divergence, gamma, f1, f2, sample_weight)
                 for a, b in zip(got, want):
