@@ -3,7 +3,7 @@
 # Triton (requirements-oldest.txt = the lower bounds in pyproject.toml) in a second venv, drmoo
 # built and installed there, and the tests of the ops, their autograd plumbing and the optimizers.
 # Extra arguments go to pytest.  The venv ($DRMOO_OLDEST_VENV, default .venv-oldest, gitignored) is
-# created once (about 4.7 GB: PyPI's torch wheels bring the CUDA runtime libraries) and reused.
+# created once (5.2 GB: PyPI's torch wheels bring 2.7 GB of CUDA runtime libraries) and reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${DRMOO_OLDEST_VENV:-.venv-oldest}"
