@@ -427,13 +427,15 @@ def _run_compare(args: argparse.Namespace) -> int:
 
 
 def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("bench-iter", help="seconds per iteration of every method vs the 1 fwd + m bwd floor")
+    parser = sub.add_parser("bench-iter", help="seconds per iteration of every method vs the 1 fwd + m bwd floor "
+                                               "and vs its own algorithm's passes")
     parser.add_argument("--experiment", default="multimnist2", help="multimnist2 | multimnist3")
     parser.add_argument("--methods", type=_comma_list, default=["all"])
     parser.add_argument("--batch-size", type=_count, default=256, help="paper: 256 (use less on a CPU)")
     parser.add_argument("--input-size", type=_count, help="default: the paper's (128 for 2 digits, 96 for 3)")
-    parser.add_argument("--repeats", type=_count, default=3)
-    parser.add_argument("--warmup", type=_non_negative, default=1)
+    parser.add_argument("--repeats", type=_count, default=20, help="timed iterations per method (medians)")
+    parser.add_argument("--warmup", type=_non_negative, default=3,
+                        help="untimed iterations per method first (at least one: its passes are counted there)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--backend", help="kernel backend (default: automatic)")
     parser.add_argument("--out", required=True)
@@ -446,7 +448,7 @@ def _run_bench_iter(args: argparse.Namespace) -> int:
 
     from drmoo.experiments.multimnist import EXPERIMENTS, PRESETS
     from drmoo.experiments.training import resolve_device
-    from drmoo.experiments.wallclock import machine_name, measure_iterations, write_outputs
+    from drmoo.experiments.wallclock import machine_name, measure_iterations, output_stem, write_outputs
     from drmoo.optim import available
 
     if args.experiment not in EXPERIMENTS:
@@ -461,9 +463,9 @@ def _run_bench_iter(args: argparse.Namespace) -> int:
     rows = measure_iterations(args.experiment, methods, args.batch_size, size, device, warmup=args.warmup,
                               repeats=args.repeats, backend=args.backend, progress=not args.quiet)
     title = (f"{args.experiment}, ResNet18, batch {args.batch_size}, {size}px, {machine_name(device)}; "
-             f"median of {args.repeats} iterations")
-    write_outputs(rows, Path(args.out), title)
-    print((Path(args.out) / "wallclock.md").read_text())
+             f"median of {args.repeats} iterations after {max(args.warmup, 1)} warm-up(s)")
+    table = write_outputs(rows, Path(args.out), title, stem=output_stem(device, args.batch_size))
+    print(table.read_text())
     return 0
 
 
