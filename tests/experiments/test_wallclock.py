@@ -154,6 +154,7 @@ def test_rows_carry_both_floors_and_double_clip_is_measured_with_and_without_the
     assert {p.name for p in tmp_path.iterdir()} == {f"gpu-some-device-b2.{ext}" for ext in ("csv", "md", "png")}
     table = md.read_text()
     assert "| double-clip | 2 fwd (1 no-grad) + 2 bwd | " in table and "× own floor |" in table
+    assert "capturable=False" in table  # as the trainer runs them on a CPU
     with (tmp_path / "gpu-some-device-b2.csv").open(newline="") as handle:
         saved = list(csv.DictReader(handle))
     assert [r["method"] for r in saved] == [r["method"] for r in rows]
@@ -164,3 +165,12 @@ def test_output_names(monkeypatch: pytest.MonkeyPatch) -> None:
     assert wallclock.output_stem(torch.device("cpu"), 8) == "wallclock"  # the committed CPU layout
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     assert wallclock.output_stem(torch.device("cuda"), 256) == "gpu-nvidia-h200-b256"
+
+
+def test_optimizers_are_built_capturable_as_the_trainer_builds_them_unless_told() -> None:
+    def run(**kwargs: Any) -> list[dict[str, Any]]:
+        return wallclock.measure_iterations("multimnist2", ["moco"], batch_size=2, input_size=16,
+                                            device=torch.device("cpu"), warmup=0, repeats=1, progress=False, **kwargs)
+
+    assert run()[1]["capturable"] is False  # the trainer: capturable on CUDA only
+    assert run(capturable=True)[1]["capturable"] is True

@@ -227,12 +227,17 @@ def _count_passes(iteration: Callable[[], None], counter: PassCounter, probes: i
 def measure_iterations(
     experiment: str, methods: list[str], batch_size: int, input_size: int, device: torch.device,
     warmup: int = 1, repeats: int = 3, backend: str | None = None, progress: bool = True,
+    capturable: bool | None = None,
 ) -> list[dict[str, Any]]:
     """Rows (method, its passes, seconds per iteration median/min, ratios to both floors), the common floor first.
 
     Each method's first ``max(warmup, 1)`` iterations are warm-ups whose passes are counted (they
     must agree); then ``repeats`` timed rounds of: one iteration, one common floor, one own floor.
+    ``capturable`` (default: as the trainer runs the optimizers, True on CUDA) is passed to every
+    optimizer.
     """
+    if capturable is None:
+        capturable = device.type == "cuda"
     num_tasks = EXPERIMENTS[experiment]
     torch.manual_seed(0)
     model = MultiTaskResNet([10] * num_tasks).to(device).train()
@@ -262,7 +267,8 @@ def measure_iterations(
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     for label, method, overrides in tqdm(_variants(methods), desc="bench-iter", disable=not progress):
         model.load_state_dict(initial)
-        optimizer = create(method, shared, num_tasks, backend=backend, **method_hparams(method, overrides))
+        optimizer = create(method, shared, num_tasks, backend=backend,
+                           **method_hparams(method, {"capturable": capturable, **overrides}))
         heads = torch.optim.SGD(model.task_parameters(), lr=1e-2)
         iteration = _method_iteration(optimizer, heads, draw_batch, losses_of)
         passes = _count_passes(iteration, counter, max(warmup, 1), label)
@@ -283,7 +289,7 @@ def measure_iterations(
             "ratio_to_floor": median / statistics.median(floor_times),
             "own_floor_median_s": own_median, "own_floor_min_s": min(own_times),
             "ratio_to_own_floor": median / own_median,
-            "backend": optimizer.backend,
+            "backend": optimizer.backend, "capturable": optimizer.capturable,
         })
     floor_median = statistics.median(all_floor_times)
     floor_row = {"method": COMMON_FLOOR_LABEL, "passes": describe_passes(common), "forward": 1, "forward_no_grad": 0,
@@ -309,8 +315,13 @@ def _variants(methods: list[str]) -> list[tuple[str, str, dict[str, Any]]]:
     return rows
 
 
+def _capturable_setting(rows: list[dict[str, Any]]) -> str:
+    settings = {str(r["capturable"]) for r in rows if "capturable" in r}
+    return "/".join(sorted(settings)) or "n/a"
+
+
 FIELDS = ["method", "passes", "forward", "forward_no_grad", "backward", "median_s", "min_s", "floor_median_s",
-          "ratio_to_floor", "own_floor_median_s", "own_floor_min_s", "ratio_to_own_floor", "backend"]
+          "ratio_to_floor", "own_floor_median_s", "own_floor_min_s", "ratio_to_own_floor", "backend", "capturable"]
 
 
 def write_outputs(rows: list[dict[str, Any]], out: Path, title: str, stem: str = "wallclock") -> Path:
@@ -348,7 +359,8 @@ def write_outputs(rows: list[dict[str, Any]], out: Path, title: str, stem: str =
         "× floor: the median iteration over the median of the common floor (1 fwd + m bwd) timed beside it. "
         "× own floor: over the median of the passes the method's algorithm does (counted on its warm-up "
         "iterations: forward passes, forward-only ones among them, backward passes through the shared "
-        "parameters), replayed alone beside it.", "",
+        "parameters), replayed alone beside it. Batches come from a pool on the device (no host-side data work). "
+        f"Optimizers built with capturable={_capturable_setting(rows)}.", "",
         "| method | passes (its own floor) | s / iteration (median) | min | × floor | own floor (median) | min | "
         "× own floor |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
