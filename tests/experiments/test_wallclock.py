@@ -161,6 +161,22 @@ def test_rows_carry_both_floors_and_double_clip_is_measured_with_and_without_the
     assert float(saved[1]["ratio_to_own_floor"]) == pytest.approx(rows[1]["ratio_to_own_floor"])
 
 
+def test_drmoo_report_shows_the_cpu_and_every_gpu_table_of_a_directory(tmp_path: Path) -> None:
+    from drmoo.experiments.report import collect
+
+    row = {"method": "floor (1 fwd + m bwd)", "passes": "1 fwd + 2 bwd", "median_s": 0.5, "min_s": 0.4,
+           "ratio_to_floor": 1.0, "own_floor_median_s": 0.5, "own_floor_min_s": 0.4, "ratio_to_own_floor": 1.0,
+           "backend": "cuda", "capturable": True}
+    for stem in ("wallclock", "gpu-nvidia-h200-b256", "gpu-nvidia-h200-b32"):
+        wallclock.write_outputs([row], tmp_path, f"title of {stem}", stem=stem)
+    sections, skipped = collect([tmp_path])
+    assert not skipped
+    assert [s.tables[0].splitlines()[0] for s in sections] == [
+        "### title of wallclock", "### title of gpu-nvidia-h200-b256", "### title of gpu-nvidia-h200-b32"]
+    assert [[p.name for p in s.images] for s in sections] == [
+        ["wallclock.png"], ["gpu-nvidia-h200-b256.png"], ["gpu-nvidia-h200-b32.png"]]
+
+
 def test_output_names(monkeypatch: pytest.MonkeyPatch) -> None:
     assert wallclock.output_stem(torch.device("cpu"), 8) == "wallclock"  # the committed CPU layout
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")

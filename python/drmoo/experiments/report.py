@@ -34,7 +34,7 @@ __all__ = ["Section", "collect", "render", "write_report"]
 
 BENCH_PREFIX = "# drmoo kernel benchmarks"
 MAX_DEPTH = 8  # deeper trees are not result layouts any command writes
-LOOKED_FOR = ("ablation-*.json, summary.json + summary.md, table.md + table.csv, wallclock.md, "
+LOOKED_FOR = ("ablation-*.json, summary.json + summary.md, table.md + table.csv, wallclock.md, gpu-*.md + .csv, "
               f"a '{BENCH_PREFIX}' .md, config.json + metrics.csv")
 
 
@@ -232,24 +232,29 @@ def _robustness(directory: Path) -> list[Section]:
 
 
 def _wallclock(directory: Path) -> list[Section]:
-    table = directory / "wallclock.md"
-    if not table.is_file():
-        return []
-    backends: set[str] = set()
-    if (directory / "wallclock.csv").is_file():
-        with (directory / "wallclock.csv").open(newline="") as handle:
-            backends = {row.get("backend") or "" for row in csv.DictReader(handle)} - {""}
-    text = table.read_text()
-    title_line = text.splitlines()[0].lstrip("# ").strip() if text.strip() else ""
-    return [Section(
-        kind="wall-clock", directory=directory, title="Wall-clock time per iteration",
-        provenance={
-            # bench-iter puts model, batch, input size and the machine in its title line
-            "machine and settings": title_line or NOT_RECORDED,
-            "backend": ", ".join(sorted(backends)) or NOT_RECORDED,
-        },
-        tables=[text], images=_existing(directory, "wallclock.png"), links=_existing(directory, "wallclock.csv"),
-    )]
+    # bench-iter writes wallclock.* on a CPU and gpu-<device>-b<batch>.* on a GPU (a .csv beside each)
+    tables = [directory / "wallclock.md", *sorted(directory.glob("gpu-*.md"))]
+    sections = []
+    for table in tables:
+        if not table.is_file() or not (table.name == "wallclock.md" or table.with_suffix(".csv").is_file()):
+            continue
+        backends: set[str] = set()
+        if table.with_suffix(".csv").is_file():
+            with table.with_suffix(".csv").open(newline="") as handle:
+                backends = {row.get("backend") or "" for row in csv.DictReader(handle)} - {""}
+        text = table.read_text()
+        title_line = text.splitlines()[0].lstrip("# ").strip() if text.strip() else ""
+        sections.append(Section(
+            kind="wall-clock", directory=directory, title="Wall-clock time per iteration",
+            provenance={
+                # bench-iter puts model, batch, input size and the machine in its title line
+                "machine and settings": title_line or NOT_RECORDED,
+                "backend": ", ".join(sorted(backends)) or NOT_RECORDED,
+            },
+            tables=[text], images=_existing(directory, table.with_suffix(".png").name),
+            links=_existing(directory, table.with_suffix(".csv").name),
+        ))
+    return sections
 
 
 def _kernel_benchmarks(directory: Path) -> list[Section]:
