@@ -9,9 +9,10 @@ Where the budget eps is measured (``eps_space``):
   perturbation in pixels is ``eps * std`` per channel (std = 0.229, 0.224, 0.225), about 4.4x
   smaller than ``pixel``'s.  The result is still clamped to the valid [0, 1] image.
 
-The paper does not say which one it used.  Its accuracies stay above 57 % at eps = 0.08, which
-points to the smaller, normalised budget (or to a much better trained model); see
-results/fgsm-eps-space/README.md for the comparison of both at one checkpoint.
+The paper does not say which one it used.  ``pixel`` stays the default: it is the usual
+convention of the adversarial-robustness literature, and results/fgsm-eps-space/README.md found
+that a short CPU-trained checkpoint cannot tell which one reproduces the paper's curve (neither
+does there; the decisive comparison needs well-trained models, e.g. the GPU ``medium`` runs).
 """
 
 from __future__ import annotations
