@@ -438,6 +438,8 @@ def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
                         help="untimed iterations per method first (at least one: its passes are counted there)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--backend", help="kernel backend (default: automatic)")
+    parser.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
+                        help="wall: elapsed time; cpu: this process's CPU time (a shared CPU); auto: cpu on a CPU")
     parser.add_argument("--out", required=True)
     parser.add_argument("--quiet", action="store_true")
     parser.set_defaults(handler=_run_bench_iter)
@@ -461,7 +463,7 @@ def _run_bench_iter(args: argparse.Namespace) -> int:
     _check_out_dir(args.out)
     size = args.input_size or PRESETS["paper"][args.experiment]["input_size"]
     rows = measure_iterations(args.experiment, methods, args.batch_size, size, device, warmup=args.warmup,
-                              repeats=args.repeats, backend=args.backend, progress=not args.quiet)
+                              repeats=args.repeats, backend=args.backend, progress=not args.quiet, clock=args.clock)
     title = (f"{args.experiment}, ResNet18, batch {args.batch_size}, {size}px, {machine_name(device)}; "
              f"median of {args.repeats} iterations after {max(args.warmup, 1)} warm-up(s)")
     table = write_outputs(rows, Path(args.out), title, stem=output_stem(device, args.batch_size))

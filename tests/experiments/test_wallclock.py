@@ -146,6 +146,7 @@ def test_rows_carry_both_floors_and_double_clip_is_measured_with_and_without_the
         assert row["median_s"] >= row["min_s"] > 0 and row["own_floor_median_s"] >= row["own_floor_min_s"] > 0
         assert row["ratio_to_floor"] == pytest.approx(row["median_s"] / row["floor_median_s"])
         assert row["ratio_to_own_floor"] == pytest.approx(row["median_s"] / row["own_floor_median_s"])
+    assert {r["clock"] for r in rows} == {"cpu"}  # auto: CPU seconds on a CPU device
     # MGDA's passes are the common floor's: its own floor is the common floor timed beside it
     assert rows[3]["own_floor_median_s"] == rows[3]["floor_median_s"]
 
@@ -155,6 +156,7 @@ def test_rows_carry_both_floors_and_double_clip_is_measured_with_and_without_the
     table = md.read_text()
     assert "| double-clip | 2 fwd (1 no-grad) + 2 bwd | " in table and "× own floor |" in table
     assert "capturable=False" in table  # as the trainer runs them on a CPU
+    assert "Clock: this process's CPU seconds" in table
     with (tmp_path / "gpu-some-device-b2.csv").open(newline="") as handle:
         saved = list(csv.DictReader(handle))
     assert [r["method"] for r in saved] == [r["method"] for r in rows]
@@ -190,3 +192,19 @@ def test_optimizers_are_built_capturable_as_the_trainer_builds_them_unless_told(
 
     assert run()[1]["capturable"] is False  # the trainer: capturable on CUDA only
     assert run(capturable=True)[1]["capturable"] is True
+
+
+def test_clock_choice() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert wallclock.resolve_clock("auto", cpu) == "cpu" and wallclock.resolve_clock("auto", cuda) == "wall"
+    assert wallclock.resolve_clock("wall", cpu) == "wall"
+    with pytest.raises(ValueError, match="does not see the work of a cuda device"):
+        wallclock.resolve_clock("cpu", cuda)
+    with pytest.raises(ValueError, match="unknown clock 'gpu'"):
+        wallclock.resolve_clock("gpu", cpu)
+    # the cpu clock counts work, not waiting: a sleep costs (almost) nothing on it
+    import time
+
+    (wall,) = wallclock._timed(lambda: time.sleep(0.05), device=cpu, warmup=0, repeats=1, clock="wall")
+    (cpu_seconds,) = wallclock._timed(lambda: time.sleep(0.05), device=cpu, warmup=0, repeats=1, clock="cpu")
+    assert wall[0] >= 0.05 and cpu_seconds[0] < 0.05

@@ -49,8 +49,8 @@ from drmoo.optim import create
 
 from .multimnist import EXPERIMENTS, method_hparams
 
-__all__ = ["ModelCall", "PassCounter", "describe_passes", "machine_name", "measure_iterations", "output_stem",
-           "replay_passes", "write_outputs"]
+__all__ = ["CLOCKS", "ModelCall", "PassCounter", "describe_passes", "machine_name", "measure_iterations",
+           "output_stem", "replay_passes", "resolve_clock", "write_outputs"]
 
 # Distinct batches kept on the device (Double-Loop draws D + 3 = 8 per iteration with the paper's D).
 POOL_SIZE = 8
@@ -171,12 +171,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(*fns: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> list[list[float]]:
+CLOCKS = ("auto", "wall", "cpu")
+
+
+def resolve_clock(clock: str, device: torch.device) -> str:
+    """``wall`` (elapsed seconds) or ``cpu`` (this process's CPU seconds); ``auto``: cpu on a CPU device.
+
+    On a CPU shared with other work, elapsed time measures the other tenants as much as the
+    method (on this project's 2-core machine the same floor took 0.16 s or 1.2 s); the process's
+    CPU time counts only the work done.  A GPU's work is not on the host clock: wall time there.
+    """
+    if clock not in CLOCKS:
+        raise ValueError(f"unknown clock {clock!r}; valid choices: {', '.join(CLOCKS)}")
+    if clock == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu clock does not see the work of a {device.type} device; use --clock wall")
+    if clock == "auto":
+        return "cpu" if device.type == "cpu" else "wall"
+    return clock
+
+
+def _timed(*fns: Callable[[], Any], device: torch.device, warmup: int, repeats: int,
+           clock: str = "wall") -> list[list[float]]:
     """Seconds per call of each function, the functions interleaved (a, b, a, b, ...).
 
     Interleaving puts every method's iterations next to floor passes measured at the same moment,
     so a busy spell of a shared machine slows both sides of the ratio instead of one.
     """
+    now = time.process_time if clock == "cpu" else time.perf_counter
     for _ in range(warmup):
         for fn in fns:
             fn()
@@ -184,10 +205,10 @@ def _timed(*fns: Callable[[], Any], device: torch.device, warmup: int, repeats: 
     for _ in range(repeats):
         for fn, samples in zip(fns, times):
             _sync(device)
-            start = time.perf_counter()
+            start = now()
             fn()
             _sync(device)
-            samples.append(time.perf_counter() - start)
+            samples.append(now() - start)
     return times
 
 
@@ -227,15 +248,16 @@ def _count_passes(iteration: Callable[[], None], counter: PassCounter, probes: i
 def measure_iterations(
     experiment: str, methods: list[str], batch_size: int, input_size: int, device: torch.device,
     warmup: int = 1, repeats: int = 3, backend: str | None = None, progress: bool = True,
-    capturable: bool | None = None,
+    capturable: bool | None = None, clock: str = "auto",
 ) -> list[dict[str, Any]]:
     """Rows (method, its passes, seconds per iteration median/min, ratios to both floors), the common floor first.
 
     Each method's first ``max(warmup, 1)`` iterations are warm-ups whose passes are counted (they
     must agree); then ``repeats`` timed rounds of: one iteration, one common floor, one own floor.
     ``capturable`` (default: as the trainer runs the optimizers, True on CUDA) is passed to every
-    optimizer.
+    optimizer.  ``clock``: see :func:`resolve_clock`.
     """
+    clock = resolve_clock(clock, device)
     if capturable is None:
         capturable = device.type == "cuda"
     num_tasks = EXPERIMENTS[experiment]
@@ -262,7 +284,7 @@ def measure_iterations(
 
     common = common_passes(num_tasks)
     common_floor = floor_of(common)
-    (all_floor_times,) = _timed(common_floor, device=device, warmup=warmup, repeats=repeats)
+    (all_floor_times,) = _timed(common_floor, device=device, warmup=warmup, repeats=repeats, clock=clock)
     rows: list[dict[str, Any]] = []
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     for label, method, overrides in tqdm(_variants(methods), desc="bench-iter", disable=not progress):
@@ -273,11 +295,12 @@ def measure_iterations(
         iteration = _method_iteration(optimizer, heads, draw_batch, losses_of)
         passes = _count_passes(iteration, counter, max(warmup, 1), label)
         if passes == common:  # its own floor is the common one: no need to time it twice
-            times, floor_times = _timed(iteration, common_floor, device=device, warmup=0, repeats=repeats)
+            times, floor_times = _timed(iteration, common_floor, device=device, warmup=0, repeats=repeats,
+                                        clock=clock)
             own_times = floor_times
         else:
             times, floor_times, own_times = _timed(iteration, common_floor, floor_of(passes), device=device,
-                                                   warmup=0, repeats=repeats)
+                                                   warmup=0, repeats=repeats, clock=clock)
         all_floor_times += floor_times
         median, own_median = statistics.median(times), statistics.median(own_times)
         rows.append({
@@ -289,13 +312,13 @@ def measure_iterations(
             "ratio_to_floor": median / statistics.median(floor_times),
             "own_floor_median_s": own_median, "own_floor_min_s": min(own_times),
             "ratio_to_own_floor": median / own_median,
-            "backend": optimizer.backend, "capturable": optimizer.capturable,
+            "backend": optimizer.backend, "capturable": optimizer.capturable, "clock": clock,
         })
     floor_median = statistics.median(all_floor_times)
     floor_row = {"method": COMMON_FLOOR_LABEL, "passes": describe_passes(common), "forward": 1, "forward_no_grad": 0,
                  "backward": num_tasks, "median_s": floor_median, "min_s": min(all_floor_times),
                  "floor_median_s": floor_median, "ratio_to_floor": 1.0, "own_floor_median_s": floor_median,
-                 "own_floor_min_s": min(all_floor_times), "ratio_to_own_floor": 1.0}
+                 "own_floor_min_s": min(all_floor_times), "ratio_to_own_floor": 1.0, "clock": clock}
     return [floor_row, *rows]
 
 
@@ -315,13 +338,23 @@ def _variants(methods: list[str]) -> list[tuple[str, str, dict[str, Any]]]:
     return rows
 
 
+def _clock_setting(rows: list[dict[str, Any]]) -> str:
+    clocks = {r.get("clock") for r in rows}
+    if clocks == {"cpu"}:
+        return "this process's CPU seconds (the work done, whatever else the machine runs)"
+    if clocks == {"wall"}:
+        return "elapsed seconds, the device synchronised before and after each timed call"
+    return "n/a"
+
+
 def _capturable_setting(rows: list[dict[str, Any]]) -> str:
     settings = {str(r["capturable"]) for r in rows if "capturable" in r}
     return "/".join(sorted(settings)) or "n/a"
 
 
 FIELDS = ["method", "passes", "forward", "forward_no_grad", "backward", "median_s", "min_s", "floor_median_s",
-          "ratio_to_floor", "own_floor_median_s", "own_floor_min_s", "ratio_to_own_floor", "backend", "capturable"]
+          "ratio_to_floor", "own_floor_median_s", "own_floor_min_s", "ratio_to_own_floor", "backend", "capturable",
+          "clock"]
 
 
 def write_outputs(rows: list[dict[str, Any]], out: Path, title: str, stem: str = "wallclock") -> Path:
@@ -360,7 +393,7 @@ def write_outputs(rows: list[dict[str, Any]], out: Path, title: str, stem: str =
         "× own floor: over the median of the passes the method's algorithm does (counted on its warm-up "
         "iterations: forward passes, forward-only ones among them, backward passes through the shared "
         "parameters), replayed alone beside it. Batches come from a pool on the device (no host-side data work). "
-        f"Optimizers built with capturable={_capturable_setting(rows)}.", "",
+        f"Optimizers built with capturable={_capturable_setting(rows)}. Clock: {_clock_setting(rows)}.", "",
         "| method | passes (its own floor) | s / iteration (median) | min | × floor | own floor (median) | min | "
         "× own floor |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
