@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# Everything the kernels need from a GPU machine, in one command:
-#   1. build drmoo_kernels._C in place with the CUDA kernels (needs nvcc; without it only Triton runs),
-#   2. the kernel tests (cuda backend + compiled Triton kernels on CUDA tensors) and the optimizer
-#      parity tests, on the GPU,
-#   3. the full benchmark: bench/results/gpu-<name>.{json,md} (python bench/run.py).
-# The logs and results are copied to $OUT when it is set (the device runner's output folder).
+# Everything the GPU path needs from a GPU machine, in one command that fits one 10-minute call:
+#   1. build drmoo_kernels._C in place with the CUDA kernels (sm_80, sm_90 + PTX; needs nvcc),
+#   2. the kernel, optimizer and reliability tests on the GPU (cuda + compiled Triton backends,
+#      capturable steps, CUDA-graph capture/replay),
+#   3. scripts/gpu_bandwidth.py: gram_step's fraction of peak bandwidth, dual-op latency,
+#   4. the kernel benchmarks: bench/results/gpu-<name>.{json,md} (python bench/run.py),
+#   5. bench-iter: every method's seconds per iteration vs the common and its own algorithmic floor
+#      (ResNet18, 128 px, batch 256 and 32): results/wallclock/gpu-<device>-b<batch>.*,
+#   6. a CUDA train -> resume -> eval round trip through the checkpoint format.
+# Logs and results are packed into $OUT/gpu_check.tar.gz (plus the summary log) when $OUT is set
+# (the device runner's output folder, which returns at most 8 files).
 #
 # Uses .venv when it exists (scripts/setup_env.sh), else $PYTHON or python3 with torch already
 # installed (a GPU machine without network access cannot run the pinned install).
 #
-#   bash scripts/gpu_check.sh              # all three steps
+#   bash scripts/gpu_check.sh              # every step
 #   bash scripts/gpu_check.sh tests        # steps 1-2 only
-#   bash scripts/gpu_check.sh bench        # steps 1 and 3 only
-# Device time is usually scarce: the benchmark measures each record for DRMOO_BENCH_BUDGET_S
-# (0.25 s here, 1 s by default), and "tests" and "bench" fit separate 10-minute calls.
+#   bash scripts/gpu_check.sh bench        # steps 1, 3-5 only
+# Each step gets what is left of GPU_CHECK_BUDGET_S (default 540 s) and at most its own cap, so a
+# slow step cannot eat the whole call; a step cut short counts as a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
@@ -32,30 +37,64 @@ EOF
 logs="bench/results/logs"
 mkdir -p "$logs"
 start=$(date +%s)
-echo "[gpu_check] building the extension in place (MAX_JOBS=${MAX_JOBS:-8})"
-MAX_JOBS="${MAX_JOBS:-8}" "$python" setup.py build_ext --inplace > "$logs/build.log" 2>&1 \
+deadline=$(( start + ${GPU_CHECK_BUDGET_S:-540} ))
+status=0
+summary="$logs/summary.txt"
+: > "$summary"
+
+# step NAME CAP_SECONDS COMMAND...: runs COMMAND with min(CAP, time left) and records the outcome.
+step() {
+    local name=$1 cap=$2; shift 2
+    local left=$(( deadline - $(date +%s) ))
+    if [ "$left" -lt 10 ]; then
+        echo "[gpu_check] $name: skipped, no time left" | tee -a "$summary"; status=1; return
+    fi
+    [ "$cap" -gt "$left" ] && cap=$left
+    local t0 rc
+    t0=$(date +%s)
+    set +e
+    timeout "$cap" "$@" > "$logs/$name.log" 2>&1
+    rc=$?
+    set -e
+    tail -15 "$logs/$name.log"
+    echo "[gpu_check] $name: exit $rc in $(( $(date +%s) - t0 ))s (cap ${cap}s)" | tee -a "$summary"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+echo "[gpu_check] building the extension in place (MAX_JOBS=${MAX_JOBS:-16})"
+MAX_JOBS="${MAX_JOBS:-16}" "$python" setup.py build_ext --inplace > "$logs/build.log" 2>&1 \
     || { tail -40 "$logs/build.log"; exit 1; }
 export PYTHONPATH="python:.${PYTHONPATH:+:$PYTHONPATH}"
 "$python" -c 'import drmoo_kernels as k; print("[gpu_check] backends:", ", ".join(k.available_backends()))' \
-    | tee "$logs/backends.txt"
-echo "[gpu_check] built in $(( $(date +%s) - start ))s"
+    | tee "$logs/backends.txt" | tee -a "$summary"
+echo "[gpu_check] built in $(( $(date +%s) - start ))s" | tee -a "$summary"
 
-status=0
-set +e  # run both steps and report both, whatever the first one does
 if [ "$what" != bench ]; then
-    echo "[gpu_check] kernel and optimizer tests on the GPU"
-    "$python" -m pytest -q -p no:cacheprovider -ra tests/kernels tests/optim \
-        --junitxml="$logs/gpu-tests.xml" 2>&1 | tee "$logs/gpu-tests.log" | tail -25
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    # pytest-xdist spreads the CPU-heavy property tests over the machine's cores when it is there.
+    parallel=()
+    "$python" -c 'import xdist' 2>/dev/null && parallel=(-n 8)
+    step tests 300 "$python" -m pytest -q -p no:cacheprovider -ra "${parallel[@]}" \
+        tests/kernels tests/optim tests/reliability tests/test_objective.py --junitxml="$logs/gpu-tests.xml"
 fi
 if [ "$what" != tests ]; then
-    echo "[gpu_check] benchmarks"
-    DRMOO_BENCH_BUDGET_S="${DRMOO_BENCH_BUDGET_S:-0.25}" "$python" bench/run.py 2>&1 | tee "$logs/bench.log" | tail -5
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    step bandwidth 90 "$python" scripts/gpu_bandwidth.py --out "$logs"
+    step bench 150 env DRMOO_BENCH_BUDGET_S="${DRMOO_BENCH_BUDGET_S:-0.1}" "$python" bench/run.py
+    step bench_iter 150 bash -c "$python -m drmoo bench-iter --experiment multimnist2 --methods all \
+        --batch-size 256 --repeats 20 --warmup 3 --out results/wallclock --quiet && \
+        $python -m drmoo bench-iter --experiment multimnist2 --methods double-clip,mgda,nashmtl \
+        --batch-size 32 --repeats 20 --warmup 3 --out results/wallclock --quiet"
 fi
-set -e
+if [ "$what" = all ]; then
+    round_trip=$(mktemp -d)
+    step cuda_round_trip 60 bash -c "set -e; $python -m drmoo train --experiment multimnist2 --method double-clip \
+        --preset quick --device cuda --max-steps 2 --out $round_trip/run --quiet; \
+        $python -m drmoo train --resume $round_trip/run --max-steps 4 --quiet; \
+        $python -m drmoo eval --run $round_trip/run --eps 0,0.03 --quiet; cat $round_trip/run/eval.json"
+fi
+
+echo "[gpu_check] done in $(( $(date +%s) - start ))s, exit status $status" | tee -a "$summary"
 if [ -n "${OUT:-}" ]; then
-    cp -r bench/results "$OUT/"
+    tar czf "$OUT/gpu_check.tar.gz" bench/results results/wallclock
+    cp "$summary" "$OUT/"
 fi
-echo "[gpu_check] done in $(( $(date +%s) - start ))s, exit status $status"
 exit "$status"
