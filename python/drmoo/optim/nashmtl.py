@@ -35,6 +35,12 @@ def nash_weights(gram: Tensor, *, iters: int = 100) -> Tensor:
     problems converge to 1e-12 in <= 20 iterations).  Start: a = 1 (exact for orthogonal
     gradients); ``iters`` iterations (a fixed count: a convergence test would need a host sync;
     converged iterations do not move).
+
+    m = 2 needs no iterations: the scaled matrix is [[d_1, c], [c, d_2]] with c = 0 unless both
+    tasks are active, and then d_1 = d_2 = 1 + ridge; either way a_i = 1/sqrt(d_i + c) solves
+    a_i (K a)_i = 1 (with d_1 = d_2 the unique minimizer is symmetric, a^2 (d + c) = 1), exactly,
+    in about 20 tensor ops instead of the iterations' ~2,000 (``iters`` = 100 x ~20 ops, each a
+    kernel launch on a GPU: milliseconds per step, more than the optimizer's other work).
     """
     K = gram.double()
     m = K.shape[0]
@@ -44,14 +50,21 @@ def nash_weights(gram: Tensor, *, iters: int = 100) -> Tensor:
     inv_sqrt = torch.where(active, torch.rsqrt(torch.where(active, diagonal, ones)), 0.0 * ones)
     # Vanished tasks become decoupled unit rows (their a stays at the start value 1, then is zeroed).
     K = inv_sqrt[:, None] * K * inv_sqrt[None, :] + torch.diag(torch.where(active, NASH_RIDGE * ones, ones))
-    a = ones
+    if m == 2:  # closed form (see above); d + c >= ridge > 0 up to rounding, clamped like the iterates
+        return inv_sqrt * torch.rsqrt(torch.clamp(torch.diagonal(K) + K[0, 1], min=TINY))
+    return inv_sqrt * _damped_newton(K, iters)
+
+
+def _damped_newton(K: Tensor, iters: int) -> Tensor:
+    """``iters`` damped Newton steps on F(a) = 1/2 a^T K a - sum_i log a_i from a = 1 (see nash_weights)."""
+    a = torch.ones(K.shape[0], dtype=K.dtype, device=K.device)
     for _ in range(iters):
         gradient = K @ a - 1.0 / a
         factor, _ = torch.linalg.cholesky_ex(K + torch.diag(1.0 / (a * a)))
         newton_step = torch.cholesky_solve(gradient[:, None], factor)[:, 0]
         decrement = torch.sqrt(torch.clamp(gradient @ newton_step, min=0.0))
         a = torch.clamp(a - newton_step / (1.0 + decrement), min=TINY)
-    return inv_sqrt * a
+    return a
 
 
 class NashMTL(JointBaseline):
