@@ -117,6 +117,6 @@ def test_medium_preset_runs_through_compare(tmp_path: Path) -> None:
 def test_eps_space_is_refused_where_nothing_is_attacked(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"experiment": "celeba"}))
+    (run / "config.json").write_text(RunConfig(experiment="celeba", method="mgda", preset="quick").to_json())
     assert main(["eval", "--run", str(run), "--eps-space", "normalized"]) == 2
     assert "--eps-space applies to the FGSM experiments; celeba is not attacked" in capsys.readouterr().err
