@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ._base import HYPERPARAMETER_CHECKS, STATE_KEY, Closure, ParamsT, check_flag, check_positive
-from ._joint import JointBaseline, common_defaults
+from ._joint import JointBaseline, all_finite, common_defaults
 
 ReevaluateFn = Callable[[], Tensor]
 
@@ -191,7 +191,7 @@ class FAMO(JointBaseline):
         weights = inverse / inverse.sum()
 
         combined = self.combined_gradient(batch, weights, "d")
-        self.raise_unless_finite([("sum_i c_i grad L^i", torch.isfinite(combined).all().expand(self.num_tasks))])
+        self.raise_unless_finite([("sum_i c_i grad L^i", all_finite(combined).expand(self.num_tasks))])
         capturable = self.found_inf is not None
 
         shared = self._shared_params()

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ._base import Closure, ParamsT, check_flag
-from ._joint import JointBaseline, common_defaults, joint_norm, simplex_step
+from ._joint import JointBaseline, all_finite, common_defaults, joint_norm, simplex_step
 
 
 class MoDo(JointBaseline):
@@ -99,7 +99,7 @@ class MoDo(JointBaseline):
         # A non-finite entry of J_2 reaches every entry of J_2^T w, one of J_1 its row of the product.
         self.raise_unless_finite([
             ("G1", torch.isfinite(cross)),
-            ("G2", torch.isfinite(combined_second).all().expand(self.num_tasks)),
+            ("G2", all_finite(combined_second).expand(self.num_tasks)),
             ("G3", torch.isfinite(torch.diagonal(gram))),
         ])
 

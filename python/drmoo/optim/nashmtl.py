@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ._base import STATE_KEY, Closure, ParamsT, check_flag, check_positive
-from ._joint import TINY, JointBaseline, check_count, common_defaults, joint_gram, joint_norm
+from ._joint import TINY, JointBaseline, all_finite, check_count, common_defaults, joint_gram, joint_norm
 
 # Ridge on the unit-diagonal (Jacobi-scaled) Gram matrix.  When the joint gradients are linearly
 # dependent with conflicting signs (e.g. g_2 = -g_1), F below is unbounded and no alpha solves the
@@ -176,7 +176,7 @@ class NashMTL(JointBaseline):
             batch = self.draw_batch(closure)
             alpha = state["alpha"]
             combined = self.combined_gradient(batch, alpha, "d")
-            finite = torch.isfinite(combined).all().expand(self.num_tasks)
+            finite = all_finite(combined).expand(self.num_tasks)
             self.raise_unless_finite([("sum_i alpha_i grad L^i", finite)])
             direction, theta_norm = combined[None, :], torch.linalg.vector_norm(combined.double())
             theta_weights = torch.ones(1, dtype=torch.float64, device=alpha.device)
