@@ -72,7 +72,7 @@ echo "[gpu_check] built in $(( $(date +%s) - start ))s" | tee -a "$summary"
 if [ "$what" != bench ]; then
     # pytest-xdist spreads the CPU-heavy property tests over the machine's cores when it is there.
     parallel=()
-    "$python" -c 'import xdist' 2>/dev/null && parallel=(-n 8)
+    "$python" -c "import xdist" 2>/dev/null && parallel=(-n 16)
     step tests 300 "$python" -m pytest -q -p no:cacheprovider -ra "${parallel[@]}" \
         tests/kernels tests/optim tests/reliability tests/test_objective.py --junitxml="$logs/gpu-tests.xml"
 fi
