@@ -74,7 +74,7 @@ inline void write_f64(at::Tensor& t, const double* values) {
 
 // The value of a one-element tensor (mu, lr) as float64.
 inline double scalar_f64(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.numel() == 1, "drmoo.", op, ": ", name, " must hold one value, got shape ", shape_str(t));
+  DRMOO_CHECK_VALUE(t.numel() == 1, "drmoo.", op, ": ", name, " must hold one value, got shape ", shape_str(t));
   const at::ScalarType type = t.scalar_type();
   if (t.is_cpu() && (type == at::kDouble || type == at::kFloat)) {
     return type == at::kDouble ? *t.const_data_ptr<double>() : static_cast<double>(*t.const_data_ptr<float>());

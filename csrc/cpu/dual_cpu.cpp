@@ -68,7 +68,7 @@ void dual_pass(const scalar_t* losses, const acc_t* sample_weight, int64_t batch
 
 DualInputs prepare(const char* op, const at::Tensor& losses, const at::Tensor& eta,
                    const c10::optional<at::Tensor>& sample_weight, int64_t code, double param, double lam) {
-  TORCH_CHECK(losses.device().is_cpu(), "drmoo.", op, ": the CPU kernel got tensors on ",
+  DRMOO_CHECK(losses.device().is_cpu(), "drmoo.", op, ": the CPU kernel got tensors on ",
               device_str(losses.device()));
   return prepare_dual_inputs(op, losses, eta, sample_weight, code, param, lam);
 }

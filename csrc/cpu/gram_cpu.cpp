@@ -185,7 +185,7 @@ std::vector<acc_t> to_acc_vector(const at::Tensor& t) {
 }
 
 void check_cpu(const char* op, const at::Tensor& J) {
-  TORCH_CHECK(J.device().is_cpu(), "drmoo.", op, ": the CPU kernel got tensors on ", device_str(J.device()));
+  DRMOO_CHECK(J.device().is_cpu(), "drmoo.", op, ": the CPU kernel got tensors on ", device_str(J.device()));
 }
 
 at::Tensor gram_cpu(const at::Tensor& J_in) {

@@ -115,7 +115,10 @@ class _AtenOps(TorchDispatchMode):
 def launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """Launch counts per kernel name, for every Triton kernel of the backend."""
     kernels = load_kernels()
-    assert interpreter_problem() is None  # its one-off probe launch happens now, not during a count
+    problem = interpreter_problem()  # its one-off probe launch happens now, not during a count
+    if problem is not None:
+        # e.g. the H200 image: Triton 3.6 with numpy 2.5 (both CI legs pin a numpy it runs with)
+        pytest.skip(f"launches are counted in Triton's interpreter, which cannot run here: {problem}")
     counts: Counter[str] = Counter()
     names = [name for name, value in vars(kernels).items() if isinstance(value, KernelInterface)]
     assert {"dual_forward_kernel", "dual_step_kernel", "gram_partial_kernel", "combine_kernel"} <= set(names)
