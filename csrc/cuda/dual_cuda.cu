@@ -26,24 +26,25 @@ constexpr int kFusedThreads = 512;
 // thread); past it, one block per task column spreads the reduction over the device.
 constexpr int64_t kFusedMaxElements = 16 * 1024;
 
-// Thread 0 of the block: mu = min(f1, f2 / ||z w||) and eta -= gamma mu (z w), each value rounded
-// to eta's dtype as the reference's in-place update on a tensor of that dtype; eta_next[i] gets
-// the new eta in the math dtype (may be nullptr).
-template <typename acc_t>
-__device__ void update_eta(const acc_t* z, ValueRef w, int64_t m, acc_t gamma, acc_t f1, acc_t f2, ValueRef eta,
-                           acc_t* mu_out, acc_t* eta_next) {
+// One thread: mu = min(f1, f2 / ||z w||) and eta -= gamma mu (z w), each value rounded to eta's
+// dtype as the reference's in-place update on a tensor of that dtype.  w_at(i) is w[i] in the math
+// dtype, eta_at(i) the current eta[i] (exact, as float64); the new eta is stored through `eta` and,
+// when eta_next is given, kept there in the math dtype.
+template <typename acc_t, typename WAt, typename EtaAt>
+__device__ void update_eta(const acc_t* z, WAt w_at, EtaAt eta_at, int64_t m, acc_t gamma, acc_t f1, acc_t f2,
+                           ValueRef eta, acc_t* mu_out, acc_t* eta_next) {
   double norm_sq = 0.0;
   for (int64_t i = 0; i < m; ++i) {
-    const double d = static_cast<double>(z[i] * static_cast<acc_t>(load_value(w, i)));
+    const double d = static_cast<double>(z[i] * w_at(i));
     norm_sq += d * d;
   }
   const acc_t mu = clip_factor(f1, f2, static_cast<acc_t>(sqrt(norm_sq)));
   *mu_out = mu;
   const acc_t step = gamma * mu;
   for (int64_t i = 0; i < m; ++i) {
-    const acc_t direction = z[i] * static_cast<acc_t>(load_value(w, i));
+    const acc_t direction = z[i] * w_at(i);
     const double update = round_to(eta.code, static_cast<double>(step * direction));
-    const double next = round_to(eta.code, load_value(eta, i) - update);
+    const double next = round_to(eta.code, eta_at(i) - update);
     store_value(eta, i, next);
     if (eta_next != nullptr) eta_next[i] = static_cast<acc_t>(next);
   }
@@ -64,8 +65,18 @@ __global__ void __launch_bounds__(kFusedThreads)
   __shared__ double part_conj[kStep ? 1 : kFusedThreads];
   __shared__ acc_t eta_shared[kFusedThreads];
   __shared__ acc_t z_shared[kFusedThreads];
+  // eta (exact) and w for thread 0's serial update, loaded in parallel up front.
+  __shared__ double eta64_shared[kStep ? kFusedThreads : 1];
+  __shared__ acc_t w_shared[kStep ? kFusedThreads : 1];
   const int tid = threadIdx.x;
-  for (int i = tid; i < m; i += blockDim.x) eta_shared[i] = static_cast<acc_t>(load_value(eta, i));
+  for (int i = tid; i < m; i += blockDim.x) {
+    const double eta_i = load_value(eta, i);
+    eta_shared[i] = static_cast<acc_t>(eta_i);
+    if constexpr (kStep) {
+      eta64_shared[i] = eta_i;
+      w_shared[i] = static_cast<acc_t>(load_value(w, i));
+    }
+  }
   __syncthreads();
 
   const int per_col = blockDim.x / m;  // >= 1: the host launches this kernel only for m <= blockDim
@@ -112,7 +123,11 @@ __global__ void __launch_bounds__(kFusedThreads)
   }
   if constexpr (kStep) {
     __syncthreads();
-    if (tid == 0) update_eta<acc_t>(z_shared, w, m, gamma, f1, f2, eta, mu_out, eta_shared);
+    if (tid == 0) {
+      update_eta<acc_t>(
+          z_shared, [=](int64_t i) { return w_shared[i]; }, [=](int64_t i) { return eta64_shared[i]; }, m, gamma, f1,
+          f2, eta, mu_out, eta_shared);
+    }
     __syncthreads();
     const int64_t total = batch * m;
 #pragma unroll 4
@@ -162,7 +177,9 @@ __global__ void __launch_bounds__(kThreads)
 template <typename acc_t>
 __global__ void dual_eta_kernel(const acc_t* __restrict__ z, ValueRef w, int64_t m, acc_t gamma, acc_t f1, acc_t f2,
                                 ValueRef eta, acc_t* __restrict__ mu_out) {
-  update_eta<acc_t>(z, w, m, gamma, f1, f2, eta, mu_out, nullptr);
+  update_eta<acc_t>(
+      z, [=](int64_t i) { return static_cast<acc_t>(load_value(w, i)); }, [=](int64_t i) { return load_value(eta, i); },
+      m, gamma, f1, f2, eta, mu_out, nullptr);
 }
 
 // weights[b, i] = omega f*'((loss - scale eta_i) / lam) / B, eta read in its own dtype.

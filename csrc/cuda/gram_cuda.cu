@@ -31,7 +31,7 @@ constexpr int kMaxSmallTasks = 8;        // m up to this: register accumulators 
 constexpr int kFinalizeThreads = 512;    // the one-block reduction of the partials
 constexpr int kTileWarps = 8;            // tile kernel: warps (= Gram register tiles) per block
 constexpr int kMaxSlots = 2 * kTileWarps;  // row blocks one tile block can touch
-constexpr int kTileShared = 48 * 1024;   // tile kernel: both stages of the shared J tile
+constexpr int kTileShared = 44 * 1024;  // tile kernel: both stages of the J tile (+ static < 48 KB)
 constexpr int kMaxTensorsPerLaunch = 96;  // update kernel: parameter pointers per launch (4 KB params)
 constexpr int kUpdatePerThread = 8;      // update kernel: elements per thread
 constexpr int kUpdateChunk = kThreads * kUpdatePerThread;  // elements per block
@@ -350,7 +350,7 @@ PartialsPlan plan_partials(const at::Tensor& J) {
   plan.block = dim3(static_cast<unsigned>(32 * warps));
   const void* kernel = plan.async ? tile_kernel<scalar_t, acc_t, R, true>() : tile_kernel<scalar_t, acc_t, R, false>();
   const int64_t resident = static_cast<int64_t>(blocks_per_sm(kernel, 32 * warps, plan.shared)) * sm_count();
-  TORCH_CHECK(tile_groups < (int64_t{1} << 31), "drmoo.gram: too many tasks for the CUDA kernel (m = ", m, ")");
+  DRMOO_CHECK(tile_groups < (int64_t{1} << 31), "drmoo.gram: too many tasks for the CUDA kernel (m = ", m, ")");
   plan.blocks = std::max<int64_t>(1, std::min<int64_t>({plan.chunks, std::max<int64_t>(1, resident / tile_groups),
                                                         int64_t{65535}}));
   plan.grid = dim3(static_cast<unsigned>(tile_groups), static_cast<unsigned>(plan.blocks));
@@ -417,15 +417,20 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   const bool in_shared = step.enabled && m <= kSharedGramTasks;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int64_t pairs = m * (m + 1) / 2;
+  // Pair p = (i, j) goes to warp p % warps; rows are walked in order (integer arithmetic only).
+  int64_t i = 0, row_end = m;  // pairs of row i: [row_end - (m - i), row_end)
   for (int64_t p = warp; p < pairs; p += warps) {
+    while (p >= row_end) {
+      ++i;
+      row_end += m - i;
+    }
+    const int64_t j = i + (p - (row_end - (m - i)));
     const double* row = partials + p * blocks;
     double s = 0.0;
-#pragma unroll 4
+#pragma unroll 8  // independent loads in flight: a few round trips to L2 for ~1000 partials
     for (int64_t b = lane; b < blocks; b += 32) s += row[b];
     s = warp_sum(s);
     if (lane == 0) {
-      int64_t i, j;
-      pair_of_index(m, p, &i, &j);
       const acc_t value = static_cast<acc_t>(s);
       gram[i * m + j] = value;
       gram[j * m + i] = value;
@@ -437,7 +442,7 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   }
   if (!step.enabled) return;
   // G as the step sees it: the Gram's stored (acc_t) values, as float64.
-  auto gram_at = [&](int64_t e) { return in_shared ? gram_shared[e] : static_cast<double>(gram[e]); };
+  auto gram_at = [=](int64_t e) { return in_shared ? gram_shared[e] : static_cast<double>(gram[e]); };
   double* vectors = in_shared ? vectors_shared : step.work;
   double* w_work = vectors;
   double* z = vectors + m;
@@ -591,7 +596,7 @@ void launch_update(const at::Tensor& J, at::TensorList params, const UpdateArgs&
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t m = J.size(0), ld = J.stride(0);
   const size_t shared = static_cast<size_t>(m) * sizeof(acc_t);
-  TORCH_CHECK(shared <= 48 * 1024, "drmoo: the CUDA update supports up to ", 48 * 1024 / sizeof(acc_t),
+  DRMOO_CHECK(shared <= 48 * 1024, "drmoo: the CUDA update supports up to ", 48 * 1024 / sizeof(acc_t),
               " tasks, got m = ", m);
   const scalar_t* data = J.data_ptr<scalar_t>();
   std::vector<at::Tensor> staged;  // contiguous copies of non-contiguous parameters, written back
@@ -599,7 +604,7 @@ void launch_update(const at::Tensor& J, at::TensorList params, const UpdateArgs&
   int64_t chunks = 0, offset = 0;
   auto flush = [&] {
     if (table.count == 0) return;
-    TORCH_CHECK(chunks < (int64_t{1} << 31), "drmoo: too many parameter elements for one CUDA launch");
+    DRMOO_CHECK(chunks < (int64_t{1} << 31), "drmoo: too many parameter elements for one CUDA launch");
     update_kernel<scalar_t, acc_t><<<static_cast<unsigned>(chunks), kThreads, shared, stream>>>(
         data, ld, static_cast<int>(m), args, table);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -659,7 +664,7 @@ void combine_cuda(const at::Tensor& J_in, const at::Tensor& w, at::TensorList pa
   check_cuda("combine", J);
   check_vector("combine", "w", w, J.size(0), J);
   check_params("combine", J, params);
-  TORCH_CHECK_VALUE(lr.numel() == 1, "drmoo.combine: lr must hold one value, got shape ", shape_str(lr));
+  DRMOO_CHECK_VALUE(lr.numel() == 1, "drmoo.combine: lr must hold one value, got shape ", shape_str(lr));
   at::Tensor lr_keep;
   UpdateArgs args{scalar_ref(lr, J.device(), &lr_keep), value_ref(w), nullptr};
   const cudaStream_t stream = current_stream();
@@ -679,7 +684,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gram_step_cuda(const at::Tensor& 
   check_vector("gram_step", "w", w, m, J);
   check_vector("gram_step", "z", z, m, J);
   check_params("gram_step", J, params);
-  TORCH_CHECK_VALUE(mu.numel() == 1, "drmoo.gram_step: mu must hold one value, got shape ", shape_str(mu));
+  DRMOO_CHECK_VALUE(mu.numel() == 1, "drmoo.gram_step: mu must hold one value, got shape ", shape_str(mu));
   at::Tensor gram = at::empty({m, m}, J.options().dtype(acc_dtype(J.scalar_type())));
   at::Tensor d_norm = at::empty({}, J.options().dtype(at::kFloat));
   at::Tensor alpha = at::empty({}, J.options().dtype(at::kFloat));
