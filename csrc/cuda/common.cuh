@@ -90,7 +90,7 @@ inline int blocks_per_sm(const void* kernel, int threads, size_t shared_bytes) {
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 inline void check_cuda(const char* op, const at::Tensor& t) {
-  TORCH_CHECK(t.is_cuda(), "drmoo.", op, ": the CUDA kernel got tensors on ", device_str(t.device()));
+  DRMOO_CHECK(t.is_cuda(), "drmoo.", op, ": the CUDA kernel got tensors on ", device_str(t.device()));
 }
 
 // A small tensor (a vector or one value) read or written in its own dtype by a kernel, so that the

@@ -326,16 +326,11 @@ def test_on_cuda_without_a_sync_and_as_on_the_cpu(m: int) -> None:
     expected = min_norm_weights(K, start)
     K_cuda, start_cuda = K.cuda(), start.cuda()
     torch.cuda.synchronize()
-    # The active set (m > 10) solves one small system per step: with torch's default backend choice
-    # that solve synchronised on an H200 (torch 2.11); cuSOLVER's does not (as in test_capturable).
-    linalg = torch.backends.cuda.preferred_linalg_library()
-    torch.backends.cuda.preferred_linalg_library("cusolver")
     torch.cuda.set_sync_debug_mode("error")
     try:
         w = min_norm_weights(K_cuda, start_cuda, max_iter=200)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        torch.backends.cuda.preferred_linalg_library(linalg)
     w = w.cpu()
     value, best = float(w @ K @ w), float(expected @ K @ expected)
     assert abs(value - best) <= 1e-10 * best
