@@ -25,9 +25,8 @@ Capturable steps.  Every optimizer takes ``capturable: bool = False``, with the 
   ``update_every > 1`` needs one graph per branch, and Double-Loop's captured indices would repeat
   on every replay (do not capture it).  Keep the heads' ``.grad`` allocated (zero them in place) so
   that the graph's memory stays static.
-* Known gap (measured on an H200, torch 2.11): MGDA's active-set solver (m > 10) still makes a
-  device-to-host synchronisation per step on CUDA (tests/optim/test_min_norm_exact.py, m = 11 and
-  40, fails there); m <= 10 and the other methods make none.
+* Small writes.  ``t[i] = 1.0`` on a CUDA tensor ``t`` (a 0-d target) is a synchronising host
+  copy (seen on an H200, torch 2.11, in MGDA's active set); the solvers write ``t[i:i+1].fill_``.
 * Cost.  The theta update forms J^T w in a buffer before writing it (a skipped step must not write
   0 * NaN), and FAMO restores theta on the device after its re-evaluation; otherwise the step does
   the same work as the eager one and follows the same trajectory up to rounding.

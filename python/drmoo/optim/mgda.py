@@ -178,7 +178,7 @@ def _min_norm_by_active_set(
     bordered[:m, m] = inverse_d
     bordered[m, :m] = inverse_d
     rhs = torch.zeros(m + 1, dtype=dtype, device=device)
-    rhs[m] = 1.0
+    rhs[m:].fill_(1.0)  # not rhs[m] = 1.0: a 0-d CUDA target is filled by a synchronising host copy
     magnitude_matrix = C.abs()
     no_weight = torch.zeros(1, dtype=dtype, device=device)
     w = (torch.arange(m, device=device) == torch.argmin(d)).to(dtype)  # the vertex of least norm
