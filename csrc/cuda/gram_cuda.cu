@@ -415,7 +415,9 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   __shared__ double gram_shared[kSharedGramTasks * kSharedGramTasks];
   __shared__ double vectors_shared[4 * kSharedGramTasks];
   const bool in_shared = step.enabled && m <= kSharedGramTasks;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  // Strides are the compile-time block size (always the launch's): with blockDim.x ptxas kept
+  // the value in an 8-byte stack slot in the float64 sm_90 variant.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = kFinalizeThreads / 32;
   const int64_t pairs = m * (m + 1) / 2;
   // Pair p = (i, j) goes to warp p % warps; rows are walked in order (integer arithmetic only).
   int64_t i = 0, row_end = m;  // pairs of row i: [row_end - (m - i), row_end)
@@ -448,7 +450,7 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   double* z = vectors + m;
   double* gram_w = vectors + 2 * m;
   double* scratch = vectors + 3 * m;
-  for (int64_t i = threadIdx.x; i < m; i += blockDim.x) {
+  for (int64_t i = threadIdx.x; i < m; i += kFinalizeThreads) {
     const double w_i = load_value(step.w, i);
     step.control[2 + i] = w_i;  // the incoming w, for the update pass
     w_work[i] = w_i;
@@ -456,10 +458,10 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   }
   __syncthreads();  // the Gram (global and shared) and the vectors above are visible to every thread
   bool not_finite = false;
-  for (int64_t e = threadIdx.x; e < m * m; e += blockDim.x) not_finite |= !d_isfinite(gram_at(e));
+  for (int64_t e = threadIdx.x; e < m * m; e += kFinalizeThreads) not_finite |= !d_isfinite(gram_at(e));
   const bool finite = __syncthreads_or(not_finite) == 0;
   if (finite) {
-    for (int64_t i = threadIdx.x; i < m; i += blockDim.x) {
+    for (int64_t i = threadIdx.x; i < m; i += kFinalizeThreads) {
       double s = 0.0;
       for (int64_t j = 0; j < m; ++j) s += gram_at(i * m + j) * w_work[j];
       gram_w[i] = s;
