@@ -110,3 +110,44 @@ def test_compare_writes_table_one_and_reuses_finished_runs(tmp_path: Path, cache
     stamp = (out / "mgda-seed1" / "checkpoint.pt").stat().st_mtime_ns
     assert main(args) == 0
     assert (out / "mgda-seed1" / "checkpoint.pt").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("method", sorted(available()))
+def test_a_capturable_step_skipped_on_the_device_stops_the_run_as_an_eager_one_does(
+        tmp_path: Path, cache_dir: str, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the trainer steps with capturable=True, which skips a NaN step on the device instead of
+    raising; the run must still stop at that step (as on the CPU), not train on applying nothing."""
+    from drmoo.experiments.multimnist import build_multimnist, method_hparams
+    from drmoo.optim import NonFiniteStepError
+
+    original = training.per_sample_losses
+
+    def nan_from_the_second_step(logits, labels):
+        losses = original(logits, labels)
+        return losses * float("nan") if steps_done[0] >= 1 else losses
+
+    steps_done = [0]
+    monkeypatch.setattr(training, "per_sample_losses", nan_from_the_second_step)
+    hparams = {**method_hparams(method), "capturable": True}  # what the trainer picks on CUDA, here on the CPU
+    config = training.RunConfig(experiment="multimnist2", method=method, preset="quick", input_size=16,
+                                train_size=48, test_size=16, batch_size=16, max_steps=3, cache_dir=cache_dir,
+                                hparams=hparams)
+    heads_before: dict[str, torch.Tensor] = {}
+
+    def build(run_config: training.RunConfig):
+        model, data = build_multimnist(run_config)
+        original_step = torch.optim.SGD.step
+
+        def count_head_steps(self, *args, **kwargs):  # the heads' SGD step ends every good trainer step
+            out = original_step(self, *args, **kwargs)
+            steps_done[0] += 1
+            heads_before.update({n: p.detach().clone() for n, p in model.named_parameters()})
+            return out
+
+        monkeypatch.setattr(torch.optim.SGD, "step", count_head_steps)
+        return model, data
+
+    with pytest.raises(NonFiniteStepError, match=r"step 2 met a non-finite .* skipped on the device \(1 skipped"):
+        training.train(config, tmp_path / "run", build, progress=False)
+    assert steps_done[0] == 1  # the heads never stepped on the skipped step
+    assert heads_before and all(torch.isfinite(p).all() for p in heads_before.values())

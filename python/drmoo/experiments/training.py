@@ -580,6 +580,18 @@ def _train_locked(
                 if len(skipped) > 50 and len(skipped) > step // 2:
                     raise RuntimeError(f"{len(skipped)} of {step + 1} fp16 steps overflowed; use --amp bf16") from error
                 continue
+            stats = optimizer.stats
+            if "found_inf" in stats and bool(stats["found_inf"]):
+                # A capturable step (CUDA) skips a non-finite step on the device instead of raising;
+                # stop here as the eager step would, so a run never trains on while applying nothing.
+                # The heads' gradients of a skipped step are zero, and nothing is saved: the forward
+                # may have put NaN into BatchNorm's running statistics.
+                raise NonFiniteStepError(
+                    f"step {step + 1} met a non-finite (NaN or Inf) loss, gradient or dual quantity and was "
+                    f"skipped on the device ({int(stats['skipped_steps'])} skipped so far); nothing was "
+                    "updated. The last checkpoint is the last saved epoch; lower the learning rate or check "
+                    "the data before resuming"
+                )
             distributed.all_reduce_grads(model.task_parameters())
             if grad_scale["value"] != 1.0:  # the heads' gradients come back scaled
                 for param in model.task_parameters():
@@ -590,7 +602,6 @@ def _train_locked(
                     grad_scale["value"] *= GRAD_SCALE_GROWTH
             heads.step()
             step += 1
-            stats = optimizer.stats
             labels = last["labels"]
             task_acc = [float((z.argmax(1) == labels[:, i]).float().mean()) for i, z in enumerate(last["logits"])]
             row = {"step": step, "epoch": (step - 1) // steps_per_epoch + 1, "samples": stream.samples_drawn,
