@@ -69,6 +69,18 @@ def test_lambda_is_the_main_experiments_and_every_method_gets_the_papers_setting
     assert "rho" not in method_hparams("nashmtl")
 
 
+def test_the_optimizers_own_multimnist_presets_say_what_the_experiment_runs() -> None:
+    # `cls.preset("multimnist")` is how a user outside drmoo's trainer gets the paper's settings
+    checked = 0
+    for method, cls in available().items():
+        preset = getattr(cls, "PRESETS", {}).get("multimnist")
+        if preset:
+            hparams = method_hparams(method)
+            assert {key: hparams.get(key) for key in preset} == preset, method
+            checked += 1
+    assert checked >= 6  # the six baselines carry one
+
+
 def test_medium_preset_is_sized_for_ten_gpu_minutes() -> None:
     # issue 14's measured point: 240 iterations of batch 256 at 64 px took ~10 minutes for 8 methods (FAMO
     # crashed early: ~10.7 with it); 3 tasks cost ~1.4x per iteration.  Both fit with a margin.

@@ -103,7 +103,7 @@ class FAMO(JointBaseline):
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "multimnist": {"lr": 1e-4, "pref_lr": 2.5e-3, "logit_decay": 1e-2, "lam": 0.6},
+        "multimnist": {"lr": 1e-4, "pref_lr": 2.5e-3, "logit_decay": 1e-2, "lam": 0.8},
         "celeba": {"lr": 1e-4, "pref_lr": 5e-6, "logit_decay": 1e-2, "lam": 0.8},
     }
     ADAM_BETAS = (0.9, 0.999)

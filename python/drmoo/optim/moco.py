@@ -66,7 +66,7 @@ class MoCo(JointBaseline):
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "multimnist": {"lr": 5e-4, "pref_lr": 1e-4, "rho": 1e-5, "lam": 0.6, "ema": 0.95},
+        "multimnist": {"lr": 5e-4, "pref_lr": 1e-4, "rho": 1e-5, "lam": 0.8, "ema": 0.95},
         "celeba": {"lr": 5e-4, "pref_lr": 5e-5, "rho": 5e-5, "lam": 0.8, "ema": 0.95},
         "linear": {"lr": 1e-5, "pref_lr": 1e-5, "rho": 1e-5, "ema": 0.95},
         "wine": {"lr": 1e-3, "pref_lr": 6e-4, "rho": 1e-6, "ema": 0.95},

@@ -59,7 +59,7 @@ class MoDo(JointBaseline):
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "multimnist": {"lr": 1e-4, "pref_lr": 1e-6, "rho": 1e-5, "lam": 0.6},
+        "multimnist": {"lr": 1e-4, "pref_lr": 1e-6, "rho": 1e-5, "lam": 0.8},
         "celeba": {"lr": 1e-4, "pref_lr": 5e-5, "rho": 5e-5, "lam": 0.8},
         "linear": {"lr": 1e-5, "pref_lr": 1e-5, "rho": 1e-5},
         "wine": {"lr": 1e-3, "pref_lr": 6e-4, "rho": 1e-6},

@@ -128,7 +128,7 @@ class NashMTL(JointBaseline):
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "multimnist": {"lr": 1e-4, "lam": 0.6},
+        "multimnist": {"lr": 1e-4, "lam": 0.8},
         "celeba": {"lr": 1e-4, "lam": 0.8},
     }
 

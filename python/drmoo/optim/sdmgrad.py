@@ -90,7 +90,7 @@ class SDMGrad(JointBaseline):
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "multimnist": {"lr": 1e-4, "pref_lr": 1e-6, "rho": 1e-5, "lam": 0.6, "inner_steps": 5},
+        "multimnist": {"lr": 1e-4, "pref_lr": 1e-6, "rho": 1e-5, "lam": 0.8, "inner_steps": 5},
         "celeba": {"lr": 1e-4, "pref_lr": 1e-6, "rho": 5e-5, "lam": 0.8, "inner_steps": 5},
         "linear": {"lr": 1e-4, "pref_lr": 5e-4, "rho": 1e-5, "inner_steps": 10},
         "wine": {"lr": 1e-3, "pref_lr": 5e-4, "rho": 1e-4, "inner_steps": 15},
