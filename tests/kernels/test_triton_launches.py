@@ -13,41 +13,33 @@ reference, with tolerances from the float32 rounding-error bound of each sum (se
 
 from __future__ import annotations
 
-import os
+import importlib.util
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_INTERPRETED = not torch.cuda.is_available()
-DEVICE = torch.device("cpu" if _INTERPRETED else "cuda")
 
-_saved_flag = os.environ.get("TRITON_INTERPRET")
-if _INTERPRETED:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    try:
-        import triton  # noqa: F401
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        _SKIP_REASON: str | None = f"triton is not importable here ({error})"
-    else:
-        from drmoo_kernels.triton_kernels import triton_interpreted
+def _sibling_module(name: str) -> ModuleType:
+    """A helper module next to this file (tests/ is not a package; pytest imports with importlib)."""
+    key = f"drmoo_tests_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
-        _SKIP_REASON = None
-        if _INTERPRETED and not triton_interpreted():
-            _SKIP_REASON = (
-                "no CUDA device, and triton was already imported in compiled mode by something earlier in this "
-                "process, before this module could set TRITON_INTERPRET=1 (run this file on its own)"
-            )
-finally:
-    if _saved_flag is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved_flag
 
+_setup = _sibling_module("triton_setup").import_triton()
+_INTERPRETED, DEVICE, _SKIP_REASON = _setup.interpreted, _setup.device, _setup.skip_reason
 if _SKIP_REASON is not None:
     pytest.skip(_SKIP_REASON, allow_module_level=True)
 
@@ -62,10 +54,7 @@ U32 = torch.finfo(torch.float32).eps / 2  # unit roundoff of the kernels' float3
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_flag() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        if _INTERPRETED:
-            patch.setenv("TRITON_INTERPRET", "1")
-        yield
+    yield from _sibling_module("triton_setup").interpreter_flag(_INTERPRETED)
 
 
 _IN_KERNEL = [False]  # set while a Triton kernel runs: the interpreter's own tensor work is not counted

@@ -1,11 +1,7 @@
 """The triton backend against the pure-torch reference, op by op and through DoubleClipMGDA.
 
-Without a GPU the kernels run in Triton's interpreter on CPU tensors.  Triton fixes interpreted vs
-compiled execution when it is first imported (its own ``tl.zeros``, ``tl.sum``... are decorated
-then), so this module sets ``TRITON_INTERPRET=1`` before importing triton, and puts the variable back
-as it was right after: other test modules must not see the triton backend become "available" on a
-CPU-only machine.  While this module's tests run, a fixture sets the variable again, because the
-dispatcher (``backend="triton"``) checks it.  With a GPU, the compiled kernels run on CUDA tensors.
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (tests/kernels/triton_setup.py
+imports triton so; with a GPU, the compiled kernels run on CUDA tensors).
 
 Shapes are small: the interpreter executes every tile operation in numpy from Python.
 """
@@ -23,44 +19,12 @@ from types import ModuleType
 import pytest
 import torch
 
-_INTERPRETED = not torch.cuda.is_available()
-DEVICE = torch.device("cpu" if _INTERPRETED else "cuda")
 
-_saved_flag = os.environ.get("TRITON_INTERPRET")
-if _INTERPRETED:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    try:
-        import triton  # noqa: F401
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        _SKIP_REASON: str | None = f"triton is not importable here ({error})"
-    else:
-        from drmoo_kernels.triton_kernels import triton_interpreted
-
-        _SKIP_REASON = None
-        if _INTERPRETED and not triton_interpreted():
-            _SKIP_REASON = (
-                "no CUDA device, and triton was already imported in compiled mode by something earlier in this "
-                "process, before this module could set TRITON_INTERPRET=1 (run this file on its own)"
-            )
-finally:
-    if _saved_flag is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved_flag
-
-if _SKIP_REASON is not None:
-    pytest.skip(_SKIP_REASON, allow_module_level=True)
-
-from drmoo_kernels import Divergence, reference  # noqa: E402
-from drmoo_kernels.backends import triton as tb  # noqa: E402
-
-
-def _error_bounds() -> ModuleType:
-    """tests/kernels/error_bounds.py (the ops' floating-point error bounds; tests/ is not a package)."""
-    key = "drmoo_tests_error_bounds"
+def _sibling_module(name: str) -> ModuleType:
+    """A helper module next to this file (tests/ is not a package; pytest imports with importlib)."""
+    key = f"drmoo_tests_{name}"
     if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name("error_bounds.py"))
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[key] = module
@@ -68,16 +32,21 @@ def _error_bounds() -> ModuleType:
     return sys.modules[key]
 
 
-eb = _error_bounds()
+_setup = _sibling_module("triton_setup").import_triton()
+_INTERPRETED, DEVICE, _SKIP_REASON = _setup.interpreted, _setup.device, _setup.skip_reason
+if _SKIP_REASON is not None:
+    pytest.skip(_SKIP_REASON, allow_module_level=True)
+
+from drmoo_kernels import Divergence, reference  # noqa: E402
+from drmoo_kernels.backends import triton as tb  # noqa: E402
+
+eb = _sibling_module("error_bounds")
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_flag() -> Iterator[None]:
     """TRITON_INTERPRET=1 for this module's tests only (the dispatcher's availability check reads it)."""
-    with pytest.MonkeyPatch.context() as patch:
-        if _INTERPRETED:
-            patch.setenv("TRITON_INTERPRET", "1")
-        yield
+    yield from _sibling_module("triton_setup").interpreter_flag(_INTERPRETED)
 
 
 DIVERGENCES = [
