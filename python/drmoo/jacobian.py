@@ -4,8 +4,11 @@ Given per-sample losses ``[B, m]`` (with their graph) and the cotangents ``[B, m
 objective (the weights v/B), row i of the Jacobian is the gradient of the shared parameters of
 sum_b cotangent[b, i] * losses[b, i], i.e. grad_theta L^i.  Two strategies:
 
-* ``loop`` - m backward passes over the one forward graph.  While task i's pass runs, each shared
-  parameter's ``.grad`` *is* a view of row i, so autograd accumulates into the buffer with no copy.
+* ``loop`` - m backward passes over the one forward graph.  Task i's pass returns the shared
+  parameters' gradients (``torch.autograd.grad``) and one multi-tensor copy (``torch._foreach_copy_``)
+  writes them into row i.  Letting autograd accumulate into ``.grad`` views of the row instead
+  costs a zeroed buffer and one ``add_`` per parameter tensor per pass (three memory passes and a
+  kernel launch each, against two passes and a few launches).
 * ``batched`` - one vmapped backward (``is_grads_batched``) producing all m rows at once, then one
   copy into the buffer.  Faster when the per-pass overhead dominates (small models, many tasks);
   more memory, and an operator without a batching rule makes torch fall back to a loop.
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["STRATEGIES", "head_leaves", "task_jacobian"]
+__all__ = ["STRATEGIES", "accumulate_into_grad", "head_leaves", "task_jacobian", "write_gradients"]
 
 STRATEGIES: tuple[str, ...] = ("loop", "batched")
 
@@ -69,19 +72,39 @@ def _column_views(shared: Sequence[Tensor], row: Tensor) -> list[Tensor]:
     return views
 
 
+def write_gradients(shared: Sequence[Tensor], row: Tensor, grads: Sequence[Tensor | None]) -> None:
+    """Write the gradients of ``shared`` (None: the parameter is unused, its gradient is 0) into ``row`` [n]."""
+    views = _column_views(shared, row)
+    used = [(view, grad) for view, grad in zip(views, grads) if grad is not None]
+    with torch.no_grad():
+        if used:
+            torch._foreach_copy_([view for view, _ in used], [grad for _, grad in used])
+        for view, grad in zip(views, grads):
+            if grad is None:
+                view.zero_()
+
+
+def accumulate_into_grad(leaves: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+    """``leaf.grad += grad`` as autograd's AccumulateGrad does it (the first gradient is taken, in
+    the leaf's layout; later ones are added in place); None (an unused leaf) leaves ``.grad`` as it is."""
+    with torch.no_grad():
+        for leaf, grad in zip(leaves, grads):
+            if grad is None:
+                continue
+            if leaf.grad is None:
+                leaf.grad = grad if grad.stride() == leaf.stride() else torch.empty_like(leaf).copy_(grad)
+            else:
+                leaf.grad.add_(grad)
+
+
 def _backward_into(shared: Sequence[Tensor], row: Tensor, losses: Tensor, cotangent: Tensor, *,
-                   retain_graph: bool, feed_heads: bool) -> None:
-    """One backward pass whose shared-parameter gradients accumulate into ``row`` (a [n] view)."""
-    saved = [p.grad for p in shared]
-    try:
-        for param, view in zip(shared, _column_views(shared, row)):
-            param.grad = view
-        torch.autograd.backward(
-            losses, grad_tensors=cotangent, retain_graph=retain_graph, inputs=None if feed_heads else list(shared)
-        )
-    finally:
-        for param, grad in zip(shared, saved):
-            param.grad = grad
+                   retain_graph: bool, heads: Sequence[Tensor]) -> None:
+    """One backward pass: the shared parameters' gradient is written into ``row`` (a [n] view, every
+    entry), the ``heads``' gradients accumulate into their ``.grad``."""
+    grads = torch.autograd.grad(losses, [*shared, *heads], grad_outputs=cotangent, retain_graph=retain_graph,
+                                allow_unused=True)
+    write_gradients(shared, row, grads[: len(shared)])
+    accumulate_into_grad(heads, grads[len(shared):])
 
 
 def task_jacobian(
@@ -101,13 +124,13 @@ def task_jacobian(
     if tuple(out.shape) != (num_tasks, n):
         raise ValueError(f"Jacobian buffer has shape {tuple(out.shape)}, expected ({num_tasks}, {n})")
     cotangent = cotangent.to(losses.dtype)
-    out.zero_()
+    heads = head_leaves(losses, shared) if feed_heads else []
     if strategy == "loop":
         for task in range(num_tasks):
             task_cotangent = torch.zeros_like(cotangent)
             task_cotangent[:, task] = cotangent[:, task]
-            _backward_into(shared, out[task], losses, task_cotangent,
-                           retain_graph=task < num_tasks - 1, feed_heads=feed_heads)
+            _backward_into(shared, out[task], losses, task_cotangent, retain_graph=task < num_tasks - 1,
+                           heads=heads)
         return out
 
     # batched: grad_outputs[i] is the cotangent restricted to column i.
@@ -115,13 +138,13 @@ def task_jacobian(
     batched_cotangent = eye[:, None, :] * cotangent[None, :, :]
     grads = torch.autograd.grad(
         losses, list(shared), grad_outputs=batched_cotangent, is_grads_batched=True,
-        retain_graph=feed_heads, allow_unused=True, materialize_grads=True,
+        retain_graph=bool(heads), allow_unused=True, materialize_grads=True,
     )
     offset = 0
     for param, grad in zip(shared, grads):
         out[:, offset : offset + param.numel()].copy_(grad.reshape(num_tasks, -1))
         offset += param.numel()
-    if feed_heads:  # one more pass for the heads; the shared gradients of it go to a scratch row
-        scratch = torch.zeros(n, dtype=out.dtype, device=out.device)
-        _backward_into(shared, scratch, losses, cotangent, retain_graph=False, feed_heads=True)
+    if heads:  # one more pass, for the heads only
+        grads = torch.autograd.grad(losses, heads, grad_outputs=cotangent, allow_unused=True)
+        accumulate_into_grad(heads, grads)
     return out

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from drmoo import distributed
-from drmoo.jacobian import head_leaves
+from drmoo.jacobian import head_leaves, write_gradients
 from drmoo_kernels.reference import project_simplex
 
 from ._base import (
@@ -168,27 +168,20 @@ class JointBaseline(MultiObjectiveOptimizer):
     def combined_gradient(self, batch: TaskGradients, task_weights: Tensor, slot: str) -> Tensor:
         """grad_theta sum_i c_i L^i in ONE backward pass; the heads get their raw gradient.
 
-        The shared parameters' backward is restricted to them and accumulates straight into a flat
-        buffer (each ``.grad`` is a view of it while it runs, as in ``task_jacobian``).  The heads
-        then get the gradient of sum_i L^i (unweighted, the convention for every method) from a
-        second backward restricted to the head leaves, which only traverses the graph above them.
+        The shared parameters' backward is restricted to them and its gradients are written into a
+        flat buffer by one multi-tensor copy (as in ``task_jacobian``).  The heads then get the
+        gradient of sum_i L^i (unweighted, the convention for every method) from a second backward
+        restricted to the head leaves, which only traverses the graph above them.
         """
         shared = self._shared_params()
         flat = self._vector(slot)
-        flat.zero_()
         heads = head_leaves(batch.losses, shared)
         scale = self.loss_scale  # fp16 gradient scaling (see MultiObjectiveOptimizer.loss_scale)
         weighted = (batch.cotangent * task_weights.to(batch.cotangent.dtype) * scale).to(batch.losses.dtype)
-        saved_grads = [p.grad for p in shared]
-        try:
-            offset = 0
-            for p in shared:
-                p.grad = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-            torch.autograd.backward(batch.losses, grad_tensors=weighted, retain_graph=bool(heads), inputs=shared)
-        finally:
-            for p, grad in zip(shared, saved_grads):
-                p.grad = grad
+        grads = torch.autograd.grad(batch.losses, shared, grad_outputs=weighted, retain_graph=bool(heads),
+                                    allow_unused=True)
+        write_gradients(shared, flat, grads)
+        del grads
         if heads:
             self.set_aside_head_grads(heads)
             torch.autograd.backward(batch.losses, grad_tensors=(batch.cotangent * scale).to(batch.losses.dtype),
