@@ -8,7 +8,8 @@ sum_b cotangent[b, i] * losses[b, i], i.e. grad_theta L^i.  Two strategies:
   parameters' gradients (``torch.autograd.grad``) and one multi-tensor copy (``torch._foreach_copy_``)
   writes them into row i.  Letting autograd accumulate into ``.grad`` views of the row instead
   costs a zeroed buffer and one ``add_`` per parameter tensor per pass (three memory passes and a
-  kernel launch each, against two passes and a few launches).
+  kernel launch each, against two passes and a few launches).  The price: one pass's gradients
+  (n entries) are all alive until the copy, where AccumulateGrad freed each after its add.
 * ``batched`` - one vmapped backward (``is_grads_batched``) producing all m rows at once, then one
   copy into the buffer.  Faster when the per-pass overhead dominates (small models, many tasks);
   more memory, and an operator without a batching rule makes torch fall back to a loop.
