@@ -112,12 +112,12 @@ class MoCo(JointBaseline):
 
         # Only now, with J known to be finite, may the persistent tracking state change (in a
         # capturable step: change unless the step is skipped, decided on the device).
+        # Y <- beta Y + (1 - beta) J as one in-place lerp (one pass over the [m, n] state, no
+        # temporaries); a skipped capturable step lerps towards Y itself, which leaves Y unchanged.
         tracking: Tensor = state["tracking"]
-        if self.found_inf is None:
-            with torch.no_grad():
-                tracking.mul_(h["ema"]).add_(batch.jacobian, alpha=1.0 - h["ema"])
-        else:
-            self.commit_(tracking, h["ema"] * tracking + (1.0 - h["ema"]) * batch.jacobian)
+        with torch.no_grad():
+            target = batch.jacobian if self.found_inf is None else torch.where(self.found_inf, tracking, batch.jacobian)
+            tracking.lerp_(target, 1.0 - h["ema"])
         self.commit_(state["tracking_eta"], h["ema"] * state["tracking_eta"] + (1.0 - h["ema"]) * batch.z.double())
         tracking_eta = state["tracking_eta"]
 
