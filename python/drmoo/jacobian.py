@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["STRATEGIES", "accumulate_into_grad", "head_leaves", "task_jacobian", "write_gradients"]
+__all__ = ["STRATEGIES", "accumulate_into_grad", "column_views", "copy_into_row", "head_leaves", "task_jacobian"]
 
 STRATEGIES: tuple[str, ...] = ("loop", "batched")
 
@@ -65,7 +65,8 @@ def head_leaves(losses: Tensor, shared: Sequence[Tensor]) -> list[Tensor]:
     return leaves
 
 
-def _column_views(shared: Sequence[Tensor], row: Tensor) -> list[Tensor]:
+def column_views(shared: Sequence[Tensor], row: Tensor) -> list[Tensor]:
+    """Views of the flat ``row`` [n], one per shared parameter, in its shape (the layout of a J row)."""
     views, offset = [], 0
     for param in shared:
         views.append(row[offset : offset + param.numel()].view_as(param))
@@ -73,15 +74,16 @@ def _column_views(shared: Sequence[Tensor], row: Tensor) -> list[Tensor]:
     return views
 
 
-def write_gradients(shared: Sequence[Tensor], row: Tensor, grads: Sequence[Tensor | None]) -> None:
-    """Write the gradients of ``shared`` (None: the parameter is unused, its gradient is 0) into ``row`` [n]."""
-    views = _column_views(shared, row)
-    used = [(view, grad) for view, grad in zip(views, grads) if grad is not None]
+def copy_into_row(shared: Sequence[Tensor], row: Tensor, values: Sequence[Tensor | None]) -> None:
+    """Write one tensor per shared parameter (None: zeros, e.g. an unused parameter's gradient)
+    into its view of the flat ``row`` [n], with one multi-tensor copy."""
+    views = column_views(shared, row)
+    given = [(view, value) for view, value in zip(views, values) if value is not None]
     with torch.no_grad():
-        if used:
-            torch._foreach_copy_([view for view, _ in used], [grad for _, grad in used])
-        for view, grad in zip(views, grads):
-            if grad is None:
+        if given:
+            torch._foreach_copy_([view for view, _ in given], [value for _, value in given])
+        for view, value in zip(views, values):
+            if value is None:
                 view.zero_()
 
 
@@ -104,7 +106,7 @@ def _backward_into(shared: Sequence[Tensor], row: Tensor, losses: Tensor, cotang
     entry), the ``heads``' gradients accumulate into their ``.grad``."""
     grads = torch.autograd.grad(losses, [*shared, *heads], grad_outputs=cotangent, retain_graph=retain_graph,
                                 allow_unused=True)
-    write_gradients(shared, row, grads[: len(shared)])
+    copy_into_row(shared, row, grads[: len(shared)])
     accumulate_into_grad(heads, grads[len(shared):])
 
 

@@ -9,8 +9,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from drmoo.jacobian import column_views, copy_into_row
+
 from ._base import HYPERPARAMETER_CHECKS, STATE_KEY, Closure, ParamsT, check_flag, check_positive
-from ._joint import JointBaseline, all_finite, common_defaults
+from ._joint import JointBaseline, all_finite, common_defaults, norm_f64
 
 ReevaluateFn = Callable[[], Tensor]
 
@@ -136,7 +138,6 @@ class FAMO(JointBaseline):
         if len(floors) not in (1, num_tasks):
             raise ValueError(f"loss_floor has {len(floors)} values, but num_tasks={num_tasks}")
         self._floor_cache: tuple[tuple[float, ...], Tensor] | None = None
-        self._backup: list[Tensor] = []  # theta before a step, for its roll-back (see _parameter_backup)
 
     def extra_state(self) -> dict[str, Any]:
         zeros = torch.zeros(self.num_tasks, device=self.device, dtype=torch.float64)
@@ -196,7 +197,10 @@ class FAMO(JointBaseline):
         capturable = self.found_inf is not None
 
         shared = self._shared_params()
-        backup = self._parameter_backup(shared)
+        # theta before the step, for its roll-back: one multi-tensor copy into a kept flat buffer
+        theta_before = self._vector("theta_before")
+        copy_into_row(shared, theta_before, [p.detach() for p in shared])
+        backup = column_views(shared, theta_before)
         eta_backup = self.eta.clone()
         self.apply_direction(combined[None, :], torch.ones(1, dtype=torch.float64, device=self.device), h["lr"])
         self.step_eta(batch.z, weights, h["lr"])
@@ -228,24 +232,11 @@ class FAMO(JointBaseline):
         self._adam_step(logit_grad)
 
         self.set_w(weights)
-        # float32 accumulation (a statistic): .double() first would copy the 11M-entry vector to float64
-        theta_norm = torch.linalg.vector_norm(combined).double()
+        theta_norm = norm_f64(combined)
         return self.finish_step(
             batch, weights, theta_norm, batch.z.double() * weights,
             dual_objective_after=objective_after.detach(), logits=state["logits"].clone(), below_floor=below_floor,
         )
-
-    def _parameter_backup(self, shared: list[Tensor]) -> list[Tensor]:
-        """theta before the step, copied into buffers kept across steps: one multi-tensor copy
-        (``torch._foreach_copy_``) instead of one clone per parameter tensor (62 for ResNet18)."""
-        backup = self._backup
-        if len(backup) != len(shared) or any(
-            b.shape != p.shape or b.dtype != p.dtype or b.device != p.device for b, p in zip(backup, shared)
-        ):
-            backup = self._backup = [torch.empty_like(p, memory_format=torch.preserve_format) for p in shared]
-        with torch.no_grad():
-            torch._foreach_copy_(backup, [p.detach() for p in shared])
-        return backup
 
     def _adam_step(self, gradient: Tensor) -> None:
         """Adam with coupled (L2) weight decay on the logits, as ``torch.optim.Adam`` computes it."""
