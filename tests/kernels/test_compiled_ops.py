@@ -13,13 +13,10 @@ still tight enough to catch a dropped column or a perturbed weight.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
 
+import error_bounds as eb  # tests/kernels/error_bounds.py: tests/kernels is on pytest's pythonpath (pyproject.toml)
 import pytest
 import torch
 from torch import Tensor
@@ -28,21 +25,6 @@ from drmoo_kernels import reference
 from drmoo_kernels.backends import cpp as cpp_backend
 from drmoo_kernels.backends import cuda as cuda_backend
 from drmoo_kernels.divergences import Divergence
-
-
-def _sibling_module(name: str) -> ModuleType:
-    """A helper module next to this file (tests/ is not a package; pytest imports with importlib)."""
-    key = f"drmoo_tests_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-eb = _sibling_module("error_bounds")
 
 HAS_CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (the cuda backend runs on GPU tensors)")

@@ -13,32 +13,16 @@ reference, with tolerances from the float32 rounding-error bound of each sum (se
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+import triton_setup  # tests/kernels/triton_setup.py: tests/kernels is on pytest's pythonpath (pyproject.toml)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
-def _sibling_module(name: str) -> ModuleType:
-    """A helper module next to this file (tests/ is not a package; pytest imports with importlib)."""
-    key = f"drmoo_tests_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_setup = _sibling_module("triton_setup").import_triton()
+_setup = triton_setup.import_triton()
 _INTERPRETED, DEVICE, _SKIP_REASON = _setup.interpreted, _setup.device, _setup.skip_reason
 if _SKIP_REASON is not None:
     pytest.skip(_SKIP_REASON, allow_module_level=True)
@@ -54,7 +38,7 @@ U32 = torch.finfo(torch.float32).eps / 2  # unit roundoff of the kernels' float3
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_flag() -> Iterator[None]:
-    yield from _sibling_module("triton_setup").interpreter_flag(_INTERPRETED)
+    yield from triton_setup.interpreter_flag(_INTERPRETED)
 
 
 _IN_KERNEL = [False]  # set while a Triton kernel runs: the interpreter's own tensor work is not counted

@@ -8,45 +8,30 @@ Shapes are small: the interpreter executes every tile operation in numpy from Py
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+import triton_setup  # tests/kernels/triton_setup.py: tests/kernels is on pytest's pythonpath (pyproject.toml)
 
-
-def _sibling_module(name: str) -> ModuleType:
-    """A helper module next to this file (tests/ is not a package; pytest imports with importlib)."""
-    key = f"drmoo_tests_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_setup = _sibling_module("triton_setup").import_triton()
+_setup = triton_setup.import_triton()
 _INTERPRETED, DEVICE, _SKIP_REASON = _setup.interpreted, _setup.device, _setup.skip_reason
 if _SKIP_REASON is not None:
     pytest.skip(_SKIP_REASON, allow_module_level=True)
 
+import error_bounds as eb  # noqa: E402  (tests/kernels is on pytest's pythonpath)
+
 from drmoo_kernels import Divergence, reference  # noqa: E402
 from drmoo_kernels.backends import triton as tb  # noqa: E402
-
-eb = _sibling_module("error_bounds")
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_flag() -> Iterator[None]:
     """TRITON_INTERPRET=1 for this module's tests only (the dispatcher's availability check reads it)."""
-    yield from _sibling_module("triton_setup").interpreter_flag(_INTERPRETED)
+    yield from triton_setup.interpreter_flag(_INTERPRETED)
 
 
 DIVERGENCES = [
