@@ -121,18 +121,18 @@ def test_a_capturable_step_skipped_on_the_device_stops_the_run_as_an_eager_one_d
     from drmoo.optim import NonFiniteStepError
 
     original = training.per_sample_losses
+    steps_done = [0]
 
     def nan_from_the_second_step(logits, labels):
         losses = original(logits, labels)
         return losses * float("nan") if steps_done[0] >= 1 else losses
 
-    steps_done = [0]
     monkeypatch.setattr(training, "per_sample_losses", nan_from_the_second_step)
     hparams = {**method_hparams(method), "capturable": True}  # what the trainer picks on CUDA, here on the CPU
     config = training.RunConfig(experiment="multimnist2", method=method, preset="quick", input_size=16,
                                 train_size=48, test_size=16, batch_size=16, max_steps=3, cache_dir=cache_dir,
                                 hparams=hparams)
-    heads_before: dict[str, torch.Tensor] = {}
+    after_last_good_step: dict[str, torch.Tensor] = {}
 
     def build(run_config: training.RunConfig):
         model, data = build_multimnist(run_config)
@@ -141,7 +141,7 @@ def test_a_capturable_step_skipped_on_the_device_stops_the_run_as_an_eager_one_d
         def count_head_steps(self, *args, **kwargs):  # the heads' SGD step ends every good trainer step
             out = original_step(self, *args, **kwargs)
             steps_done[0] += 1
-            heads_before.update({n: p.detach().clone() for n, p in model.named_parameters()})
+            after_last_good_step.update({n: p.detach().clone() for n, p in model.named_parameters()})
             return out
 
         monkeypatch.setattr(torch.optim.SGD, "step", count_head_steps)
@@ -150,4 +150,4 @@ def test_a_capturable_step_skipped_on_the_device_stops_the_run_as_an_eager_one_d
     with pytest.raises(NonFiniteStepError, match=r"step 2 met a non-finite .* skipped on the device \(1 skipped"):
         training.train(config, tmp_path / "run", build, progress=False)
     assert steps_done[0] == 1  # the heads never stepped on the skipped step
-    assert heads_before and all(torch.isfinite(p).all() for p in heads_before.values())
+    assert after_last_good_step and all(torch.isfinite(p).all() for p in after_last_good_step.values())
