@@ -191,8 +191,13 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, help="the method's parameter learning rate")
     parser.add_argument("--hp", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="override a method hyperparameter, e.g. --hp lam=0.8 (repeatable)")
-    parser.add_argument("--head-lr", type=_positive_float, default=1e-2,
-                        help="SGD learning rate of the task heads (1e-2)")
+    parser.add_argument("--head-lr", type=_positive_float,
+                        help="SGD learning rate of the task heads (default: the preset's; 1e-2 as in the paper)")
+    parser.add_argument("--model", choices=("resnet18", "lenet"),
+                        help="the network (default: the preset's; small: lenet, the others: resnet18)")
+    parser.add_argument("--eval-split", choices=("test", "validation"), default="test",
+                        help="evaluate on the test digits (default) or on held-out training digits "
+                        "(validation: for choosing hyperparameters without the test set)")
     parser.add_argument("--weights", help="imagenet | none | PATH to a ResNet18 state dict (never downloaded)")
     parser.add_argument("--data-root", help="torchvision MNIST root (raw idx files); default: the embedded digits. "
                         "celeba: the folder with img_align_celeba/ and the list_*.txt files (or its celeba/)")
@@ -206,27 +211,34 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def _run_config(args: argparse.Namespace, method: str, seed: int) -> Any:
+def _run_config(args: argparse.Namespace, method: str, seed: int, variant: Any = None) -> Any:
     from drmoo.experiments.registry import get_experiment
     from drmoo.experiments.training import RunConfig, resolve_device
+    from drmoo.experiments.variants import MethodVariant
 
     experiment = get_experiment(args.experiment)
     if args.preset not in experiment.presets:
         raise ValueError(f"unknown preset {args.preset!r}; valid choices: {', '.join(experiment.presets)}")
     preset = dict(experiment.presets[args.preset])
-    for key in ("epochs", "batch_size", "input_size", "train_size", "test_size", "weights"):
+    for key in ("epochs", "batch_size", "input_size", "train_size", "test_size", "weights", "head_lr", "model"):
         if getattr(args, key) is not None:
             preset[key] = getattr(args, key)
+    if args.max_steps is not None:
+        preset["max_steps"] = args.max_steps
+    if variant is None:
+        variant = MethodVariant(method)
     overrides = dict(args.hp)
     if args.lr is not None:
         overrides["lr"] = args.lr
+    overrides.update(variant.hparams)  # a variant's own settings (compare --methods NAME[KEY=VALUE])
+    preset.update(variant.run)
     _check_hparams(method, overrides)
     config = RunConfig(
-        experiment=args.experiment, method=method, preset=args.preset, seed=seed, head_lr=args.head_lr,
-        data_root=args.data_root, cache_dir=args.cache_dir, max_steps=args.max_steps,
+        experiment=args.experiment, method=method, preset=args.preset, seed=seed,
+        data_root=args.data_root, cache_dir=args.cache_dir,
         device=str(resolve_device(args.device)), backend=args.backend, jacobian=args.jacobian, amp=args.amp,
-        hparams=experiment.method_hparams(method, overrides),
-        **preset,
+        hparams=experiment.method_hparams(method, overrides, preset=args.preset), eval_split=args.eval_split,
+        label=variant.label, **preset,
     )
     config.validate()
     return config
@@ -399,29 +411,50 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("compare", help="train + evaluate every method x seed; the paper's Table 1 "
                             "(Multi-MNIST, FGSM) or Table 2 (CelebA)")
     _add_run_options(parser)
-    parser.add_argument("--methods", type=_comma_list, default=["all"], help="all or a comma-separated list")
+    parser.add_argument("--methods", default="all",
+                        help="all, or a comma-separated list of methods and variants NAME[KEY=VALUE,...], e.g. "
+                        "double-clip,mgda,mgda[pref_lr=0],double-clip[lam=0.4] (a variant's text labels its row); "
+                        "all+VARIANTS adds variants to every method (default: all)")
     parser.add_argument("--seeds", type=_seed_list, default=[0])
     parser.add_argument("--eps", type=_eps_list, default=[0.0, 0.01, 0.03, 0.05, 0.08])
+    parser.add_argument("--reference", default="double-clip",
+                        help="the row the paired differences are taken against (default: double-clip)")
     _add_eps_space(parser)
     parser.add_argument("--out", required=True, help="output directory (finished runs in it are reused)")
     parser.set_defaults(handler=_run_compare)
 
 
 def _run_compare(args: argparse.Namespace) -> int:
+    import inspect
     from pathlib import Path
 
     from drmoo.experiments.registry import get_experiment
+    from drmoo.experiments.training import UsageError
+    from drmoo.experiments.variants import parse_variants
     from drmoo.optim import available
 
-    methods = list(available()) if args.methods == ["all"] else args.methods
-    unknown = [m for m in methods if m not in available()]
+    text = args.methods.strip()
+    if text == "all" or text.startswith("all,"):
+        text = ",".join(list(available()) + ([text[len("all,"):]] if text != "all" else []))
+    try:
+        variants = parse_variants(text)
+    except ValueError as error:
+        raise UsageError(f"--methods: {error}") from None
+    unknown = [v.method for v in variants if v.method not in available()]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; valid choices: {', '.join(available())}")
-    configs = [_run_config(args, method, seed) for method in methods for seed in args.seeds]
+        raise UsageError(f"unknown method(s) {', '.join(unknown)}; valid choices: {', '.join(available())}")
+    if len(set(args.seeds)) != len(args.seeds):
+        raise UsageError(f"--seeds {','.join(map(str, args.seeds))} repeats a seed (each seed must be a different "
+                         "run)")
+    configs = [_run_config(args, v.method, seed, v) for v in variants for seed in args.seeds]
     _check_out_dir(args.out)
     experiment = get_experiment(args.experiment)
-    table = experiment.compare(configs, Path(args.out), eps=args.eps, progress=not args.quiet,
-                               **_eps_space_option(args, experiment.compare, experiment.name))
+    options = _eps_space_option(args, experiment.compare, experiment.name)
+    if "reference" in inspect.signature(experiment.compare).parameters:
+        options["reference"] = args.reference
+    elif args.reference != "double-clip":
+        raise UsageError(f"--reference: the {experiment.name} comparison has no paired differences")
+    table = experiment.compare(configs, Path(args.out), eps=args.eps, progress=not args.quiet, **options)
     print(table)
     return 0
 

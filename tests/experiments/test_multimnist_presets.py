@@ -91,7 +91,7 @@ def test_medium_preset_is_sized_for_ten_gpu_minutes() -> None:
         assert 8.0 <= minutes <= 9.0, (name, minutes)
         assert medium["batch_size"] == 256 and medium["input_size"] == 64
         assert medium["train_size"] > 4000  # more composites than the embedded set's training digits
-    assert PRESET_SHIFT == {"paper": 0, "medium": 4, "quick": 0} and set(PRESET_SHIFT) == set(PRESETS)
+    assert PRESET_SHIFT == {"paper": 0, "medium": 4, "quick": 0, "small": 0} and set(PRESET_SHIFT) == set(PRESETS)
     config = RunConfig(experiment="multimnist3", method="mgda", preset="medium", **PRESETS["medium"]["multimnist3"])
     recipe = recipe_of(config)
     assert recipe.shift == 4 and recipe.digits == 3 and recipe.train_size == 12000 and recipe.canvas == 50

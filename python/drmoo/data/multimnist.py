@@ -38,7 +38,8 @@ from torch import Tensor
 
 from .mnist import DigitSplits, digit_source_fingerprint, load_mnist
 
-__all__ = ["POSITIONS", "MultiMnist", "MultiMnistRecipe", "compose", "default_cache_dir", "load_multimnist"]
+__all__ = ["HOLDOUTS", "POSITIONS", "VALIDATION_FRACTION", "MultiMnist", "MultiMnistRecipe", "compose",
+           "default_cache_dir", "holdout_splits", "load_multimnist"]
 
 CANVAS: dict[int, int] = {2: 36, 3: 42}  # without shifts; shift s adds 2 s
 MAX_SHIFT = 14  # half a digit: beyond that a "shift" is a different layout
@@ -46,6 +47,10 @@ POSITIONS: dict[int, tuple[tuple[int, int], ...]] = {
     2: ((0, 0), (8, 8)),
     3: ((0, 0), (14, 7), (0, 14)),
 }
+
+
+HOLDOUTS = ("test", "validation")
+VALIDATION_FRACTION = 0.2  # holdout "validation": the last 20 % of the training digits, never trained on
 
 
 def default_cache_dir() -> Path:
@@ -62,6 +67,7 @@ class MultiMnistRecipe:
     train_size: int | None = None  # None: one composite per digit of the split; may exceed the digits
     test_size: int | None = None
     shift: int = 0  # random shift of every digit, up to this many pixels per axis (0: fixed layout)
+    holdout: str = "test"  # what the "test" split is made of: "test" digits, or "validation" training digits
 
     def __post_init__(self) -> None:
         if self.digits not in POSITIONS:
@@ -74,6 +80,8 @@ class MultiMnistRecipe:
                 raise ValueError(f"{name} must be None (one composite per digit) or an int >= 1, got {size!r}")
         if isinstance(self.shift, bool) or not isinstance(self.shift, int) or not 0 <= self.shift <= MAX_SHIFT:
             raise ValueError(f"shift must be an int in [0, {MAX_SHIFT}] pixels, got {self.shift!r}")
+        if self.holdout not in HOLDOUTS:
+            raise ValueError(f"holdout must be one of {', '.join(HOLDOUTS)}, got {self.holdout!r}")
 
     @property
     def canvas(self) -> int:
@@ -154,12 +162,31 @@ class MultiMnist:
                 f"{self.test_images.shape[0]} test composites ({layout}) from {self.source}, seed {r.seed}")
 
 
+def holdout_splits(recipe: MultiMnistRecipe, digits: DigitSplits) -> tuple[Tensor, Tensor, Tensor, Tensor, str]:
+    """The digits the train and the evaluation composites are made of, and the source's description.
+
+    ``holdout = "validation"`` never touches the test digits: the evaluation composites come from
+    the last ``VALIDATION_FRACTION`` of the training digits and the training composites from the
+    rest, so hyperparameters can be chosen without looking at the test set.
+    """
+    if recipe.holdout == "test":
+        return digits.train_images, digits.train_labels, digits.test_images, digits.test_labels, digits.source
+    count = digits.train_labels.shape[0]
+    held = max(1, round(VALIDATION_FRACTION * count))
+    if held >= count:
+        raise ValueError(f"a validation split needs at least 2 training digits, the source has {count}")
+    keep = count - held
+    return (digits.train_images[:keep], digits.train_labels[:keep], digits.train_images[keep:],
+            digits.train_labels[keep:], f"{digits.source}; validation: {keep} train / {held} held-out training digits")
+
+
 def _generate(recipe: MultiMnistRecipe, digits: DigitSplits) -> dict[str, Tensor | str]:
     generator = torch.Generator().manual_seed(recipe.seed)
-    out: dict[str, Tensor | str] = {"source": digits.source}
+    train_images, train_labels, test_images, test_labels, source = holdout_splits(recipe, digits)
+    out: dict[str, Tensor | str] = {"source": source}
     for split, images, labels, size in (
-        ("train", digits.train_images, digits.train_labels, recipe.train_size),
-        ("test", digits.test_images, digits.test_labels, recipe.test_size),
+        ("train", train_images, train_labels, recipe.train_size),
+        ("test", test_images, test_labels, recipe.test_size),
     ):
         count = images.shape[0] if size is None else size
         canvas, targets = compose(images, labels, count, recipe.digits, generator, recipe.shift)

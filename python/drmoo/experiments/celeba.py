@@ -58,7 +58,8 @@ METRICS = (("mean_accuracy", "Averaged Accuracy"), ("mean_balanced_accuracy", "B
            ("mean_auc", "AUC"))
 
 
-def method_hparams(method: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def method_hparams(method: str, overrides: dict[str, Any] | None = None, preset: str | None = None
+                   ) -> dict[str, Any]:
     """Paper Table 5 settings of ``method`` + lambda / rho where it takes them + ``overrides``."""
     if method not in available():
         raise ValueError(f"unknown method {method!r}; valid choices: {', '.join(available())}")

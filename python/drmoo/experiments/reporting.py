@@ -287,12 +287,13 @@ def fgsm_comparison(
     per_seed: dict[str, dict[Any, list[float]]] = {}
     budget: dict[str, dict[str, list[int]]] = {}
     for report in reports:
-        mine = per_seed.setdefault(report["method"], {eps: [] for eps in eps_values})
+        row = report.get("label") or report["method"]  # a variant's label names its own row
+        mine = per_seed.setdefault(row, {eps: [] for eps in eps_values})
         for result in report["results"]:
             for eps in eps_values:
                 if math.isclose(result["eps"], eps, rel_tol=0.0, abs_tol=1e-12):
                     mine[eps].append(100 * result["mean_acc"])
-        spent = budget.setdefault(report["method"], {"iterations": [], "samples seen": []})
+        spent = budget.setdefault(row, {"iterations": [], "samples seen": []})
         for name, key in (("iterations", "iterations"), ("samples seen", "samples_seen")):
             if key in report:
                 spent[name].append(int(report[key]))

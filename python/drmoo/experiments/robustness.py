@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from . import multimnist
 from .multimnist import build_multimnist
+from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
 from .reporting import fgsm_comparison, training_progress
 from .training import (
@@ -27,8 +28,9 @@ from .training import (
     read_run_config,
     train,
 )
+from .variants import run_dir_name
 
-__all__ = ["compare", "ensure_trained", "eval_table", "robustness_table"]
+__all__ = ["balancing_table", "compare", "ensure_trained", "eval_table", "preference_trace", "robustness_table"]
 
 
 def eval_table(report: dict[str, Any]) -> str:
@@ -121,31 +123,85 @@ def ensure_trained(config: RunConfig, run_dir: Path, build: Callable[[RunConfig]
     (run_dir / "eval.json").unlink(missing_ok=True)
 
 
+MAX_STEPS_CSV_BYTES = 256 * 2**20  # a steps.csv of a million steps is ~100 MB; beyond this it is not ours
+
+
+def preference_trace(run_dir: Path) -> dict[str, list[float]] | None:
+    """The preference w of a run from its steps.csv: ``{"final": w_T, "low": min_t w_t, "high": max_t w_t}``.
+
+    None when the run has no readable per-step log (an older run, or a damaged file): the balancing
+    table then says n/a for it instead of guessing.
+    """
+    path = run_dir / "steps.csv"
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_STEPS_CSV_BYTES:
+            return None
+        with path.open(newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        keys = sorted((k for k in (rows[0] if rows else {}) if k.startswith("w_")), key=lambda k: int(k[2:]))
+        trace = [[float(row[k]) for k in keys] for row in rows]
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, csv.Error):
+        return None
+    if not trace or not keys or any(not math.isfinite(v) for w in trace for v in w):
+        return None
+    return {"final": trace[-1], "low": [min(column) for column in zip(*trace)],
+            "high": [max(column) for column in zip(*trace)]}
+
+
+def balancing_table(traces: dict[str, list[dict[str, list[float]] | None]]) -> str:
+    """What each row's balancing did: its final w (mean over seeds) and the range w took during training."""
+    lines = ["What the balancing did: the preference w at the end of training (mean over seeds) and the range "
+             "each w_i took over all steps and seeds. Uniform is 1/m for every task.", "",
+             "| row | final w | range of w_i over training |", "|---|---|---|"]
+    for label, runs in traces.items():
+        known = [trace for trace in runs if trace is not None]
+        if not known:
+            lines.append(f"| {label} | n/a | n/a |")
+            continue
+        tasks = len(known[0]["final"])
+        final = [sum(t["final"][i] for t in known) / len(known) for i in range(tasks)]
+        spans = [f"[{min(t['low'][i] for t in known):.4f}, {max(t['high'][i] for t in known):.4f}]"
+                 for i in range(tasks)]
+        lines.append(f"| {label} | {', '.join(f'{v:.4f}' for v in final)} | {' / '.join(spans)} |")
+    return "\n".join(lines) + "\n"
+
+
 def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progress: bool = True,
-            eps_space: str = "pixel") -> str:
+            eps_space: str = "pixel", reference: str = "double-clip") -> str:
     """Train (skipping finished runs, resuming interrupted ones) and evaluate each config; write the tables.
 
     table.md / table.csv: ours (mean ± std over seeds, rank per eps, iterations and samples drawn)
-    beside the paper's Table 1; agreement.json: Kendall's tau-b of the two orderings per eps.
+    beside the paper's Table 1, the paired differences ``reference`` minus every other row per eps
+    (when the comparison has that row and more than one row), and what each row's balancing did to w;
+    paired.csv: the paired differences; agreement.json: Kendall's tau-b of the two orderings per eps.
+    Rows are labelled by :attr:`RunConfig.name` (a variant's label, else the method).
     """
+    names = [run_dir_name(config.name, config.seed) for config in configs]
+    clashes = sorted({name for name in names if names.count(name) > 1})
+    if clashes:
+        raise UsageError(f"two runs of this comparison would share the directory {clashes[0]}: give the "
+                         "variants different labels, or the seeds different numbers")
     out.mkdir(parents=True, exist_ok=True)
     reports, started = [], time.perf_counter()
-    for config in tqdm(configs, desc="compare", disable=not progress):
-        run_dir = out / f"{config.method}-seed{config.seed}"
+    traces: dict[str, list[dict[str, list[float]] | None]] = {}
+    for config, name in tqdm(list(zip(configs, names)), desc="compare", disable=not progress):
+        run_dir = out / name
         ensure_trained(config, run_dir, build_multimnist, progress)
+        traces.setdefault(config.name, []).append(preference_trace(run_dir))
         eval_path = run_dir / "eval.json"
         report = json.loads(eval_path.read_text()) if eval_path.is_file() else None
         if (report is None or [r["eps"] for r in report["results"]] != list(eps_values)
                 or report.get("eps_space", "pixel") != eps_space):
             report = evaluate_robustness(run_dir, build_multimnist, list(eps_values), progress=False,
                                          eps_space=eps_space)
-        reports.append({**report, **training_progress(run_dir)})
+        reports.append({**report, "label": config.name, **training_progress(run_dir)})
     first = configs[0]
     seeds = sorted({c.seed for c in configs})
     seed_text = f"mean ± std over seeds {','.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
     header = (
         f"### {first.experiment}: accuracy (%) under FGSM, mean over tasks ({seed_text})\n\n"
-        f"preset `{first.preset}`: {first.input_size}px inputs, {first.epochs} epoch(s), batch {first.batch_size}, "
+        f"preset `{first.preset}`: model `{first.model}`, {first.input_size}px inputs, {first.epochs} epoch(s), "
+        f"batch {first.batch_size}, "
         f"train composites {first.train_size or 'all'}"
         f"{' (random shifts)' if multimnist.PRESET_SHIFT.get(first.preset) else ''}, test composites "
         f"{reports[0]['test_samples']}, weights `{first.weights}`, device {first.device}; FGSM eps in {eps_space} "
@@ -153,6 +209,21 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
         "epoch but draws a different number of batches per iteration: compare the samples seen."
     )
     table, rows, agreement = fgsm_comparison(reports, list(eps_values), header, first.experiment)
+    per_seed: dict[str, dict[float, dict[int, float]]] = {}
+    for report in reports:
+        mine = per_seed.setdefault(report["label"], {})
+        for result in report["results"]:
+            mine.setdefault(result["eps"], {})[report["seed"]] = 100 * result["mean_acc"]
+    paired = []
+    if reference in per_seed and len(per_seed) > 1:
+        paired = paired_differences(per_seed, reference, list(eps_values))
+        labels = {eps: "Clean" if eps == 0 else f"{eps:g}" for eps in eps_values}
+        table += "\n" + paired_markdown(paired, labels, unit="accuracy points")
+        with (out / "paired.csv").open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(paired[0]))
+            writer.writeheader()
+            writer.writerows(paired)
+    table += "\n" + balancing_table(traces)
     (out / "table.md").write_text(table)
     (out / "agreement.json").write_text(json.dumps({**agreement, "eps_space": eps_space}, indent=2))
     with (out / "table.csv").open("w", newline="") as handle:
@@ -172,8 +243,8 @@ def _multimnist_experiment(name: str) -> Experiment:
                                    eps_space=eps_space)
 
     def compare_runs(configs: list[RunConfig], out: Path, *, eps: list[float], progress: bool = True,
-                     eps_space: str = "pixel") -> str:
-        return compare(configs, out, eps, progress=progress, eps_space=eps_space)
+                     eps_space: str = "pixel", reference: str = "double-clip") -> str:
+        return compare(configs, out, eps, progress=progress, eps_space=eps_space, reference=reference)
 
     presets = {preset: values[name] for preset, values in multimnist.PRESETS.items()}
     return Experiment(name, build_multimnist, presets, multimnist.method_hparams, evaluate, eval_table, compare_runs)

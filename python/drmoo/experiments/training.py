@@ -55,6 +55,8 @@ CHECKPOINT_MAGIC = b"DRMOO-CHECKPOINT 1\n"  # then one line of JSON header, then
 MAX_HEADER_BYTES = 1 << 20
 # The settings a resume may change: how far the run goes.  Every other field defines the run.
 RESUMABLE_FIELDS = ("epochs", "max_steps")
+MODELS = ("resnet18", "lenet")
+EVAL_SPLITS = ("test", "validation")
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD_SCALE_INIT, GRAD_SCALE_BACKOFF, GRAD_SCALE_GROWTH, GRAD_SCALE_GROWTH_INTERVAL = 2.0**16, 0.5, 2.0, 2000
 
@@ -101,6 +103,14 @@ class RunConfig:
     jacobian: str = "loop"
     amp: str = "none"  # autocast the model's forward: none | bf16 | fp16
     hparams: dict[str, Any] = field(default_factory=dict)
+    model: str = "resnet18"  # the experiment's network: resnet18 (the paper's) | lenet (Multi-MNIST's MultiLeNet)
+    eval_split: str = "test"  # test | validation (held-out training digits, for choosing hyperparameters)
+    label: str = ""  # the run's name in tables and its directory, e.g. "mgda[pref_lr=0]" ("": the method)
+
+    @property
+    def name(self) -> str:
+        """What tables call this run: its label, or the method's registry name."""
+        return self.label or self.method
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -132,6 +142,12 @@ class RunConfig:
             raise UsageError(f"unknown --amp {self.amp!r}; valid choices: {', '.join(AMP_DTYPES)}")
         if not isinstance(self.hparams, dict):
             raise UsageError(f"hparams must be a mapping, got {type(self.hparams).__name__}")
+        if self.model not in MODELS:
+            raise UsageError(f"unknown --model {self.model!r}; valid choices: {', '.join(MODELS)}")
+        if self.eval_split not in EVAL_SPLITS:
+            raise UsageError(f"unknown --eval-split {self.eval_split!r}; valid choices: {', '.join(EVAL_SPLITS)}")
+        if not isinstance(self.label, str) or len(self.label) > 200 or any(c in self.label for c in "/\\\0\n"):
+            raise UsageError(f"a run label is a short name without path separators, got {self.label!r}")
 
 
 def config_differences(saved: RunConfig | dict[str, Any], wanted: RunConfig | dict[str, Any],
@@ -698,7 +714,8 @@ def evaluate_robustness(
         task_acc = accuracy(model, data.test_images, data.test_labels, 2 * config.batch_size, target, data.images, eps,
                             eps_space)
         results.append({"eps": eps, "mean_acc": sum(task_acc) / len(task_acc), "task_acc": task_acc})
-    report = {"run": str(run_dir), "method": config.method, "seed": config.seed, "experiment": config.experiment,
+    report = {"run": str(run_dir), "method": config.method, "label": config.name, "seed": config.seed,
+              "experiment": config.experiment, "model": config.model, "eval_split": config.eval_split,
               "attack": "fgsm", "eps_space": eps_space, "test_samples": int(data.test_labels.shape[0]),
               **training_progress(run_dir), "results": results}
     write_json(run_dir / "eval.json", report)

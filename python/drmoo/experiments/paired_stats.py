@@ -1,0 +1,121 @@
+"""Paired comparisons over seeds: the reference method minus each other method, per table column.
+
+Seeds are paired in drmoo's comparisons: one seed fixes the data order, the composites and the
+initialisation for every method, so the difference of two methods on the same seed removes the
+seed's own luck.  For each other row and column: the mean difference over the common seeds, its
+95 % confidence interval from Student's t with n - 1 degrees of freedom (mean ± t_{0.975, n-1} ·
+sd / √n; with one seed there is no interval), and the seeds on which the reference wins.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["paired_differences", "paired_markdown", "student_t_cdf_two_sided", "t_quantile"]
+
+
+def student_t_cdf_two_sided(t: float, dof: int) -> float:
+    """P(|T| < t) for Student's t with an integer number of degrees of freedom ``dof`` >= 1, t >= 0.
+
+    The closed forms for integer dof (Abramowitz & Stegun 26.7.3 / 26.7.4), with
+    theta = atan(t / sqrt(dof)): odd dof, (2/pi)(theta + sin(theta) cos(theta) S); even dof,
+    sin(theta) S, where S is a finite series in cos^2(theta).  Exact up to rounding.
+    """
+    if isinstance(dof, bool) or not isinstance(dof, int) or dof < 1:
+        raise ValueError(f"dof must be an integer >= 1, got {dof!r}")
+    if t < 0 or math.isnan(t):
+        raise ValueError(f"t must be >= 0, got {t!r}")
+    theta = math.atan(t / math.sqrt(dof))
+    cos2 = math.cos(theta) ** 2
+    if dof % 2 == 1:
+        series, term = (0.0, 1.0) if dof > 1 else (0.0, 0.0)
+        for k in range(1, (dof - 1) // 2 + 1):  # 1 + (2/3) c^2 + (2*4)/(3*5) c^4 + ... (dof - 1)/2 terms
+            series += term
+            term *= cos2 * (2 * k) / (2 * k + 1)
+        return (2 / math.pi) * (theta + math.sin(theta) * math.cos(theta) * series)
+    series, term = 0.0, 1.0
+    for k in range(1, dof // 2 + 1):  # 1 + (1/2) c^2 + (1*3)/(2*4) c^4 + ... dof/2 terms
+        series += term
+        term *= cos2 * (2 * k - 1) / (2 * k)
+    return math.sin(theta) * series
+
+
+def t_quantile(probability: float, dof: int) -> float:
+    """The ``probability`` quantile (> 0.5) of Student's t with ``dof`` degrees of freedom, by bisection."""
+    if not 0.5 < probability < 1:
+        raise ValueError(f"probability must be in (0.5, 1), got {probability!r}")
+    target = 2 * probability - 1  # P(|T| < q)
+    low, high = 0.0, 1.0
+    while student_t_cdf_two_sided(high, dof) < target:
+        high *= 2
+    for _ in range(200):
+        middle = (low + high) / 2
+        if student_t_cdf_two_sided(middle, dof) < target:
+            low = middle
+        else:
+            high = middle
+        if high - low <= 1e-12 * high:
+            break
+    return (low + high) / 2
+
+
+def paired_differences(
+    per_seed: Mapping[str, Mapping[Any, Mapping[int, float]]], reference: str, columns: Sequence[Any]
+) -> list[dict[str, Any]]:
+    """``reference`` minus every other row, per column, over the seeds both have.
+
+    ``per_seed[row][column][seed]`` is one value.  Returns one dict per (other row, column) with
+    ``mean``, ``ci_low``, ``ci_high`` (NaN with fewer than two seeds), ``wins`` / ``ties`` (seeds
+    where the reference is higher / equal) and ``seeds``.
+    """
+    if reference not in per_seed:
+        raise ValueError(f"the reference row {reference!r} is not in the comparison ({', '.join(per_seed)})")
+    rows = []
+    for other in per_seed:
+        if other == reference:
+            continue
+        for column in columns:
+            mine, theirs = per_seed[reference].get(column, {}), per_seed[other].get(column, {})
+            seeds = sorted(set(mine) & set(theirs))
+            differences = [mine[seed] - theirs[seed] for seed in seeds]
+            n = len(differences)
+            mean = sum(differences) / n if n else math.nan
+            low = high = math.nan
+            if n >= 2:
+                sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
+                half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+                low, high = mean - half, mean + half
+            rows.append({"reference": reference, "other": other, "column": column, "mean": mean, "ci_low": low,
+                         "ci_high": high, "wins": sum(d > 0 for d in differences),
+                         "ties": sum(d == 0 for d in differences), "seeds": n})
+    return rows
+
+
+def paired_markdown(rows: Sequence[Mapping[str, Any]], labels: Mapping[Any, str], unit: str = "points") -> str:
+    """One line per other row: per column, the mean difference, its 95 % CI and the reference's wins."""
+    if not rows:
+        return ""
+    reference = rows[0]["reference"]
+    columns = list(dict.fromkeys(row["column"] for row in rows))
+    lines = [
+        f"Paired differences, {reference} minus each row ({unit}; positive: {reference} is better): mean over the "
+        "seeds both ran, [95 % confidence interval, Student's t], and the seeds on which "
+        f"{reference} is higher. An interval that contains 0 is no evidence of a difference.",
+        "",
+        "| vs | " + " | ".join(labels.get(column, str(column)) for column in columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for other in dict.fromkeys(row["other"] for row in rows):
+        cells = []
+        for column in columns:
+            row = next(r for r in rows if r["other"] == other and r["column"] == column)
+            if row["seeds"] == 0:
+                cells.append("n/a")
+                continue
+            interval = "" if math.isnan(row["ci_low"]) else f" [{row['ci_low']:+.2f}, {row['ci_high']:+.2f}]"
+            ties = f" ({row['ties']} tied)" if row["ties"] else ""
+            cells.append(f"{row['mean']:+.2f}{interval} {row['wins']}/{row['seeds']}{ties}")
+        lines.append(f"| {other} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,249 @@
+"""The converged CPU benchmark (issue 21): MultiLeNet, the validation holdout, method variants, paired statistics."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from drmoo.cli import main
+from drmoo.data.mnist import DigitSplits
+from drmoo.data.multimnist import VALIDATION_FRACTION, MultiMnistRecipe, _generate, holdout_splits
+from drmoo.experiments.multimnist import PRESETS, SMALL_LR, build_model, method_hparams
+from drmoo.experiments.paired_stats import (
+    paired_differences,
+    paired_markdown,
+    student_t_cdf_two_sided,
+    t_quantile,
+)
+from drmoo.experiments.robustness import balancing_table, preference_trace
+from drmoo.experiments.training import RunConfig, UsageError
+from drmoo.experiments.variants import MethodVariant, parse_variants, run_dir_name
+from drmoo.models import MultiLeNet
+from drmoo.optim import available
+
+# ------------------------------------------------------------------------------------------ the model
+
+
+@pytest.mark.parametrize("tasks", [1, 2, 3])
+def test_multilenet_has_sener_and_koltuns_shapes(tasks: int) -> None:
+    model = MultiLeNet([10] * tasks)
+    sizes = [p.numel() for p in model.shared_parameters()]
+    # conv 1->10 5x5 (250 + 10), conv 10->20 5x5 (5000 + 20), linear 320->50 (16000 + 50)
+    assert sizes == [250, 10, 5000, 20, 16000, 50]
+    assert sum(p.numel() for p in model.task_parameters()) == tasks * (50 * 50 + 50 + 50 * 10 + 10)
+    outputs = model(torch.rand(4, 3, 28, 28))
+    assert len(outputs) == tasks and all(o.shape == (4, 10) for o in outputs)
+    # the three grey channels are one image: averaging them makes a 1-channel input give the same logits
+    grey = torch.rand(2, 1, 28, 28)
+    assert torch.allclose(model(grey.expand(-1, 3, -1, -1))[0], model(grey)[0])
+
+
+def test_multilenet_refuses_what_it_cannot_take() -> None:
+    with pytest.raises(ValueError, match="28 x 28 inputs"):
+        MultiLeNet([10, 10], input_size=32)
+    with pytest.raises(ValueError, match="num_classes"):
+        MultiLeNet([])
+    with pytest.raises(ValueError, match=r"expected images \[B, C, 28, 28\]"):
+        MultiLeNet([10])(torch.rand(2, 3, 32, 32))
+    config = RunConfig(experiment="multimnist2", method="mgda", preset="small", **{
+        **PRESETS["small"]["multimnist2"], "weights": "imagenet"})
+    with pytest.raises(ValueError, match="the LeNet trains from scratch"):
+        build_model(config, 2)
+
+
+# ------------------------------------------------------------------------------- held-out digits
+
+
+def _tagged_digits(train: int, test: int) -> DigitSplits:
+    """Every digit is a flat image whose value tags it: training digits 1..train, test digits 200.."""
+    values = torch.arange(1, train + 1, dtype=torch.uint8)
+    test_values = torch.arange(200, 200 + test, dtype=torch.uint8)
+    return DigitSplits(values.view(-1, 1, 1).expand(-1, 28, 28).clone(), torch.arange(train) % 10,
+                       test_values.view(-1, 1, 1).expand(-1, 28, 28).clone(), torch.arange(test) % 10,
+                       source="tagged", fingerprint="tagged")
+
+
+@pytest.mark.parametrize("digits", [2, 3])
+def test_no_held_out_digit_is_in_a_training_composite(digits: int) -> None:
+    """Test composites come only from test digits, validation composites only from held-out training digits."""
+    splits = _tagged_digits(train=50, test=20)
+    size = 36 if digits == 2 else 42  # no resize: the composites' pixel values are the digits' tags
+    for holdout in ("test", "validation"):
+        recipe = MultiMnistRecipe(digits=digits, input_size=size, seed=1, train_size=400, test_size=300,
+                                  holdout=holdout)
+        out = _generate(recipe, splits)
+        train_values = set(out["train_images"].unique().tolist()) - {0}
+        eval_values = set(out["test_images"].unique().tolist()) - {0}
+        if holdout == "test":
+            assert train_values <= set(range(1, 51)) and eval_values <= set(range(200, 220))
+        else:
+            kept = round(50 * (1 - VALIDATION_FRACTION))
+            assert train_values <= set(range(1, kept + 1))  # the held-out training digits are never trained on
+            assert eval_values <= set(range(kept + 1, 51))  # and the test digits are never looked at
+        assert train_values and eval_values
+
+
+def test_validation_holdout_of_the_embedded_digits_is_disjoint_from_training() -> None:
+    index = torch.arange(5000).view(-1, 1, 1)  # each "image" holds its own index (the split is by position)
+    splits = DigitSplits(index[:4000], index[:4000].flatten() % 10, index[4000:], index[4000:].flatten() % 10,
+                         source="indexed", fingerprint="indexed")
+    train_images, _, held_images, _, source = holdout_splits(MultiMnistRecipe(holdout="validation"), splits)
+    assert train_images.shape[0] == 3200 and held_images.shape[0] == 800 and "800 held-out" in source
+    train_ids, held_ids = set(train_images.flatten().tolist()), set(held_images.flatten().tolist())
+    assert not train_ids & held_ids and (train_ids | held_ids) == set(range(4000))  # test digits 4000.. unused
+    with pytest.raises(ValueError, match="holdout must be one of"):
+        MultiMnistRecipe(holdout="train")
+
+
+# --------------------------------------------------------------------------------------- variants
+
+
+def test_variants_parse_into_method_settings_and_labels() -> None:
+    variants = parse_variants("double-clip, mgda[pref_lr=0], mgda[solver=min_norm, lr=0.3], double-clip[max_steps=353]")
+    assert variants == [
+        MethodVariant("double-clip"),
+        MethodVariant("mgda", {"pref_lr": 0}, {}, "mgda[pref_lr=0]"),
+        MethodVariant("mgda", {"solver": "min_norm", "lr": 0.3}, {}, "mgda[solver=min_norm, lr=0.3]"),
+        MethodVariant("double-clip", {}, {"max_steps": 353}, "double-clip[max_steps=353]"),
+    ]
+    assert [v.name for v in variants][:2] == ["double-clip", "mgda[pref_lr=0]"]
+    assert run_dir_name("mgda[pref_lr=0]", 3) == "mgda_pref_lr-0-seed3"
+    assert run_dir_name("mgda", 0) == "mgda-seed0"  # plain methods keep their old directories
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("mgda,mgda", "more than once"),
+    ("mgda[lr=1],mgda[lr=1]", "more than once"),
+    ("mgda[lr]", "expected KEY=VALUE"),
+    ("mgda[lr=1", "unbalanced"),
+    ("mgda]", "unbalanced"),
+    ("mgda[lr=1,lr=2]", "sets lr twice"),
+    ("mgda[epochs=0]", r"integer in \[1, 1e9\]"),
+    ("mgda[max_steps=1e20]", r"integer in \[1, 1e9\]"),
+    ("mgda[lr=[1]]", "cannot read the method"),
+    ("mgda[lr={1}]", "number, a bool or a word"),
+    ("MGDA!", "cannot read the method"),
+    ("mgda,,famo", "empty method name"),
+    ("m" * 3000, "characters long"),
+])
+def test_bad_variants_are_one_line_errors(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_variants(text)
+
+
+# ------------------------------------------------------------------------------ paired statistics
+
+
+@pytest.mark.parametrize("dof", [1, 2, 3, 4, 5, 9, 10, 29, 30, 200])
+def test_t_quantile_matches_scipy(dof: int) -> None:
+    stats = pytest.importorskip("scipy.stats")
+    # bisection to 1e-12 relative on a closed-form CDF: agreement to 1e-9 leaves room for rounding in both
+    assert math.isclose(t_quantile(0.975, dof), float(stats.t.ppf(0.975, dof)), rel_tol=1e-9)
+    assert math.isclose(student_t_cdf_two_sided(1.3, dof), float(stats.t.cdf(1.3, dof) - stats.t.cdf(-1.3, dof)),
+                        rel_tol=1e-10, abs_tol=1e-13)
+    with pytest.raises(ValueError):
+        student_t_cdf_two_sided(1.0, 0)
+
+
+def test_paired_differences_are_per_seed_with_a_t_interval() -> None:
+    rng = random.Random(0)
+    base = {seed: rng.uniform(80, 90) for seed in range(5)}
+    gains = [1.0, 2.0, 0.5, -0.5, 2.0]  # the reference's advantage on each seed
+    per_seed = {"ref": {0.0: {s: base[s] + gains[s] for s in base}}, "other": {0.0: dict(base)},
+                "partial": {0.0: {0: base[0] + 1.0, 1: base[1] + 3.0}}}  # seed 0 tied, seed 1 lost
+    rows = paired_differences(per_seed, "ref", [0.0])
+    other = next(r for r in rows if r["other"] == "other")
+    mean = sum(gains) / 5
+    sd = math.sqrt(sum((g - mean) ** 2 for g in gains) / 4)
+    half = 2.7764451051977934 * sd / math.sqrt(5)  # t_{0.975, 4}
+    assert math.isclose(other["mean"], mean, abs_tol=1e-9) and other["wins"] == 4 and other["seeds"] == 5
+    assert math.isclose(other["ci_low"], mean - half, abs_tol=1e-9)
+    assert math.isclose(other["ci_high"], mean + half, abs_tol=1e-9)
+    partial = next(r for r in rows if r["other"] == "partial")  # only the seeds both rows ran are paired
+    assert partial["seeds"] == 2 and partial["ties"] == 1 and partial["wins"] == 0
+    text = paired_markdown(rows, {0.0: "Clean"})
+    assert "| other | +1.00 [" in text and "4/5 |" in text and "(1 tied)" in text
+    with pytest.raises(ValueError, match="reference row 'nope'"):
+        paired_differences(per_seed, "nope", [0.0])
+
+
+def test_preference_trace_reads_the_step_log_and_refuses_damage(tmp_path: Path) -> None:
+    with (tmp_path / "steps.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["step", "w_1", "w_2"])
+        writer.writeheader()
+        writer.writerows([{"step": 1, "w_1": 0.5, "w_2": 0.5}, {"step": 2, "w_1": 0.7, "w_2": 0.3},
+                          {"step": 3, "w_1": 0.6, "w_2": 0.4}])
+    trace = preference_trace(tmp_path)
+    assert trace == {"final": [0.6, 0.4], "low": [0.5, 0.3], "high": [0.7, 0.5]}
+    table = balancing_table({"mgda": [trace, None], "famo": [None]})
+    assert "| mgda | 0.6000, 0.4000 | [0.5000, 0.7000] / [0.3000, 0.5000] |" in table
+    assert "| famo | n/a | n/a |" in table
+    (tmp_path / "steps.csv").write_text("step,w_1\n1,nan\n")
+    assert preference_trace(tmp_path) is None
+    (tmp_path / "steps.csv").write_text("step,w_1\n1,garbage\n")
+    assert preference_trace(tmp_path) is None
+    assert preference_trace(tmp_path / "missing") is None
+
+
+# ------------------------------------------------------------------------------- the small preset
+
+
+def test_small_preset_uses_the_swept_learning_rates_and_the_papers_dr_settings() -> None:
+    assert set(SMALL_LR) == set(available())
+    for method in available():
+        hparams = method_hparams(method, preset="small")
+        assert hparams["lr"] == SMALL_LR[method]
+        paper = method_hparams(method)
+        assert {k: v for k, v in hparams.items() if k != "lr"} == {k: v for k, v in paper.items() if k != "lr"}
+        assert method_hparams(method, {"lr": 0.123}, preset="small")["lr"] == 0.123  # the user's word wins
+    assert PRESETS["small"]["multimnist2"]["model"] == "lenet" and PRESETS["small"]["multimnist3"]["input_size"] == 28
+
+
+def test_small_preset_runs_through_compare_with_variants(tmp_path: Path) -> None:
+    """One step of the small preset: variants as rows, paired differences, the balancing table, the LeNet."""
+    out = tmp_path / "compare"
+    args = ["compare", "--experiment", "multimnist2", "--preset", "small", "--methods",
+            "double-clip,mgda,mgda[pref_lr=0],mgda[solver=min_norm]", "--seeds", "0,1", "--max-steps", "1",
+            "--train-size", "64", "--test-size", "32", "--batch-size", "16", "--eps", "0,0.1",
+            "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--quiet", "--device", "cpu"]
+    assert main(args) == 0
+    table = (out / "table.md").read_text()
+    assert "model `lenet`, 28px inputs" in table
+    assert "| mgda[pref_lr=0] |" in table and "| mgda[solver=min_norm] |" in table
+    assert "Paired differences, double-clip minus each row" in table and "/2 |" in table
+    assert "What the balancing did" in table and "| mgda[pref_lr=0] | 0.5000, 0.5000 |" in table
+    config = json.loads((out / "mgda_pref_lr-0-seed1" / "config.json").read_text())
+    assert config["label"] == "mgda[pref_lr=0]" and config["hparams"]["pref_lr"] == 0
+    assert config["hparams"]["lr"] == SMALL_LR["mgda"] and config["model"] == "lenet"
+    report = json.loads((out / "mgda_solver-min_norm-seed0" / "eval.json").read_text())
+    assert report["label"] == "mgda[solver=min_norm]" and report["model"] == "lenet"
+    paired = list(csv.DictReader((out / "paired.csv").open()))
+    assert {row["other"] for row in paired} == {"mgda", "mgda[pref_lr=0]", "mgda[solver=min_norm]"}
+    assert len(paired) == 3 * 2
+
+
+def test_compare_refuses_repeated_seeds_and_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    base = ["compare", "--experiment", "multimnist2", "--preset", "small", "--out", str(tmp_path / "o"), "--quiet"]
+    assert main([*base, "--methods", "mgda", "--seeds", "0,0"]) == 2
+    assert "repeats a seed" in capsys.readouterr().err
+    assert main([*base, "--methods", "mgda,mgda"]) == 2
+    assert "more than once" in capsys.readouterr().err
+    assert main([*base, "--methods", "mgda[nope=1]"]) == 2
+    assert "unknown hyperparameter(s) nope for mgda" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+def test_run_config_checks_model_split_and_label() -> None:
+    good = {"experiment": "multimnist2", "method": "mgda", "preset": "small"}
+    for field, value, message in (("model", "vgg", "--model"), ("eval_split", "train", "--eval-split"),
+                                  ("label", "a/b", "path separators")):
+        with pytest.raises(UsageError, match=message):
+            RunConfig(**good, **{field: value}).validate()
+    assert RunConfig(**good, label="mgda[pref_lr=0]").name == "mgda[pref_lr=0]"
+    assert RunConfig(**good).name == "mgda"
