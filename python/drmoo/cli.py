@@ -419,6 +419,9 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--eps", type=_eps_list, default=[0.0, 0.01, 0.03, 0.05, 0.08])
     parser.add_argument("--reference", default="double-clip",
                         help="the row the paired differences are taken against (default: double-clip)")
+    parser.add_argument("--jobs", type=_count, default=1,
+                        help="runs trained at once in worker processes, each with cores/jobs torch threads "
+                        "(default 1; small models on a CPU: the number of cores)")
     _add_eps_space(parser)
     parser.add_argument("--out", required=True, help="output directory (finished runs in it are reused)")
     parser.set_defaults(handler=_run_compare)
@@ -450,10 +453,15 @@ def _run_compare(args: argparse.Namespace) -> int:
     _check_out_dir(args.out)
     experiment = get_experiment(args.experiment)
     options = _eps_space_option(args, experiment.compare, experiment.name)
-    if "reference" in inspect.signature(experiment.compare).parameters:
+    accepted = inspect.signature(experiment.compare).parameters
+    if "reference" in accepted:
         options["reference"] = args.reference
     elif args.reference != "double-clip":
         raise UsageError(f"--reference: the {experiment.name} comparison has no paired differences")
+    if "jobs" in accepted:
+        options["jobs"] = args.jobs
+    elif args.jobs != 1:
+        raise UsageError(f"--jobs: the {experiment.name} comparison trains one run at a time")
     table = experiment.compare(configs, Path(args.out), eps=args.eps, progress=not args.quiet, **options)
     print(table)
     return 0

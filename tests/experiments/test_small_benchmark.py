@@ -212,7 +212,11 @@ def test_small_preset_runs_through_compare_with_variants(tmp_path: Path) -> None
             "double-clip,mgda,mgda[pref_lr=0],mgda[solver=min_norm]", "--seeds", "0,1", "--max-steps", "1",
             "--train-size", "64", "--test-size", "32", "--batch-size", "16", "--eps", "0,0.1",
             "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--quiet", "--device", "cpu"]
-    assert main(args) == 0
+    assert main([*args, "--jobs", "2"]) == 0  # two worker processes
+    first = (out / "table.md").read_text()
+    assert main(args) == 0  # one process: every run is reused, the same table comes out
+    assert (out / "table.md").read_text().split("wall time")[1].split("\n", 1)[1] == first.split("wall time")[1].split(
+        "\n", 1)[1]
     table = (out / "table.md").read_text()
     assert "model `lenet`, 28px inputs" in table
     assert "| mgda[pref_lr=0] |" in table and "| mgda[solver=min_norm] |" in table
