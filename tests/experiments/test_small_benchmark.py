@@ -251,3 +251,26 @@ def test_run_config_checks_model_split_and_label() -> None:
             RunConfig(**good, **{field: value}).validate()
     assert RunConfig(**good, label="mgda[pref_lr=0]").name == "mgda[pref_lr=0]"
     assert RunConfig(**good).name == "mgda"
+
+
+SWEEP = Path(__file__).resolve().parents[2] / "results" / "multimnist2-small" / "lr-sweep" / "table.csv"
+
+
+def test_small_preset_learning_rates_are_the_committed_sweeps_winners() -> None:
+    """SMALL_LR is what the rule picks from the committed validation sweep: the highest clean validation
+    accuracy per method, ties to the smaller rate."""
+    if not SWEEP.is_file():
+        pytest.fail(f"{SWEEP} is missing: the small preset's learning rates must come with their sweep")
+    best: dict[str, tuple[float, float]] = {}
+    with SWEEP.open(newline="") as handle:
+        for row in csv.DictReader(handle):
+            if float(row["eps"]) != 0.0:
+                continue
+            variant = parse_variants(row["method"])[0]
+            lr, accuracy = float(variant.hparams["lr"]), float(row["mean_acc"])
+            known = best.get(variant.method)
+            if known is None or accuracy > known[1] or (accuracy == known[1] and lr < known[0]):
+                best[variant.method] = (lr, accuracy)
+    assert {method: lr for method, (lr, _) in best.items()} == SMALL_LR
+    configs = [json.loads(path.read_text()) for path in SWEEP.parent.glob("*/config.json")]
+    assert configs and all(c["eval_split"] == "validation" and c["preset"] == "small" for c in configs)
