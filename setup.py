@@ -1,9 +1,21 @@
-"""Build script: the packages come from pyproject.toml; this file adds the compiled kernels.
+"""Build script: the packages and metadata come from pyproject.toml; this file adds the compiled kernels.
 
-``drmoo_kernels._C`` is always built from the C++ sources in csrc/ (CPU kernels and the op schemas).
-The CUDA sources (csrc/**/*.cu) are compiled into the same extension whenever a CUDA toolkit is
-found, GPU or not, so that a CPU-only CI still proves they compile; ``DRMOO_BUILD_CUDA=0`` skips
-them.  A compiler error fails the install.
+What gets compiled (README, "Install"):
+
+* The fused kernels, ``drmoo_kernels._C``, are built only when torch is importable *in the build
+  environment*: ``pip install --no-build-isolation .`` (or ``python setup.py build_ext --inplace``)
+  with torch installed.  pip's default build isolation has no torch (pyproject.toml does not ask
+  for one: that used to download a second torch with its CUDA wheels), so a plain ``pip install .``
+  installs the pure-Python packages, whose ``reference`` backend is complete, and prints one line
+  saying how to get the kernels.
+* ``DRMOO_BUILD_KERNELS``: unset = build them if possible, else one line and the pure-Python install
+  (no compiler, a compiler error); ``1`` = required (any failure fails the install: the project's
+  scripts set it, so CI never silently loses the kernels); ``0`` = skip them.
+* CUDA sources (csrc/**/*.cu) join the extension when ``DRMOO_BUILD_CUDA=1``, or, with
+  ``DRMOO_BUILD_CUDA`` unset, when a GPU is visible (torch.cuda or ``nvidia-smi -L``) or
+  ``TORCH_CUDA_ARCH_LIST`` is set to a non-empty value; ``DRMOO_BUILD_CUDA=0`` never.  A toolkit on
+  PATH alone does not trigger them (minutes of nvcc for kernels nothing can run).  CI has nvcc but
+  no GPU, so .ci/run asks with ``DRMOO_BUILD_CUDA=1`` to prove the CUDA sources compile.
 
 GPU architectures: unless ``TORCH_CUDA_ARCH_LIST`` is set (to anything but an empty string), the
 CUDA kernels are built for a fixed list, ``DEFAULT_CUDA_ARCHS`` = "8.0;9.0+PTX": machine code for
@@ -20,12 +32,21 @@ from __future__ import annotations
 
 import glob
 import os
+import shlex
 import shutil
-from collections.abc import Mapping
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from setuptools import find_packages, setup
 
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+HOW_TO_BUILD = "with torch and a C++ compiler installed: pip install --no-build-isolation ."
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels were required (DRMOO_BUILD_KERNELS=1 / DRMOO_BUILD_CUDA=1) but cannot be built."""
 
 
 def cuda_arch_flags(environ: Mapping[str, str]) -> tuple[list[str], str]:
@@ -45,6 +66,86 @@ def cuda_arch_flags(environ: Mapping[str, str]) -> tuple[list[str], str]:
         if arch.endswith("+PTX"):
             flags.append(f"-gencode=arch=compute_{number},code=compute_{number}")
     return flags, f"{DEFAULT_CUDA_ARCHS!r} (drmoo's default; set TORCH_CUDA_ARCH_LIST to change it)"
+
+
+def _switch(environ: Mapping[str, str], name: str) -> bool | None:
+    """An on/off environment variable: True for "1", False for "0", None when unset or empty."""
+    value = environ.get(name, "").strip()
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise KernelBuildError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def kernels_mode(environ: Mapping[str, str]) -> str:
+    """``DRMOO_BUILD_KERNELS`` as 'auto' (unset), 'required' (1) or 'off' (0)."""
+    switch = _switch(environ, "DRMOO_BUILD_KERNELS")
+    return "auto" if switch is None else ("required" if switch else "off")
+
+
+def gpu_visible() -> bool:
+    """Whether this machine shows a CUDA GPU: torch says so, or ``nvidia-smi -L`` lists one."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return True
+    except ImportError:
+        pass
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return listing.returncode == 0 and "GPU" in listing.stdout
+
+
+def cuda_wanted(environ: Mapping[str, str], has_gpu: Callable[[], bool] = gpu_visible) -> tuple[bool, bool, str]:
+    """(build the CUDA sources?, did the user insist?, why) from the environment and the machine.
+
+    The user insists with ``DRMOO_BUILD_CUDA=1`` (then a missing toolkit is an error); a non-empty
+    ``TORCH_CUDA_ARCH_LIST`` or a visible GPU asks for them without insisting.
+    """
+    switch = _switch(environ, "DRMOO_BUILD_CUDA")
+    if switch is not None:
+        return switch, switch, f"DRMOO_BUILD_CUDA={int(switch)}"
+    if environ.get("TORCH_CUDA_ARCH_LIST", "").strip():
+        return True, False, "TORCH_CUDA_ARCH_LIST is set"
+    if has_gpu():
+        return True, False, "a GPU is visible"
+    return False, False, "no GPU is visible (DRMOO_BUILD_CUDA=1 or TORCH_CUDA_ARCH_LIST builds them anyway)"
+
+
+def compiler_problem(environ: Mapping[str, str]) -> str | None:
+    """Why the C/C++ compilers the build would use cannot run, or None when they answer ``--version``.
+
+    Checked before torch's own compiler probe, which fails with a traceback (CC=/bin/false) or a
+    wrong "compiler version 0.0.0" message (a compiler that does not exist).
+    """
+    for variable, default in (("CXX", "c++"), ("CC", "cc")):
+        command = shlex.split(environ.get(variable, "") or default)
+        if not command:
+            continue
+        named = f"{variable}={' '.join(command)}" if environ.get(variable) else f"{command[0]} ({variable} unset)"
+        if shutil.which(command[0]) is None:
+            return f"no C++ compiler: {named} is not found"
+        try:
+            probe = subprocess.run([*command, "--version"], capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as error:
+            return f"no working C++ compiler: {named} does not run ({error})"
+        if probe.returncode != 0:
+            return f"no working C++ compiler: `{' '.join(command)} --version` exited with status {probe.returncode}"
+    return None
+
+
+def skipped_line(reason: str, how: str = HOW_TO_BUILD) -> str:
+    """The one line printed when the kernels are not built."""
+    return (
+        f"drmoo: the fused kernels (drmoo_kernels._C) were skipped: {reason}. drmoo works without them (pure-torch "
+        f"'reference' backend, ~2x slower per optimizer step); to build them, {how}"
+    )
 
 
 def _locate_cuda_home() -> None:
@@ -67,22 +168,56 @@ def _locate_cuda_home() -> None:
             return
 
 
-def _extensions() -> tuple[list, dict]:
-    cpp_sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
-    if not cpp_sources:
-        return [], {}
-    _locate_cuda_home()
-    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+def _say(line: str) -> None:
+    # stderr: pip shows a build's output only with -v (or when the build fails); the README and the
+    # runtime warning of drmoo_kernels._ops say the same thing for those who miss it.
+    print(line, file=sys.stderr, flush=True)
 
+
+def _extensions(environ: Mapping[str, str]) -> tuple[list[Any], dict[str, Any]]:
+    """The extension to build and its build command, or ([], {}) with one line saying why not."""
+    mode = kernels_mode(environ)
+    if mode == "off":
+        _say(skipped_line("DRMOO_BUILD_KERNELS=0", "unset DRMOO_BUILD_KERNELS and " + HOW_TO_BUILD))
+        return [], {}
+    cpp_sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+    if not cpp_sources:  # an sdist without csrc/ cannot happen (MANIFEST), but a trimmed copy can
+        return _skip_or_fail(mode, "csrc/ holds no C++ sources")
+    try:
+        import torch
+    except ImportError:
+        return _skip_or_fail(
+            mode, "torch is not importable in the build environment (pip's build isolation)",
+            "install torch first, then: pip install --no-build-isolation .",
+        )
+    problem = compiler_problem(environ)
+    if problem is not None:
+        return _skip_or_fail(mode, problem, "install g++ (or clang++), then: pip install --no-build-isolation .")
+
+    want_cuda, insisted, why_cuda = cuda_wanted(environ)
     cuda_sources = sorted(glob.glob("csrc/**/*.cu", recursive=True))
-    want_cuda = os.environ.get("DRMOO_BUILD_CUDA", "1") != "0"
+    if want_cuda:
+        _locate_cuda_home()
+    from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
+
+    missing_cuda = None
+    if want_cuda and CUDA_HOME is None:
+        missing_cuda = "no CUDA toolkit (nvcc) was found; set CUDA_HOME"
+    elif want_cuda and torch.version.cuda is None:
+        missing_cuda = f"torch {torch.__version__} is a CPU-only build"
+    if missing_cuda is not None:
+        if insisted:
+            raise KernelBuildError(f"{why_cuda} asks for the CUDA kernels, but {missing_cuda}")
+        _say(f"drmoo: CPU kernels only: {why_cuda}, but {missing_cuda}")
+        want_cuda = False
+
     # torch >= 2.10 headers need C++20.  -fopenmp: at::parallel_for is an inline OpenMP region,
     # serial without it; libgomp is the runtime torch itself loads (same soname).
-    extra = {"cxx": ["-O3", "-std=c++20", "-fopenmp"]}
+    extra: dict[str, list[str]] = {"cxx": ["-O3", "-std=c++20", "-fopenmp"]}
     libraries = ["gomp"]
-    if want_cuda and cuda_sources and CUDA_HOME is not None:
-        arch_flags, arch_choice = cuda_arch_flags(os.environ)
-        print(f"drmoo: building the CUDA kernels for {arch_choice}")
+    if want_cuda and cuda_sources:
+        arch_flags, arch_choice = cuda_arch_flags(environ)
+        _say(f"drmoo: building the CPU and CUDA kernels ({why_cuda}) for {arch_choice}")
         # No --use_fast_math: the kernels are memory bound, and approximate exp/log/pow would only
         # widen the gap to the reference the CUDA backend is tested against.
         extra["nvcc"] = ["-O3", "-std=c++20", "-lineinfo", *arch_flags]
@@ -91,14 +226,50 @@ def _extensions() -> tuple[list, dict]:
             define_macros=[("DRMOO_WITH_CUDA", "1")], libraries=libraries,
         )
     else:
+        _say(f"drmoo: building the CPU kernels (not the CUDA ones: {why_cuda})")
         ext = CppExtension("drmoo_kernels._C", cpp_sources, extra_compile_args=extra, libraries=libraries)
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    return [ext], {"build_ext": _optional_build_command(mode)}
 
 
-# Guarded so that the tests can import this file for cuda_arch_flags; pip's build backend and
+def _skip_or_fail(mode: str, reason: str, how: str = HOW_TO_BUILD) -> tuple[list[Any], dict[str, Any]]:
+    if mode == "required":
+        raise KernelBuildError(f"DRMOO_BUILD_KERNELS=1, but the kernels cannot be built: {reason}")
+    _say(skipped_line(reason, how))
+    return [], {}
+
+
+def _optional_build_command(mode: str) -> type:
+    """torch's BuildExtension (ninja), which in 'auto' mode turns a failed compile into one line."""
+    from torch.utils.cpp_extension import BuildExtension
+
+    base = BuildExtension.with_options(use_ninja=True)
+
+    class OptionalKernelsBuild(base):  # type: ignore[misc, valid-type]
+        def run(self) -> None:
+            try:
+                super().run()
+            except Exception as error:  # compiler, linker, ninja: whatever stops the build
+                if mode == "required":
+                    raise
+                first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                _say(skipped_line(
+                    f"compiling csrc/ failed ({type(error).__name__}: {first_line})",
+                    "rerun with DRMOO_BUILD_KERNELS=1 and pip's -v to see the compiler's error",
+                ))
+                # Nothing of the failed extension may be installed: no outputs, no in-place copy.
+                self.extensions = []
+                self.distribution.ext_modules = []
+
+    return OptionalKernelsBuild
+
+
+# Guarded so that the tests can import this file for its helpers; pip's build backend and
 # `python setup.py ...` both run it as __main__.
 if __name__ == "__main__":
-    ext_modules, cmdclass = _extensions()
+    try:
+        ext_modules, cmdclass = _extensions(os.environ)
+    except KernelBuildError as error:
+        sys.exit(f"drmoo: error: {error}")
     setup(
         packages=find_packages("python") + find_packages(".", include=["drmoo_kernels", "drmoo_kernels.*"]),
         ext_modules=ext_modules,

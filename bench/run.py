@@ -5,8 +5,9 @@ Usage (from anywhere; extra arguments go to pytest, e.g. ``-k gram_step``)::
     python bench/run.py
     python bench/run.py --summary-only bench/results/<machine>.json   # redo the table from a JSON
 
-The project's pytest addopts contain ``--benchmark-disable``; this runner passes
-``--benchmark-enable`` and points pytest at bench/ (its testpaths name tests/ only).
+Benchmarks are timed only with ``--benchmark-only`` or ``--benchmark-enable`` (the repository's
+conftest.py disables them otherwise); this runner passes both and points pytest at bench/ (its
+testpaths name tests/ only).
 """
 
 from __future__ import annotations

@@ -7,6 +7,13 @@
 // drmoo_kernels.divergences.Divergence.code.
 #include <Python.h>
 #include <torch/library.h>
+#include <torch/version.h>
+
+// The torch version these kernels were compiled against, as plain bytes in the shared object:
+// drmoo_kernels/_ops.py reads it from the file *before* loading it, so that a build made for
+// another torch (whose C++ ABI differs) is refused with both versions named instead of failing
+// with an undefined symbol, or worse, loading.
+extern "C" __attribute__((used)) const char drmoo_built_with_torch[] = "drmoo-built-with-torch=" TORCH_VERSION ";";
 
 extern "C" {
 // `import drmoo_kernels._C` only has to load this shared object so that the registrations below

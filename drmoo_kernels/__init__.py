@@ -27,4 +27,3 @@ __all__ = [
     "resolve_backend",
     "why_unavailable",
 ]
-__version__ = "0.1.0"

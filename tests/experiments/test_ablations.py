@@ -154,8 +154,8 @@ def test_lambda_on_multimnist2_evaluates_fgsm(tmp_path: Path, capsys: pytest.Cap
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--what", "depth", "--experiment", "linear"], "unknown ablation --what 'depth'; valid choices: lambda, lr"),
-    (["--what", "lambda", "--experiment", "celeba"], "unknown --experiment 'celeba'; valid choices: linear"),
+    (["--what", "depth", "--experiment", "linear"], "argument --what: invalid choice: 'depth'"),
+    (["--what", "lambda", "--experiment", "celeba"], "argument --experiment: invalid choice: 'celeba'"),
     (["--what", "lr", "--experiment", "multimnist2"], "--what lr is not supported on multimnist2"),
     (["--what", "batch", "--experiment", "linear", "--batch-size", "64"], "--batch-size cannot be fixed"),
     (["--what", "lambda", "--experiment", "linear", "--max-steps", "3"], "--max-steps/--epochs"),
@@ -164,6 +164,10 @@ def test_lambda_on_multimnist2_evaluates_fgsm(tmp_path: Path, capsys: pytest.Cap
 ])
 def test_bad_requests_exit_2_with_a_clear_message(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str],
                                                   message: str) -> None:
-    assert main(["ablate", *args, "--out", str(tmp_path / "x"), "--quiet"]) == 2
+    try:
+        code = main(["ablate", *args, "--out", str(tmp_path / "x"), "--quiet"])
+    except SystemExit as exited:  # the fixed sets (--what, --experiment) are argparse choices
+        code = exited.code
+    assert code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # refused before anything is written
