@@ -196,8 +196,7 @@ def _extensions(environ: Mapping[str, str]) -> tuple[list[Any], dict[str, Any]]:
 
     want_cuda, insisted, why_cuda = cuda_wanted(environ)
     cuda_sources = sorted(glob.glob("csrc/**/*.cu", recursive=True))
-    if want_cuda:
-        _locate_cuda_home()
+    _locate_cuda_home()  # also keeps torch from warning that it guessed CUDA_HOME
     from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
 
     missing_cuda = None
@@ -271,7 +270,7 @@ if __name__ == "__main__":
     except KernelBuildError as error:
         sys.exit(f"drmoo: error: {error}")
     setup(
-        packages=find_packages("python") + find_packages(".", include=["drmoo_kernels", "drmoo_kernels.*"]),
+        packages=find_packages("python"),
         ext_modules=ext_modules,
         cmdclass=cmdclass,
     )

@@ -62,7 +62,10 @@ step() {
 }
 
 echo "[gpu_check] building the extension in place (MAX_JOBS=${MAX_JOBS:-16})"
-MAX_JOBS="${MAX_JOBS:-16}" "$python" setup.py build_ext --inplace > "$logs/build.log" 2>&1 \
+# Both kernel sets, and a compile error fails (setup.py's defaults would skip CUDA without a visible
+# GPU and turn a compile error into a one-line skip).
+DRMOO_BUILD_KERNELS=1 DRMOO_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" "$python" setup.py build_ext --inplace \
+    > "$logs/build.log" 2>&1 \
     || { tail -40 "$logs/build.log"; exit 1; }
 export PYTHONPATH="python:.${PYTHONPATH:+:$PYTHONPATH}"
 "$python" -c 'import drmoo_kernels as k; print("[gpu_check] backends:", ", ".join(k.available_backends()))' \

@@ -1,0 +1,153 @@
+"""Loading drmoo_kernels._C: a missing, failing or mismatched extension warns once, never silently.
+
+The failures are simulated (the loader's view of the file system and of the import are replaced):
+no second torch is needed to show what a build for another torch does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from drmoo_kernels import KernelsUnavailableWarning, _ops
+
+RUNNING = str(torch.__version__)
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loader that has not tried yet (the process's real result is put back afterwards)."""
+    monkeypatch.setattr(_ops, "_load_reason", [])
+
+
+def _fake_extension(monkeypatch: pytest.MonkeyPatch, path: Path | None) -> None:
+    """Make find_spec('drmoo_kernels._C') answer ``path`` (None: not installed); other lookups unchanged."""
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, package: str | None = None):
+        if name != _ops.EXTENSION:
+            return real_find_spec(name, package)
+        if path is None:
+            return None
+        return importlib.machinery.ModuleSpec(name, None, origin=str(path))
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def _fail_import(monkeypatch: pytest.MonkeyPatch, error: Exception | None) -> list[str]:
+    """Importing the extension raises ``error`` (None: succeeds); returns the list of import attempts."""
+    attempts: list[str] = []
+    real_import = importlib.import_module
+
+    def import_module(name: str, package: str | None = None):
+        if name != _ops.EXTENSION:
+            return real_import(name, package)
+        attempts.append(name)
+        if error is not None:
+            raise error
+        return None
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    return attempts
+
+
+def _so_with_marker(tmp_path: Path, version: str | None) -> Path:
+    """A stand-in shared object: filler bytes around csrc/ops.cpp's marker (or none)."""
+    path = tmp_path / "_C.cpython-311-x86_64-linux-gnu.so"
+    marker = b"" if version is None else b"drmoo-built-with-torch=" + version.encode() + b";"
+    path.write_bytes(b"\x7fELF" + b"\0" * 5000 + marker + b"\0" * 5000)
+    return path
+
+
+def _load_twice() -> tuple[str | None, list[warnings.WarningMessage]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # a second warning would show even under -W always
+        reason = _ops.load()
+        assert _ops.load() == reason
+    return reason, [w for w in caught if issubclass(w.category, KernelsUnavailableWarning)]
+
+
+def test_a_build_for_another_torch_is_not_loaded_and_warns_once_with_both_versions(
+        fresh_loader: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _fake_extension(monkeypatch, _so_with_marker(tmp_path, "2.9.0"))
+    attempts = _fail_import(monkeypatch, None)
+    reason, caught = _load_twice()
+    assert reason is not None and attempts == []  # never imported: another torch's ABI
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert f"built against torch 2.9.0, but torch {RUNNING} is running" in message
+    assert "pip install --no-build-isolation --force-reinstall --no-deps ." in message
+    assert "'reference' backend" in message and "2x slower" in message
+
+
+def test_a_failing_load_warns_once_naming_both_versions(fresh_loader: None, monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    built = RUNNING.split("+")[0]
+    _fake_extension(monkeypatch, _so_with_marker(tmp_path, built))
+    _fail_import(monkeypatch, ImportError("undefined symbol: _ZN3c1015SmallVectorBaseIjE8grow_podEPKvmm"))
+    reason, caught = _load_twice()
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert f"failed to load under torch {RUNNING} (it was built against torch {built})" in message
+    assert "undefined symbol" in message and "pip install --no-build-isolation" in message
+    assert reason is not None and "undefined symbol" in reason
+
+
+def test_a_build_without_the_marker_is_still_tried_and_its_failure_explained(
+        fresh_loader: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _fake_extension(monkeypatch, _so_with_marker(tmp_path, None))
+    attempts = _fail_import(monkeypatch, OSError("libc10.so: cannot open shared object file"))
+    _, caught = _load_twice()
+    assert attempts == [_ops.EXTENSION] and len(caught) == 1
+    assert "built against an unknown torch version" in str(caught[0].message)
+
+
+def test_a_missing_extension_warns_once_and_says_how_to_build_it(fresh_loader: None,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_extension(monkeypatch, None)
+    reason, caught = _load_twice()
+    assert len(caught) == 1
+    assert "drmoo_kernels._C is not installed" in str(caught[0].message)
+    assert reason is not None and "pip install --no-build-isolation" in reason
+
+
+def test_a_good_load_does_not_warn(fresh_loader: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _fake_extension(monkeypatch, _so_with_marker(tmp_path, RUNNING.split("+")[0]))
+    attempts = _fail_import(monkeypatch, None)
+    monkeypatch.setattr(_ops, "_register_fakes", lambda: None)
+    reason, caught = _load_twice()
+    assert reason is None and caught == [] and attempts == [_ops.EXTENSION]
+
+
+@pytest.mark.parametrize(("built", "running", "same"), [
+    ("2.14.1", "2.14.1+cu130", True), ("2.14.1", "2.14.1", True), ("2.14.0", "2.14.1", False),
+    ("2.14.1", "2.13.0+cpu", False), ("2.11.0", "2.11.0a0+git5d1e2b4", True),
+])
+def test_versions_match_by_release(built: str, running: str, same: bool) -> None:
+    assert _ops._same_release(built, running) is same
+
+
+def test_the_real_extension_names_the_torch_it_was_built_against() -> None:
+    spec = importlib.util.find_spec(_ops.EXTENSION)
+    if spec is None or spec.origin is None:
+        pytest.fail("drmoo_kernels._C is not built (pip install --no-build-isolation . or "
+                    "python setup.py build_ext --inplace)")
+    assert _ops.built_with_torch(spec.origin) == RUNNING.split("+")[0]
+
+
+def test_choosing_the_reference_backend_never_loads_the_extension(fresh_loader: None,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from drmoo_kernels import resolve_backend
+
+    _fake_extension(monkeypatch, None)
+    monkeypatch.setenv("DRMOO_BACKEND", "reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelsUnavailableWarning)
+        assert resolve_backend(None, "cpu") == "reference"
+    assert _ops._load_reason == []

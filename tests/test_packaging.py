@@ -1,0 +1,257 @@
+"""Packaging: what setup.py builds and when, the one-line skips, the metadata, the files users look for.
+
+Everything here is fast: setup.py's decisions are called as functions or run as ``setup.py --version``
+(which makes the build decision without compiling), and the one wheel built (pure Python, kernels
+off) takes seconds.  The install timings of the README are measured by scripts/measure_install.sh,
+which takes minutes and is not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="the pyproject checks read TOML with Python >= 3.11's tomllib")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _setup_module() -> ModuleType:
+    """The repository's setup.py as a module (its setup() call only runs as __main__)."""
+    spec = importlib.util.spec_from_file_location("drmoo_setup_for_tests", REPO / "setup.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SETUP = _setup_module()
+
+
+def _no_gpu() -> bool:
+    return False
+
+
+def _a_gpu() -> bool:
+    return True
+
+
+@pytest.mark.parametrize(("environ", "has_gpu", "wanted", "insisted", "why"), [
+    ({}, _no_gpu, False, False, "no GPU is visible"),
+    ({"DRMOO_BUILD_CUDA": ""}, _no_gpu, False, False, "no GPU is visible"),
+    ({}, _a_gpu, True, False, "a GPU is visible"),
+    ({"TORCH_CUDA_ARCH_LIST": "9.0"}, _no_gpu, True, False, "TORCH_CUDA_ARCH_LIST is set"),
+    ({"TORCH_CUDA_ARCH_LIST": " "}, _no_gpu, False, False, "no GPU is visible"),  # empty counts as unset
+    ({"DRMOO_BUILD_CUDA": "1"}, _no_gpu, True, True, "DRMOO_BUILD_CUDA=1"),  # CI: nvcc, no GPU
+    ({"DRMOO_BUILD_CUDA": "0"}, _a_gpu, False, False, "DRMOO_BUILD_CUDA=0"),
+    ({"DRMOO_BUILD_CUDA": "0", "TORCH_CUDA_ARCH_LIST": "9.0"}, _a_gpu, False, False, "DRMOO_BUILD_CUDA=0"),
+])
+def test_cuda_is_compiled_only_with_a_visible_gpu_or_when_asked(environ: dict[str, str], has_gpu, wanted: bool,
+                                                                insisted: bool, why: str) -> None:
+    result = SETUP.cuda_wanted(environ, has_gpu)
+    assert result[:2] == (wanted, insisted) and why in result[2], result
+
+
+def test_switches_other_than_0_or_1_are_refused() -> None:
+    with pytest.raises(SETUP.KernelBuildError, match="DRMOO_BUILD_CUDA must be 0 or 1, got 'yes'"):
+        SETUP.cuda_wanted({"DRMOO_BUILD_CUDA": "yes"}, _no_gpu)
+    with pytest.raises(SETUP.KernelBuildError, match="DRMOO_BUILD_KERNELS must be 0 or 1, got '2'"):
+        SETUP.kernels_mode({"DRMOO_BUILD_KERNELS": "2"})
+
+
+def test_kernels_mode() -> None:
+    assert SETUP.kernels_mode({}) == "auto"
+    assert SETUP.kernels_mode({"DRMOO_BUILD_KERNELS": "1"}) == "required"
+    assert SETUP.kernels_mode({"DRMOO_BUILD_KERNELS": "0"}) == "off"
+
+
+def test_a_missing_or_failing_compiler_is_named() -> None:
+    assert "CXX=/nonexistent/c++ is not found" in SETUP.compiler_problem({"CXX": "/nonexistent/c++"})
+    problem = SETUP.compiler_problem({"CC": "/bin/false", "CXX": "/bin/false"})
+    assert problem is not None and "/bin/false --version` exited with status 1" in problem
+
+
+def _run_setup(args: list[str], env: dict[str, str], prelude: str = "") -> subprocess.CompletedProcess[str]:
+    """``python setup.py ARGS`` in the repository (optionally after ``prelude``), as pip's backend runs it."""
+    code = (f"{prelude}\nimport runpy, sys\nsys.argv = ['setup.py', *{args!r}]\n"
+            "runpy.run_path('setup.py', run_name='__main__')\n")
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _drmoo_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("drmoo:")]
+
+
+@pytest.mark.parametrize(("env", "prelude", "reason"), [
+    ({"CC": "/bin/false", "CXX": "/bin/false"}, "", "`/bin/false --version` exited with status 1"),
+    ({"CXX": "/nonexistent/c++"}, "", "CXX=/nonexistent/c++ is not found"),
+    # pip's build isolation: no torch in the build environment
+    ({}, "import sys; sys.modules['torch'] = None", "torch is not importable in the build environment"),
+    ({"DRMOO_BUILD_KERNELS": "0"}, "", "DRMOO_BUILD_KERNELS=0"),
+])
+def test_without_compiler_or_torch_the_install_goes_on_with_one_line(env: dict[str, str], prelude: str,
+                                                                     reason: str) -> None:
+    done = _run_setup(["--version"], {"DRMOO_BUILD_KERNELS": "", **env}, prelude)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = _drmoo_lines(done.stderr)
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("drmoo: the fused kernels (drmoo_kernels._C) were skipped: ") and reason in lines[0]
+    assert "pip install --no-build-isolation ." in lines[0] or "unset DRMOO_BUILD_KERNELS" in lines[0]
+    assert done.stdout.strip().splitlines()[-1] == _version()
+
+
+def test_required_kernels_without_a_compiler_fail_the_install_in_one_line() -> None:
+    """scripts/setup_env.sh sets DRMOO_BUILD_KERNELS=1: CI must never pass on a kernel-less install."""
+    done = _run_setup(["--version"], {"DRMOO_BUILD_KERNELS": "1", "CC": "/bin/false", "CXX": "/bin/false"})
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "drmoo: error: DRMOO_BUILD_KERNELS=1, but the kernels cannot be built: no working C++ compiler")
+
+
+def test_a_compile_error_is_one_line_and_nothing_is_installed(tmp_path: Path) -> None:
+    """A compiler that answers --version but fails to compile: the build goes on without the extension."""
+    fake = tmp_path / "fake-c++"
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "fake 1.0"; exit 0; }\necho "fake: cannot compile" >&2\n'
+                    "exit 1\n")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {"DRMOO_BUILD_KERNELS": "", "DRMOO_BUILD_CUDA": "0", "CC": str(fake), "CXX": str(fake)}
+    done = _run_setup(["build_ext", "--build-lib", str(out), "--build-temp", str(tmp_path / "tmp")], env)
+    assert done.returncode == 0, done.stderr
+    lines = _drmoo_lines(done.stderr)
+    assert lines[-1].startswith("drmoo: the fused kernels (drmoo_kernels._C) were skipped: compiling csrc/ failed ("), (
+        done.stderr)
+    assert "DRMOO_BUILD_KERNELS=1" in lines[-1]
+    assert not list(out.rglob("_C*.so"))
+    # ... and with DRMOO_BUILD_KERNELS=1 the same failure fails the build
+    failed = _run_setup(["build_ext", "--build-lib", str(out), "--build-temp", str(tmp_path / "tmp")],
+                        {**env, "DRMOO_BUILD_KERNELS": "1"})
+    assert failed.returncode != 0
+
+
+# ------------------------------------------------------------------------------------------- metadata
+def _pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def _version() -> str:
+    text = (REPO / "python" / "drmoo" / "_version.py").read_text()
+    match = re.search(r'^__version__ = "([^"]+)"$', text, re.M)
+    assert match is not None
+    return match.group(1)
+
+
+def test_build_requirements_are_true_and_bring_no_torch() -> None:
+    build = _pyproject()["build-system"]
+    assert build["requires"] == ["setuptools>=77"]  # PEP 639's license string needs setuptools >= 77
+    project = _pyproject()["project"]
+    assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"]
+
+
+def test_runtime_dependencies_are_torch_and_numpy_and_the_extra_matches_the_cli() -> None:
+    from drmoo import _extras
+
+    project = _pyproject()["project"]
+    assert sorted(re.split(r"[<>=!~ ]", dep)[0] for dep in project["dependencies"]) == ["numpy", "torch"]
+    extra = project["optional-dependencies"][_extras.EXTRA]
+    assert sorted(re.split(r"[<>=!~ ]", dep)[0] for dep in extra) == sorted(_extras.MODULES)
+    # the development venv still gets every one of them
+    pinned = (REPO / "requirements-dev.txt").read_text()
+    for name in _extras.MODULES:
+        assert re.search(rf"^{name}==", pinned, re.M), name
+
+
+def test_one_version_source() -> None:
+    import drmoo
+
+    assert _pyproject()["project"]["dynamic"] == ["version"]
+    assert _pyproject()["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "drmoo._version.__version__"}
+    assert drmoo.__version__ == _version()
+    for path in [*(REPO / "python").rglob("*.py"), REPO / "setup.py"]:
+        if path.name != "_version.py":
+            assert not re.search(r"^__version__\s*=", path.read_text(), re.M), path
+    assert f"version: {_version()}" in (REPO / "CITATION.cff").read_text()
+
+
+def test_license_citation_changelog_and_type_markers_are_there() -> None:
+    license_text = (REPO / "LICENSE").read_text()
+    assert license_text.startswith("MIT License") and "drmoo developers" in license_text
+    citation = (REPO / "CITATION.cff").read_text()
+    assert "cff-version: 1.2.0" in citation
+    assert "title: Distributionally Robust Multi-Objective Optimization" in citation  # the paper's
+    for family in ("Yang", "Zhuo", "Chen", "Huang", "Zhou"):
+        assert f"family-names: {family}" in citation
+    assert (REPO / "CHANGELOG.md").read_text().startswith("# Changelog")
+    for package in ("drmoo", "drmoo_kernels"):
+        assert (REPO / "python" / package / "py.typed").is_file()
+        assert _pyproject()["tool"]["setuptools"]["package-data"][package] == ["py.typed"]
+
+
+def test_the_wheel_carries_license_type_markers_and_metadata(tmp_path: Path) -> None:
+    """A real (pure-Python, kernels off) wheel built by pip from this checkout: seconds, no network."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-q", "-w",
+         str(tmp_path), str(REPO)],
+        env={**os.environ, "DRMOO_BUILD_KERNELS": "0"}, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    (wheel,) = tmp_path.glob("drmoo-*.whl")
+    assert wheel.name.startswith(f"drmoo-{_version()}-")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "drmoo/py.typed" in names and "drmoo_kernels/py.typed" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+    assert "drmoo/_version.py" in names and "drmoo_kernels/reference.py" in names
+    assert not any(n.startswith(("tests/", "bench/", "csrc/")) for n in names)
+    requires = sorted(line for line in metadata.splitlines() if line.startswith("Requires-Dist:"))
+    assert [r for r in requires if "extra ==" not in r] == ["Requires-Dist: numpy>=1.24", "Requires-Dist: torch>=2.11"]
+    assert "License-Expression: MIT" in metadata
+    assert "Provides-Extra: experiments" in metadata
+
+
+def test_an_editable_install_works_from_a_folder_that_holds_a_drmoo_clone(tmp_path: Path) -> None:
+    """`pip install -e .`, then drmoo from the clone's parent folder (which holds a `drmoo/` directory).
+
+    With both packages under python/, setuptools writes one .pth entry, so the folder in the way is only
+    a namespace candidate that the real package outranks.  Installed into a prefix of its own (no venv
+    is touched), run with ``python -S`` and only that prefix's site directory (its .pth files processed,
+    as a venv's would be): neither the running venv's drmoo nor torch is on the path, and
+    ``--version`` needs neither.
+    """
+    prefix = tmp_path / "prefix"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index", "-q",
+         "--prefix", str(prefix), "-e", str(REPO)],
+        env={**os.environ, "DRMOO_BUILD_KERNELS": "0"}, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    (site_dir,) = prefix.glob("lib/python*/site-packages")
+    assert list(site_dir.glob("__editable__.drmoo-*.pth"))
+    parent = tmp_path / "parent"
+    (parent / "drmoo").mkdir(parents=True)  # the clone's folder, seen from its parent
+    code = (
+        f"import site, sys; site.addsitedir({str(site_dir)!r})\n"
+        "import drmoo\n"
+        "print(drmoo.__file__)\n"
+        "import runpy; sys.argv = ['drmoo', '--version']\n"
+        "runpy.run_module('drmoo', run_name='__main__', alter_sys=True)\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    ran = subprocess.run([sys.executable, "-S", "-c", code], cwd=parent, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    first, second = ran.stdout.strip().splitlines()
+    assert Path(first) == REPO / "python" / "drmoo" / "__init__.py"
+    assert second == f"drmoo {_version()}"
