@@ -255,3 +255,21 @@ def test_an_editable_install_works_from_a_folder_that_holds_a_drmoo_clone(tmp_pa
     first, second = ran.stdout.strip().splitlines()
     assert Path(first) == REPO / "python" / "drmoo" / "__init__.py"
     assert second == f"drmoo {_version()}"
+
+
+def test_the_sdist_carries_the_kernel_sources_and_the_license(tmp_path: Path) -> None:
+    """Built without torch (as pip's isolated build does), the sdist must still hold csrc/ (MANIFEST.in)."""
+    done = _run_setup(["-q", "sdist", "-d", str(tmp_path)], {"DRMOO_BUILD_KERNELS": "0"},
+                      "import sys; sys.modules['torch'] = None")
+    assert done.returncode == 0, done.stderr
+    (sdist,) = tmp_path.glob("drmoo-*.tar.gz")
+    import tarfile
+
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    expected = {"LICENSE", "CITATION.cff", "CHANGELOG.md", "setup.py", "pyproject.toml", "python/drmoo/py.typed",
+                "python/drmoo_kernels/py.typed"}
+    expected |= {str(path.relative_to(REPO)) for path in (REPO / "csrc").rglob("*") if path.is_file()
+                 and path.suffix in {".cpp", ".cu", ".h", ".cuh", ".inc"}}
+    assert expected <= names, sorted(expected - names)
+    assert not any(name.endswith(".so") for name in names)
