@@ -168,10 +168,17 @@ def _locate_cuda_home() -> None:
             return
 
 
+# The setup.py commands that build or install code.  pip runs setup.py several times per install
+# (egg_info / dist_info for the metadata, then bdist_wheel or editable_wheel); the build decision is
+# the same each time, and only the build says it, so that `pip install -v` shows it once.
+BUILD_COMMANDS = frozenset({"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"})
+
+
 def _say(line: str) -> None:
     # stderr: pip shows a build's output only with -v (or when the build fails); the README and the
-    # runtime warning of drmoo_kernels._ops say the same thing for those who miss it.
-    print(line, file=sys.stderr, flush=True)
+    # run-time warning of drmoo_kernels._ops say the same thing for those who miss it.
+    if BUILD_COMMANDS.intersection(sys.argv[1:]):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _extensions(environ: Mapping[str, str]) -> tuple[list[Any], dict[str, Any]]:
