@@ -281,3 +281,17 @@ def test_the_sdist_carries_the_kernel_sources_and_the_license(tmp_path: Path) ->
                  and path.suffix in {".cpp", ".cu", ".h", ".cuh", ".inc"}}
     assert expected <= names, sorted(expected - names)
     assert not any(name.endswith(".so") for name in names)
+
+
+@pytest.mark.parametrize(("flags", "timed"), [(["--benchmark-only"], True), ([], False)])
+def test_benchmarks_run_as_typed_and_stay_off_in_a_plain_run(flags: list[str], timed: bool) -> None:
+    """`pytest bench/ --benchmark-only` times (it used to exit 4 against addopts' --benchmark-disable); plain
+    pytest runs the benchmark bodies once, untimed (the repository's conftest.py)."""
+    pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is a test requirement (requirements-dev.txt)")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "bench/test_kernels.py::test_dual_forward[reference-256-2]", *flags],
+        cwd=REPO, env={**os.environ, "DRMOO_BENCH_BUDGET_S": "0.01"}, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert ("benchmark: " in done.stdout) is timed, done.stdout[-3000:]
