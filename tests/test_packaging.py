@@ -165,6 +165,9 @@ def test_build_requirements_are_true_and_bring_no_torch() -> None:
     assert build["requires"] == ["setuptools>=77"]  # PEP 639's license string needs setuptools >= 77
     project = _pyproject()["project"]
     assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"]
+    # the scripts build with --no-build-isolation: their venvs' setuptools is the build backend
+    for requirements in ("requirements-dev.txt", "requirements-oldest.txt"):
+        assert re.search(r"^setuptools>=77\b", (REPO / requirements).read_text(), re.M), requirements
 
 
 def test_runtime_dependencies_are_torch_and_numpy_and_the_extra_matches_the_cli() -> None:
