@@ -84,17 +84,24 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axis = plt.subplots(figsize=(6.5, 4.2), constrained_layout=True)
-    for method in dict.fromkeys(r["method"] for r in rows):
-        mine = [r for r in rows if r["method"] == method]
+    labels = list(dict.fromkeys(r["method"] for r in rows))
+    # Up to 10 rows: tab10; more: tab20, so that no two rows share a colour.  Variants (NAME[...]) dashed.
+    palette = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
+    fig, axis = plt.subplots(figsize=(6.5 if len(labels) <= 8 else 9.0, 4.2), constrained_layout=True)
+    for index, label in enumerate(labels):
+        mine = [r for r in rows if r["method"] == label]
         xs, ys, err = [r["eps"] for r in mine], [r["mean_acc"] for r in mine], [r["std_acc"] for r in mine]
         axis.errorbar(xs, ys, yerr=err if any(r["seeds"] > 1 for r in mine) else None, marker="o", ms=3,
-                      capsize=2, label=method, linewidth=1.2)
+                      capsize=2, label=label, linewidth=1.2, color=palette(index % palette.N),
+                      linestyle="--" if "[" in label else "-")
     axis.set_xlabel("FGSM eps")
     axis.set_ylabel("mean task accuracy (%)")
     axis.set_title(title, fontsize=10)
     axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
+    if len(labels) <= 8:
+        axis.legend(fontsize=8)
+    else:  # beside the axes: inside, a dozen entries would hide the curves
+        axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
