@@ -77,7 +77,7 @@ def test_cli_overrides_and_several_seeds(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["--methods", "nope"], "unknown method"),
-        (["--problem", "cubic"], "unknown problem"),
+        (["--problem", "cubic"], "invalid choice: 'cubic'"),
         (["--hp", "lam=-1"], "lam must be finite and > 0"),
         (["--hp", "divergence=kl", "--hp", "lam=0.1"], "kl weights exp((loss - eta)/lam) overflow"),
     ],
