@@ -47,11 +47,34 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+MAX_COUNT = 1 << 40  # no count drmoo takes (steps, sizes, repeats) comes near; 10**20 is a typo
+MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
+
+
+def _path(text: str) -> str:
+    """A path option: an empty one (an unset shell variable) is refused, never read as "the default"."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty string (an unset shell variable?)")
+    return text
+
+
 def _comma_list(text: str) -> list[str]:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise argparse.ArgumentTypeError("expected a comma-separated list")
     return items
+
+
+def _distinct(items: list[Any], text: str) -> list[Any]:
+    """``items`` when none repeats: a repeated seed, method or value would count one run as several."""
+    repeated = [item for index, item in enumerate(items) if item in items[:index]]
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{repeated[0]} is given twice in {text!r}: give each once")
+    return items
+
+
+def _name_list(text: str) -> list[str]:
+    return _distinct(_comma_list(text), text)
 
 
 def _int_list(text: str) -> list[int]:
@@ -62,13 +85,13 @@ def _int_list(text: str) -> list[int]:
 
 
 def _count(text: str) -> int:
-    """A count (steps, epochs, sizes): an integer >= 1."""
+    """A count (steps, epochs, sizes): an integer from 1 to MAX_COUNT."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    if not 1 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 and <= {MAX_COUNT}, got {text!r}")
     return value
 
 
@@ -77,16 +100,16 @@ def _non_negative(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 and <= {MAX_SEED}, got {text!r}")
     return value
 
 
 def _seed_list(text: str) -> list[int]:
     seeds = _int_list(text)
-    if any(seed < 0 for seed in seeds):
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
-    return seeds
+    if any(not 0 <= seed <= MAX_SEED for seed in seeds):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers from 0 to {MAX_SEED}, got {text!r}")
+    return _distinct(seeds, text)
 
 
 def _positive_float(text: str) -> float:
@@ -105,10 +128,12 @@ def _override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if len(value) > 1000:
+        raise argparse.ArgumentTypeError(f"the value of {key.strip()} is {len(value)} characters long; at most 1000")
     try:
         parsed = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        parsed = value  # a bare word, e.g. divergence=kl
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        parsed = value  # a bare word, e.g. divergence=kl (the optimizer checks it)
     return key.strip(), parsed
 
 
@@ -147,11 +172,12 @@ def _run_synthetic(args: argparse.Namespace) -> int:
     if methods == ["all"]:
         methods = [m for m in available() if m in PAPER_PRESETS.get(args.problem, {}).get("methods", {})]
     seeds = args.seeds if args.seeds is not None else [args.seed if args.seed is not None else 0]
-    _check_out_dir(args.out)
     config = SyntheticConfig(
         problem=args.problem, methods=methods, seeds=seeds, steps=args.steps, batch_size=args.batch_size,
         overrides=dict(args.hp), data_root=args.data_root,
     )
+    config.resolved()  # every setting checked before the output directory is created
+    _check_out_dir(args.out)
     summary = run_synthetic(config, args.out, progress=not args.quiet)
     from drmoo.experiments.reporting import summary_table
 
@@ -172,6 +198,11 @@ def _float_list(text: str) -> list[float]:
     return values
 
 
+def _grid_list(text: str) -> list[float]:
+    """Ablation grid values: distinct finite numbers (a repeated value would count one run twice)."""
+    return _distinct(_float_list(text), text)
+
+
 def _eps_list(text: str) -> list[float]:
     """FGSM budgets: finite and >= 0 (a negative or NaN eps is no attack at all)."""
     values = _float_list(text)
@@ -184,9 +215,9 @@ def _check_out_dir(path: str) -> None:
     """Create an output directory or refuse with one line (a file in the way, no permission)."""
     from pathlib import Path
 
-    from drmoo.experiments.training import prepare_run_dir
+    from drmoo.store import make_directory
 
-    prepare_run_dir(Path(path))
+    make_directory(Path(path), "--out directory")
 
 
 def _check_hparams(method: str, hparams: dict[str, Any]) -> None:
@@ -237,7 +268,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         "default: the preset's)")
     parser.add_argument("--data-root", help="torchvision MNIST root (raw idx files); default: the embedded digits. "
                         "celeba: the folder with img_align_celeba/ and the list_*.txt files (or its celeba/)")
-    parser.add_argument("--cache-dir", help="where generated data sets are cached (default ~/.cache/drmoo); "
+    parser.add_argument("--cache-dir", type=_path,
+                        help="where generated data sets are cached (default ~/.cache/drmoo); "
                         "celeba: decoded images are cached only when this is given (~10 GB at 128 px)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
     parser.add_argument("--backend", choices=BACKENDS, help="kernel backend (default: automatic, by device)")
@@ -280,7 +312,24 @@ def _run_config(args: argparse.Namespace, method: str, seed: int, variant: Any =
         label=variant.label, **preset,
     )
     config.validate()
+    _check_hparam_values(config)
     return config
+
+
+def _check_hparam_values(config: Any) -> None:
+    """Build the method's optimizer on a stand-in parameter: a bad value (NaN lr, negative lam, unknown
+    divergence, unusable backend) is refused now, before any directory is written or process launched."""
+    import torch
+
+    from drmoo.experiments.training import UsageError, check_backend
+    from drmoo.optim import create
+
+    check_backend(config.backend, torch.device(config.device))
+    try:
+        create(config.method, [torch.nn.Parameter(torch.zeros(2))], 2, **config.hparams)
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"{config.method}: {str(error).strip().splitlines()[0] if str(error).strip() else error!r}"
+                         ) from None
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -323,19 +372,13 @@ def _run_train(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    if args.nproc is not None:
-        if args.nproc < 1:
-            raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-        if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-            return _launch_torchrun(args.nproc, args.argv)
-
     from drmoo.experiments.registry import get_experiment
     from drmoo.experiments.training import read_run_config, train
 
     if args.resume:
         run_dir = Path(args.resume)
         config_path = run_dir / "config.json"
-        if not config_path.is_file():
+        if not config_path.exists():
             raise FileNotFoundError(f"cannot resume: {config_path} does not exist")
         config = read_run_config(run_dir)
         _refuse_contradictions(args, config, run_dir)
@@ -343,9 +386,13 @@ def _run_train(args: argparse.Namespace) -> int:
             config.max_steps = args.max_steps
         if args.epochs is not None:
             config.epochs = args.epochs
+        config.validate()
     else:
         config = _run_config(args, args.method, args.seed)
         run_dir = Path(args.out or f"runs/{config.experiment}-{config.method}-seed{config.seed}")
+    # Everything is checked before torchrun starts: a refusal is one line, not one traceback per process.
+    if args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_torchrun(args.nproc, args.argv)
     experiment = get_experiment(config.experiment)
     summary = train(config, run_dir, experiment.build, resume=bool(args.resume), progress=not args.quiet,
                     sample_weight=experiment.sample_weight)
@@ -421,9 +468,15 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     if args.attack != "fgsm":
         raise ValueError(f"unknown attack {args.attack!r}; valid choices: fgsm")
+    from drmoo.store import ResultNotSaved
+
     experiment = get_experiment(read_run_config(Path(args.run)).experiment)
-    report = experiment.evaluate(Path(args.run), eps=args.eps, progress=not args.quiet, device=args.device,
-                                 **_eps_space_option(args, experiment.evaluate, experiment.name))
+    try:
+        report = experiment.evaluate(Path(args.run), eps=args.eps, progress=not args.quiet, device=args.device,
+                                     **_eps_space_option(args, experiment.evaluate, experiment.name))
+    except ResultNotSaved as error:  # computed: show it, then say (one line, status 2) that it was not saved
+        print(experiment.eval_table(error.result))
+        raise
     print(experiment.eval_table(report))
     print(f"wrote {Path(args.run) / 'eval.json'}")
     return 0
@@ -463,7 +516,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                         help="runs trained at once in worker processes, each with cores/jobs torch threads "
                         "(default 1; small models on a CPU: the number of cores)")
     _add_eps_space(parser)
-    parser.add_argument("--out", required=True, help="output directory (finished runs in it are reused)")
+    parser.add_argument("--out", type=_path, required=True, help="output directory (finished runs in it are reused)")
     parser.set_defaults(handler=_run_compare)
 
 
@@ -490,6 +543,9 @@ def _run_compare(args: argparse.Namespace) -> int:
         raise UsageError(f"--seeds {','.join(map(str, args.seeds))} repeats a seed (each seed must be a different "
                          "run)")
     configs = [_run_config(args, v.method, seed, v) for v in variants for seed in args.seeds]
+    from drmoo.experiments.robustness import check_distinct
+
+    check_distinct(configs)  # a row and seed given twice, refused before the output directory is created
     _check_out_dir(args.out)
     experiment = get_experiment(args.experiment)
     options = _eps_space_option(args, experiment.compare, experiment.name)
