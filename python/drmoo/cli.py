@@ -610,7 +610,9 @@ def _run_bench_iter(args: argparse.Namespace) -> int:
     title = (f"{args.experiment}, ResNet18, batch {args.batch_size}, {size}px, {machine_name(device)}; "
              f"median of {args.repeats} iterations after {max(args.warmup, 1)} warm-up(s)")
     table = write_outputs(rows, Path(args.out), title, stem=output_stem(device, args.batch_size))
-    print(table.read_text())
+    from drmoo.store import read_text
+
+    print(read_text(table))
     return 0
 
 

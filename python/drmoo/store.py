@@ -43,14 +43,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 __all__ = [
     "CHECKPOINT_MAGIC", "MAX_HEADER_BYTES", "MAX_SIDE_FILE_BYTES", "CheckpointError", "CheckpointFile",
     "ResultNotSaved", "RunLockedError", "UsageError", "atomic_write", "clean_stale_temporaries", "make_directory",
-    "parse_json", "read_bytes", "read_checkpoint_file", "read_checkpoint_header", "read_csv", "read_json",
-    "read_text", "run_lock", "save_result", "write_bytes", "write_checkpoint_file", "write_csv", "write_figure",
-    "write_json", "write_text",
+    "open_mapped_file", "parse_json", "read_bytes", "read_checkpoint_file", "read_checkpoint_header", "read_csv",
+    "read_json", "read_text", "remove_file", "run_lock", "save_result", "write_bytes", "write_checkpoint_file",
+    "write_csv", "write_figure", "write_json", "write_text",
 ]
 
 CHECKPOINT_MAGIC = b"DRMOO-CHECKPOINT 1\n"  # then one line of JSON header, then the torch.save payload
@@ -214,12 +214,58 @@ def write_figure(figure: Any, path: str | Path, **savefig: Any) -> None:
     atomic_write(path, [buffer.getvalue()])
 
 
+def remove_file(path: str | Path) -> None:
+    """Remove ``path`` (a marker or a stale result) if it is there; a symlink is removed, never followed."""
+    path = Path(path)
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as error:
+        raise UsageError(f"cannot remove {path}: {_cause(error)}") from None
+
+
 def save_result(path: str | Path, result: Any) -> None:
     """:func:`write_json` a computed result; a refused write raises :class:`ResultNotSaved` carrying ``result``."""
     try:
         write_json(path, result)
     except UsageError as error:
         raise ResultNotSaved(f"{error} (the result above was computed but not saved)", result) from None
+
+
+def open_mapped_file(path: str | Path, size: int) -> tuple[BinaryIO, bool]:
+    """A cache file of exactly ``size`` bytes to memory-map, opened read-write; (file, whether it starts empty).
+
+    Created exclusively (``O_EXCL|O_NOFOLLOW``, sparse), or an existing regular file with one link
+    opened ``O_NOFOLLOW``; one of another size is cleared to ``size`` zero bytes.  A symlink, device or
+    hard link planted at ``path`` is refused, never written through.
+    """
+    path = Path(path)
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        try:
+            descriptor, empty = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            descriptor, empty = os.open(path, flags | os.O_NONBLOCK), False
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise UsageError(f"the cache file {path} is a symbolic link: refused (remove it)") from None
+        raise _write_error(path, error) from None
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            raise UsageError(f"the cache file {path} is not a regular file of its own (a device, FIFO or hard link): "
+                             "refused")
+        if not empty and info.st_size != size:
+            os.ftruncate(descriptor, 0)  # another layout: start over rather than read it as this one
+            empty = True
+        os.ftruncate(descriptor, size)
+        os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "r+b"), empty
+    except OSError as error:
+        os.close(descriptor)
+        raise _write_error(path, error) from None
+    except BaseException:
+        os.close(descriptor)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------- reading

@@ -16,7 +16,16 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from drmoo.store import make_directory, read_csv, read_json, write_csv, write_figure, write_json, write_text
+from drmoo.store import (
+    make_directory,
+    read_csv,
+    read_json,
+    remove_file,
+    write_csv,
+    write_figure,
+    write_json,
+    write_text,
+)
 
 from . import multimnist
 from .multimnist import build_multimnist
@@ -163,7 +172,7 @@ def ensure_trained(config: RunConfig, run_dir: Path, build: Callable[[RunConfig]
             raise UsageError(f"{run_dir} holds a run with other settings ({'; '.join(differences)}); it is kept: "
                              "move it aside or pick another --out")
     train(config, run_dir, build, resume=resume, progress=progress, sample_weight=sample_weight)
-    (run_dir / "eval.json").unlink(missing_ok=True)
+    remove_file(run_dir / "eval.json")
 
 
 def preference_trace(run_dir: Path) -> dict[str, list[float]] | None:

@@ -52,6 +52,7 @@ from drmoo.store import (
     read_bytes,
     read_checkpoint_file,
     read_checkpoint_header,
+    remove_file,
     run_lock,
     save_result,
     write_checkpoint_file,
@@ -485,7 +486,7 @@ def _train_locked(
             raise UsageError(f"--resume {run_dir}: nothing to train: the run has {step} steps and its {limit} stops "
                              "it there; raise that setting too to go further")
     if is_main:  # everything is checked: from here on the run directory changes
-        (run_dir / "done").unlink(missing_ok=True)  # a marker, not work: written again when this run finishes
+        remove_file(run_dir / "done")  # a marker, not work: written again when this run finishes
         atomic_write(run_dir / "config.json", [config.to_json().encode()])
 
     saved_at: dict[str, int] = {}
