@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from drmoo import store
 from drmoo.cli import main
 from drmoo.data import mnist
 from drmoo.experiments import training
-from drmoo import store
 from drmoo.experiments.training import read_checkpoint
 
 from .conftest import assert_one_line_refusal, run_cli
