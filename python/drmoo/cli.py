@@ -386,6 +386,10 @@ def _run_train(args: argparse.Namespace) -> int:
             config.max_steps = args.max_steps
         if args.epochs is not None:
             config.epochs = args.epochs
+        if "device" in _given_options(args):  # e.g. a GPU run continued on a machine without one
+            from drmoo.experiments.training import resolve_device
+
+            config.device = str(resolve_device(args.device))
         config.validate()
     else:
         config = _run_config(args, args.method, args.seed)
@@ -403,7 +407,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 # Options of ``train`` that a resume may take without contradicting the saved run.
-_RESUME_MAY_CHANGE = {"epochs", "max_steps", "quiet", "resume", "nproc"}
+_RESUME_MAY_CHANGE = {"epochs", "max_steps", "quiet", "resume", "nproc", "device"}
 
 
 def _given_options(args: argparse.Namespace) -> set[str]:
@@ -419,7 +423,7 @@ def _refuse_contradictions(args: argparse.Namespace, config: Any, run_dir: Any) 
     """``--resume`` continues the run as saved: refuse options that would silently be ignored."""
     from pathlib import Path
 
-    from drmoo.experiments.training import UsageError, resolve_device
+    from drmoo.experiments.training import UsageError
 
     contradictions = []
     for dest in sorted(_given_options(args) - _RESUME_MAY_CHANGE):
@@ -435,15 +439,13 @@ def _refuse_contradictions(args: argparse.Namespace, config: Any, run_dir: Any) 
             for key, item in value:
                 if key not in config.hparams or config.hparams[key] != item:
                     contradictions.append(f"--hp {key}={item} (the run's: {config.hparams.get(key, 'unset')})")
-        elif dest == "device":
-            if str(resolve_device(value)) != config.device:
-                contradictions.append(f"--device {value} (the run's: {config.device})")
         elif hasattr(config, dest):
             if getattr(config, dest) != value:
                 contradictions.append(f"{flag} {value} (the run's: {getattr(config, dest)})")
     if contradictions:
         raise UsageError(f"--resume {run_dir} continues the run as saved, but {', '.join(contradictions)} "
-                         "contradict it; only --epochs/--max-steps may change (start a new --out for other settings)")
+                         "contradict it; only --epochs/--max-steps may change, and --device to move it (start a "
+                         "new --out for other settings)")
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
@@ -461,16 +463,20 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
+    import inspect
     from pathlib import Path
 
     from drmoo.experiments.registry import get_experiment
-    from drmoo.experiments.training import read_run_config
+    from drmoo.experiments.training import UsageError, read_run_config
+    from drmoo.store import ResultNotSaved
 
     if args.attack != "fgsm":
         raise ValueError(f"unknown attack {args.attack!r}; valid choices: fgsm")
-    from drmoo.store import ResultNotSaved
 
     experiment = get_experiment(read_run_config(Path(args.run)).experiment)
+    eps_given = any(item == "--eps" or item.startswith("--eps=") for item in args.argv)
+    if eps_given and "eps_space" not in inspect.signature(experiment.evaluate).parameters:
+        raise UsageError(f"--eps: the {experiment.name} evaluation is clean (no FGSM attack); leave --eps out")
     try:
         report = experiment.evaluate(Path(args.run), eps=args.eps, progress=not args.quiet, device=args.device,
                                      **_eps_space_option(args, experiment.evaluate, experiment.name))
@@ -697,6 +703,30 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+# Options whose value may start with a minus sign: argparse would read "--grid -1,0.5" as two options
+# ("expected one argument") instead of handing the value to the option's check, which names the problem.
+_NUMERIC_OPTIONS = ("--grid", "--eps", "--seeds", "--seed", "--lr", "--head-lr", "--steps", "--batch-size",
+                    "--epochs", "--max-steps", "--input-size", "--train-size", "--test-size")
+
+
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """``--grid -1,0.5`` as ``--grid=-1,0.5`` (for the options above only), so its check refuses it by name."""
+    import re
+
+    out: list[str] = []
+    index = 0
+    while index < len(argv):
+        item = argv[index]
+        following = argv[index + 1] if index + 1 < len(argv) else None
+        if item in _NUMERIC_OPTIONS and following is not None and re.match(r"^-[\d.]", following):
+            out.append(f"{item}={following}")
+            index += 2
+            continue
+        out.append(item)
+        index += 1
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="drmoo", description="Distributionally robust multi-objective optimization: experiments and tools."
@@ -719,7 +749,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from drmoo import _extras
 
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)  # --help and --version exit here, before anything imports torch
     args.argv = argv
     try:

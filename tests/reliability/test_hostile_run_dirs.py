@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -425,3 +426,55 @@ def test_library_train_refuses_an_empty_run_dir() -> None:
     config = RunConfig(experiment="multimnist2", method="mgda", preset="quick")
     with pytest.raises(store.UsageError, match="empty path"):
         training.train(config, "", lambda c: (None, None))  # type: ignore[arg-type]
+
+
+def test_sw4_a_replaced_celeba_jpeg_is_not_served_stale_from_the_cache(tmp_path: Path) -> None:
+    import sys
+
+    from PIL import Image
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+    from test_celeba import make_celeba_tree  # the tests' fabricated CelebA tree
+
+    from drmoo.data.celeba import load_celeba
+
+    tree = make_celeba_tree(tmp_path / "data")
+    cache = tmp_path / "cache"
+    first = load_celeba(tree, input_size=16, cache_dir=cache).images(torch.tensor([0]))
+    replaced = tree / "img_align_celeba" / "000001.jpg"
+    Image.fromarray(__import__("numpy").full((32, 16, 3), 7, dtype="uint8")).save(replaced, quality=95)
+    os.utime(replaced, ns=(replaced.stat().st_atime_ns, replaced.stat().st_mtime_ns + 10**9))
+    again = load_celeba(tree, input_size=16, cache_dir=cache).images(torch.tensor([0]))
+    assert not torch.equal(first, again) and float(again.max()) < 0.1  # the new, dark image
+
+
+def test_u5_a_negative_grid_value_is_refused_by_its_check(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, err = run_cli(["ablate", "--what", "lambda", "--experiment", "linear", "--grid", "-1,0.5",
+                         "--out", str(tmp_path / "o")], capsys)
+    assert_one_line_refusal(code, err, "--grid", "-1")
+    assert "expected one argument" not in err
+
+
+def test_u5_celeba_eval_refuses_eps_instead_of_evaluating_clean(trained_run: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    config = json.loads((trained_run / "config.json").read_text())
+    config["experiment"] = "celeba"  # refused before the run is loaded: the check needs only the experiment
+    (trained_run / "config.json").write_text(json.dumps(config))
+    assert_one_line_refusal(*run_cli(["eval", "--run", str(trained_run), "--eps", "0.5", "--quiet"], capsys),
+                            "--eps", "clean")
+
+
+def test_u2_a_gpu_run_continues_on_a_cpu_with_device_cpu(trained_run: Path, capsys: pytest.CaptureFixture) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the saved cuda device would not be refused")
+    config = training.read_run_config(trained_run)
+    config.device = "cuda"  # as a run trained on a GPU machine records it
+    (trained_run / "config.json").write_text(config.to_json())
+    state = read_checkpoint(trained_run, config)
+    state["config"] = asdict(config)
+    write_checkpoint(trained_run / "checkpoint.pt", state, config)
+    code, err = run_cli(["train", "--resume", str(trained_run), "--max-steps", "2", "--quiet"], capsys)
+    assert_one_line_refusal(code, err, "--device cpu")
+    assert main(["train", "--resume", str(trained_run), "--max-steps", "2", "--device", "cpu", "--quiet"]) == 0
+    assert read_checkpoint(trained_run)["step"] == 2
+    assert json.loads((trained_run / "config.json").read_text())["device"] == "cpu"

@@ -73,8 +73,9 @@ MAX_COUNTS = {"epochs": 100_000, "batch_size": 1 << 20, "input_size": 4096, "tra
               "test_size": 1 << 31, "max_steps": 1 << 40}
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 JACOBIANS = ("loop", "batched")
-# The settings a resume may change: how far the run goes.  Every other field defines the run.
-RESUMABLE_FIELDS = ("epochs", "max_steps")
+# The settings a resume may change: how far the run goes, and where it runs (a GPU run may be continued
+# on a CPU; the continuation is then not bit-identical to one on the GPU).  Every other field defines the run.
+RESUMABLE_FIELDS = ("epochs", "max_steps", "device")
 MODELS = ("resnet18", "lenet")
 EVAL_SPLITS = ("test", "validation")
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
