@@ -10,11 +10,13 @@ A run directory holds:
 * ``eval.json`` after ``drmoo eval``; ``done`` marks a finished training run;
 * ``train.lock`` - held (``flock``) by the one process training in the directory.
 
-Checkpoints are trusted only after checks (:func:`read_checkpoint`): the file is a one-line JSON
-header (the run's config, the payload's size and SHA-256) followed by the ``torch.save`` payload.
-Loading verifies the size, the hash and that the config agrees with ``config.json`` *before*
-unpickling, and unpickles with ``weights_only=True`` (tensors and plain containers only), so a
-crafted or damaged file is refused with one line and never runs code.
+Every file here is written and read through the run store (:mod:`drmoo.store`): atomic writes into
+exclusive temporaries, a lock that refuses symlinks, bounded reads, and the checkpoint format (a
+one-line JSON header with the run's config and step and the payload's size and SHA-256, then the
+``torch.save`` payload), verified before anything is unpickled with ``weights_only=True``.
+:func:`train` builds and checks everything (settings, model, data, optimizer, the checkpoint and
+its state) before the run directory is created or changed, so a refused run or resume leaves it as
+it was.  ``eval.json`` records the checkpoint it evaluated (step, payload SHA-256).
 """
 
 from __future__ import annotations
