@@ -416,10 +416,11 @@ def test_u5_a_checkpoint_linked_to_dev_zero_is_named_as_such(trained_run: Path, 
 def test_u5_a_utf8_bom_wine_csv_is_read(tmp_path: Path) -> None:
     from drmoo.experiments.problems import WINE_COLUMNS, load_wine_table
 
-    rows = [";".join(WINE_COLUMNS)] + [";".join(str(0.1 * (i + j)) for j in range(len(WINE_COLUMNS))) for i in range(5)]
+    rows = [";".join(WINE_COLUMNS)]
+    rows += [";".join(str(0.1 * (i + j)) for j in range(len(WINE_COLUMNS))) for i in range(12)]
     (tmp_path / "winequality-white.csv").write_bytes(b"\xef\xbb\xbf" + "\n".join(rows).encode())
     _names, table = load_wine_table(tmp_path)
-    assert table.shape == (5, len(WINE_COLUMNS))
+    assert table.shape == (12, len(WINE_COLUMNS))
 
 
 def test_library_train_refuses_an_empty_run_dir() -> None:
