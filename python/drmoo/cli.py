@@ -608,6 +608,8 @@ def _run_bench_iter(args: argparse.Namespace) -> int:
     unknown = [m for m in methods if m not in available()]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; valid choices: {', '.join(available())}")
+    if args.batch_size < 2:  # the timed ResNet18 trains its BatchNorm layers: one sample cannot be normalised
+        raise ValueError(f"--batch-size {args.batch_size}: the model's BatchNorm needs at least 2 samples per batch")
     device = resolve_device(args.device)
     _check_out_dir(args.out)
     size = args.input_size or PRESETS["paper"][args.experiment]["input_size"]

@@ -481,3 +481,15 @@ def test_u2_a_gpu_run_continues_on_a_cpu_with_device_cpu(trained_run: Path, caps
     assert main(["train", "--resume", str(trained_run), "--max-steps", "2", "--device", "cpu", "--quiet"]) == 0
     assert read_checkpoint(trained_run)["step"] == 2
     assert json.loads((trained_run / "config.json").read_text())["device"] == "cpu"
+
+
+@pytest.mark.parametrize("argv", [["train", "--train-size", "1"], ["train", "--batch-size", "1"],
+                                  ["bench-iter", "--batch-size", "1", "--repeats", "1"]])
+def test_u3_a_batch_of_one_for_batchnorm_names_the_option(argv: list[str], tmp_path: Path, reliability_cache: str,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    extra = (["--input-size", "16", "--test-size", "8", "--cache-dir", reliability_cache, "--quiet"]
+             if argv[0] == "train" else ["--input-size", "16", "--methods", "mgda", "--device", "cpu", "--quiet"])
+    out = tmp_path / "o"
+    code, err = run_cli([*argv, *extra, "--out", str(out)], capsys)
+    assert_one_line_refusal(code, err, "--batch-size", "BatchNorm")
+    assert not out.exists()

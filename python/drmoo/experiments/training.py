@@ -414,6 +414,12 @@ def _build_run(config: RunConfig, build: Callable[[RunConfig], tuple[nn.Module, 
     optimizer.jacobian_strategy = config.jacobian
     heads = torch.optim.SGD(model.task_parameters(), lr=config.head_lr)
     stream = IndexStream(data.train_labels.shape[0], config.batch_size, seed=config.seed)
+    if stream.batch_size // distributed.world_size() < 2 and any(
+            isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules()):
+        # BatchNorm cannot normalise one sample per channel: say which setting, not torch's message
+        raise UsageError(f"a training batch of {stream.batch_size} sample(s) per process (--batch-size "
+                         f"{config.batch_size}, --train-size {data.train_labels.shape[0]}) is too small for the "
+                         f"model's BatchNorm: use at least 2")
     return model, data, optimizer, heads, stream
 
 
