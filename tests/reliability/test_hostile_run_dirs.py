@@ -483,7 +483,7 @@ def test_u2_a_gpu_run_continues_on_a_cpu_with_device_cpu(trained_run: Path, caps
     assert json.loads((trained_run / "config.json").read_text())["device"] == "cpu"
 
 
-@pytest.mark.parametrize("argv", [["train", "--train-size", "1"], ["train", "--batch-size", "1"],
+@pytest.mark.parametrize("argv", [["train", "--train-size", "1"], ["train", "--batch-size", "1", "--train-size", "8"],
                                   ["bench-iter", "--batch-size", "1", "--repeats", "1"]])
 def test_u3_a_batch_of_one_for_batchnorm_names_the_option(argv: list[str], tmp_path: Path, reliability_cache: str,
                                                           capsys: pytest.CaptureFixture) -> None:
