@@ -147,19 +147,20 @@ def _add_synthetic(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--problem", default="linear", choices=SYNTHETIC_PROBLEMS,
                         help="linear (App. E.1, synthetic) or wine (App. E.2, needs --data-root) "
                         "(default: %(default)s)")
-    parser.add_argument("--methods", type=_comma_list, default=["double-clip", "double-loop"],
+    parser.add_argument("--methods", type=_name_list, default=["double-clip", "double-loop"],
                         help="comma-separated registry names, or 'all' (default: double-clip,double-loop)")
     seeds = parser.add_mutually_exclusive_group()
     seeds.add_argument("--seed", type=_non_negative, help="one seed (default 0)")
     seeds.add_argument("--seeds", type=_seed_list, help="comma-separated seeds, e.g. 0,1,2 (default: --seed's)")
     parser.add_argument("--steps", type=_count, help="iterations (default: the paper's, 600 linear, 1000 wine)")
     parser.add_argument("--batch-size", type=_count, help="batch size (default 256)")
-    parser.add_argument("--data-root", help="wine: the UCI white-wine CSV (winequality-white.csv) or its directory "
+    parser.add_argument("--data-root", type=_path,
+                        help="wine: the UCI white-wine CSV (winequality-white.csv) or its directory "
                         "(default: none; wine needs it)")
     parser.add_argument("--hp", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="override a hyperparameter of every method, e.g. --hp lam=0.8 (repeatable; default: "
                         "the paper's settings)")
-    parser.add_argument("--out", required=True, help="output directory (finished runs in it are reused)")
+    parser.add_argument("--out", type=_path, required=True, help="output directory (finished runs in it are reused)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=_run_synthetic)
 
@@ -253,7 +254,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         "default: the preset's)")
     parser.add_argument("--train-size", type=_count, help="number of training composites (default: all / preset)")
     parser.add_argument("--test-size", type=_count, help="number of test composites (default: all / preset)")
-    parser.add_argument("--lr", type=float, help="the method's parameter learning rate (default: the paper's for "
+    parser.add_argument("--lr", type=_positive_float, help="the method's parameter learning rate (default: the "
+                        "paper's for "
                         "the method)")
     parser.add_argument("--hp", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="override a method hyperparameter, e.g. --hp lam=0.8 (repeatable; default: the paper's)")
@@ -264,9 +266,11 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-split", choices=("test", "validation"), default="test",
                         help="evaluate on the test digits (default) or on held-out training digits "
                         "(validation: for choosing hyperparameters without the test set)")
-    parser.add_argument("--weights", help="imagenet | none | PATH to a ResNet18 state dict (never downloaded; "
+    parser.add_argument("--weights", type=_path, help="imagenet | none | PATH to a ResNet18 state dict (never "
+                        "downloaded; "
                         "default: the preset's)")
-    parser.add_argument("--data-root", help="torchvision MNIST root (raw idx files); default: the embedded digits. "
+    parser.add_argument("--data-root", type=_path,
+                        help="torchvision MNIST root (raw idx files); default: the embedded digits. "
                         "celeba: the folder with img_align_celeba/ and the list_*.txt files (or its celeba/)")
     parser.add_argument("--cache-dir", type=_path,
                         help="where generated data sets are cached (default ~/.cache/drmoo); "
@@ -339,8 +343,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--method", default="double-clip",
                         help="a registered method, see drmoo.optim.available() (default: %(default)s)")
     parser.add_argument("--seed", type=_non_negative, default=0, help="random seed (default: %(default)s)")
-    parser.add_argument("--out", help="run directory (default runs/<experiment>-<method>-seed<seed>)")
-    parser.add_argument("--resume", metavar="RUN_DIR",
+    parser.add_argument("--out", type=_path, help="run directory (default runs/<experiment>-<method>-seed<seed>)")
+    parser.add_argument("--resume", metavar="RUN_DIR", type=_path,
                         help="continue the run saved in RUN_DIR exactly where it stopped (default: a new run)")
     parser.add_argument("--nproc", type=_count, help="data-parallel processes: relaunches itself under torchrun "
                         "(gloo on CPU, nccl on GPUs); the batch size is the global one (default: one process)")
@@ -451,7 +455,7 @@ def _refuse_contradictions(args: argparse.Namespace, config: Any, run_dir: Any) 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("eval", help="evaluate a trained run: FGSM accuracy per task and eps (Multi-MNIST); "
                             "accuracy, balanced accuracy and AUC per attribute (CelebA)")
-    parser.add_argument("--run", required=True, metavar="RUN_DIR", help="the run directory of drmoo train")
+    parser.add_argument("--run", type=_path, required=True, metavar="RUN_DIR", help="the run directory of drmoo train")
     parser.add_argument("--attack", default="fgsm", choices=ATTACKS, help="the paper's attack (default: %(default)s)")
     parser.add_argument("--eps", type=_eps_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
                         help="FGSM budgets, comma-separated (Multi-MNIST; CelebA is evaluated clean; "
@@ -574,7 +578,7 @@ def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
                                                "and vs its own algorithm's passes")
     parser.add_argument("--experiment", default="multimnist2", choices=BENCH_EXPERIMENTS,
                         help="the Multi-MNIST model to time (default: %(default)s)")
-    parser.add_argument("--methods", type=_comma_list, default=["all"],
+    parser.add_argument("--methods", type=_name_list, default=["all"],
                         help="all or a comma-separated list (default: all)")
     parser.add_argument("--batch-size", type=_count, default=256,
                         help="batch size (default: %(default)s, the paper's; use less on a CPU)")
@@ -589,7 +593,7 @@ def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--clock", choices=CLOCKS, default="auto",
                         help="wall: elapsed time; cpu: this process's CPU time (a shared CPU); auto: cpu on a CPU "
                         "(default: %(default)s)")
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--out", type=_path, required=True, help="output directory")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=_run_bench_iter)
 
@@ -636,16 +640,18 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--what", required=True, choices=ABLATIONS, help="the hyperparameter to vary")
     parser.add_argument("--experiment", required=True, choices=ABLATION_EXPERIMENTS,
                         help="the problem (multimnist2: lambda only)")
-    parser.add_argument("--out", required=True, help="output directory (finished grid values in it are reused)")
-    parser.add_argument("--data-root", help="wine: the UCI CSV or its directory (required); multimnist2: torchvision "
+    parser.add_argument("--out", type=_path, required=True,
+                        help="output directory (finished grid values in it are reused)")
+    parser.add_argument("--data-root", type=_path,
+                        help="wine: the UCI CSV or its directory (required); multimnist2: torchvision "
                         "MNIST root (default: the embedded digits)")
     parser.add_argument("--seeds", type=_seed_list, default=[0], help="comma-separated seeds (default 0)")
-    parser.add_argument("--grid", type=_float_list, help="values to run instead of the paper's grid "
+    parser.add_argument("--grid", type=_grid_list, help="values to run instead of the paper's grid "
                         "(default: the paper's grid)")
     parser.add_argument("--steps", type=_count, help="linear/wine iterations (default: the paper's, 600 / 1000)")
     parser.add_argument("--batch-size", type=_count, help="batch size where it is not the ablated value "
                         "(default: the paper's)")
-    parser.add_argument("--methods", type=_comma_list,
+    parser.add_argument("--methods", type=_name_list,
                         help="lr only: methods (default double-clip,double-loop,mgda,modo,moco,sdmgrad)")
     parser.add_argument("--backend", choices=BACKENDS, help="kernel backend (default: automatic, by device)")
     parser.add_argument("--preset", default="quick", choices=PRESETS,
@@ -654,8 +660,8 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
                         "(default: no limit)")
     for flag in ("--epochs", "--input-size", "--train-size", "--test-size"):
         parser.add_argument(flag, type=_count, help="multimnist2: override the preset's value (default: the preset's)")
-    parser.add_argument("--weights", help="multimnist2: imagenet | none | PATH (default: the preset's)")
-    parser.add_argument("--cache-dir", help="multimnist2: where generated data sets are cached "
+    parser.add_argument("--weights", type=_path, help="multimnist2: imagenet | none | PATH (default: the preset's)")
+    parser.add_argument("--cache-dir", type=_path, help="multimnist2: where generated data sets are cached "
                         "(default ~/.cache/drmoo)")
     parser.add_argument("--device", default="auto", help="multimnist2: auto | cpu | cuda | cuda:N "
                         "(default: %(default)s)")
@@ -691,8 +697,11 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         "file that embeds their tables and links their PNGs (paths relative to the report), with the machine, "
         "backend and settings each records. Directories holding none of these are listed as skipped.",
     )
-    parser.add_argument("--runs", nargs="+", required=True, metavar="DIR", help="result directories to collect")
-    parser.add_argument("--out", required=True, help="the markdown file to write, e.g. report.md")
+    parser.add_argument("--runs", type=_path, nargs="+", required=True, metavar="DIR",
+                        help="result directories to collect")
+    parser.add_argument("--out", type=_path, required=True,
+                        help="the markdown file to write, e.g. report.md (an existing file is replaced only when "
+                        "drmoo report wrote it)")
     parser.add_argument("--title", default="drmoo results", help="the report's title (default: %(default)s)")
     parser.set_defaults(handler=_run_report)
 
