@@ -255,8 +255,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-size", type=_count, help="number of training composites (default: all / preset)")
     parser.add_argument("--test-size", type=_count, help="number of test composites (default: all / preset)")
     parser.add_argument("--lr", type=_positive_float, help="the method's parameter learning rate (default: the "
-                        "paper's for "
-                        "the method)")
+                        "paper's for the method)")
     parser.add_argument("--hp", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="override a method hyperparameter, e.g. --hp lam=0.8 (repeatable; default: the paper's)")
     parser.add_argument("--head-lr", type=_positive_float,
