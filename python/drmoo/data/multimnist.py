@@ -216,7 +216,7 @@ def load_multimnist(
                 raise ValueError("it was written for another recipe")
             tensors = _checked(cached.state, recipe)
         except (ValueError, KeyError, TypeError) as error:  # a damaged or altered cache is rebuilt, not trusted
-            warnings.warn(f"ignoring the cache file {path} ({error}); regenerating", stacklevel=2)
+            warnings.warn(f"ignoring the unreadable cache file {path} ({error}); regenerating", stacklevel=2)
     if tensors is None:
         tensors = _generate(recipe, load_mnist(data_root))  # the digits are read only on a cache miss
         try:
