@@ -109,7 +109,11 @@ def _seed_list(text: str) -> list[int]:
     seeds = _int_list(text)
     if any(not 0 <= seed <= MAX_SEED for seed in seeds):
         raise argparse.ArgumentTypeError(f"expected comma-separated integers from 0 to {MAX_SEED}, got {text!r}")
-    return _distinct(seeds, text)
+    repeated = [seed for index, seed in enumerate(seeds) if seed in seeds[:index]]
+    if repeated:  # one run counted as several independent ones ("± 0.00")
+        raise argparse.ArgumentTypeError(f"{text!r} repeats a seed ({repeated[0]} twice): each seed must be a "
+                                         "different run")
+    return seeds
 
 
 def _positive_float(text: str) -> float:
