@@ -129,7 +129,8 @@ class AblationConfig:
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
             raise ValueError(f"--seeds must be integers >= 0, got {list(self.seeds)!r}")
         if len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"--seeds repeats a seed ({list(self.seeds)}): a repeated seed is not an independent run")
+            raise ValueError(f"--seeds repeats a seed ({list(self.seeds)}): a seed given twice is one run counted "
+                             "twice")
         if self.methods is not None and len(set(self.methods)) != len(self.methods):
             raise ValueError(f"--methods repeats a method ({', '.join(self.methods)})")
         if any(not math.isfinite(e) or e < 0 for e in self.eps):

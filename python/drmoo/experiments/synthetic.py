@@ -109,7 +109,8 @@ class SyntheticConfig:
             raise ValueError(f"seeds must be integers from 0 to {MAX_SEED}, got {list(self.seeds)!r}")
         # a repeated seed or method would be run once and counted as two independent runs
         if len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds repeat: {list(self.seeds)}; give each seed once")
+            raise ValueError(f"--seeds repeats a seed ({list(self.seeds)}): a seed given twice is one run counted "
+                             "twice")
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods repeat: {', '.join(self.methods)}; give each method once")
         for method in self.methods:
