@@ -47,11 +47,34 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+MAX_COUNT = 1 << 40  # no count drmoo takes (steps, sizes, repeats) comes near; 10**20 is a typo
+MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
+
+
+def _path(text: str) -> str:
+    """A path option: an empty one (an unset shell variable) is refused, never read as "the default"."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty string (an unset shell variable?)")
+    return text
+
+
 def _comma_list(text: str) -> list[str]:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise argparse.ArgumentTypeError("expected a comma-separated list")
     return items
+
+
+def _distinct(items: list[Any], text: str) -> list[Any]:
+    """``items`` when none repeats: a repeated seed, method or value would count one run as several."""
+    repeated = [item for index, item in enumerate(items) if item in items[:index]]
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{repeated[0]} is given twice in {text!r}: give each once")
+    return items
+
+
+def _name_list(text: str) -> list[str]:
+    return _distinct(_comma_list(text), text)
 
 
 def _int_list(text: str) -> list[int]:
@@ -62,13 +85,13 @@ def _int_list(text: str) -> list[int]:
 
 
 def _count(text: str) -> int:
-    """A count (steps, epochs, sizes): an integer >= 1."""
+    """A count (steps, epochs, sizes): an integer from 1 to MAX_COUNT."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    if not 1 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 and <= {MAX_COUNT}, got {text!r}")
     return value
 
 
@@ -77,16 +100,16 @@ def _non_negative(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 and <= {MAX_SEED}, got {text!r}")
     return value
 
 
 def _seed_list(text: str) -> list[int]:
     seeds = _int_list(text)
-    if any(seed < 0 for seed in seeds):
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
-    return seeds
+    if any(not 0 <= seed <= MAX_SEED for seed in seeds):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers from 0 to {MAX_SEED}, got {text!r}")
+    return seeds  # a repeated seed is refused by each command (compare, synthetic, ablate) with one line
 
 
 def _positive_float(text: str) -> float:
@@ -105,10 +128,12 @@ def _override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if len(value) > 1000:
+        raise argparse.ArgumentTypeError(f"the value of {key.strip()} is {len(value)} characters long; at most 1000")
     try:
         parsed = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        parsed = value  # a bare word, e.g. divergence=kl
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        parsed = value  # a bare word, e.g. divergence=kl (the optimizer checks it)
     return key.strip(), parsed
 
 
@@ -122,19 +147,20 @@ def _add_synthetic(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--problem", default="linear", choices=SYNTHETIC_PROBLEMS,
                         help="linear (App. E.1, synthetic) or wine (App. E.2, needs --data-root) "
                         "(default: %(default)s)")
-    parser.add_argument("--methods", type=_comma_list, default=["double-clip", "double-loop"],
+    parser.add_argument("--methods", type=_name_list, default=["double-clip", "double-loop"],
                         help="comma-separated registry names, or 'all' (default: double-clip,double-loop)")
     seeds = parser.add_mutually_exclusive_group()
     seeds.add_argument("--seed", type=_non_negative, help="one seed (default 0)")
     seeds.add_argument("--seeds", type=_seed_list, help="comma-separated seeds, e.g. 0,1,2 (default: --seed's)")
     parser.add_argument("--steps", type=_count, help="iterations (default: the paper's, 600 linear, 1000 wine)")
     parser.add_argument("--batch-size", type=_count, help="batch size (default 256)")
-    parser.add_argument("--data-root", help="wine: the UCI white-wine CSV (winequality-white.csv) or its directory "
+    parser.add_argument("--data-root", type=_path,
+                        help="wine: the UCI white-wine CSV (winequality-white.csv) or its directory "
                         "(default: none; wine needs it)")
     parser.add_argument("--hp", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="override a hyperparameter of every method, e.g. --hp lam=0.8 (repeatable; default: "
                         "the paper's settings)")
-    parser.add_argument("--out", required=True, help="output directory (finished runs in it are reused)")
+    parser.add_argument("--out", type=_path, required=True, help="output directory (finished runs in it are reused)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=_run_synthetic)
 
@@ -147,11 +173,12 @@ def _run_synthetic(args: argparse.Namespace) -> int:
     if methods == ["all"]:
         methods = [m for m in available() if m in PAPER_PRESETS.get(args.problem, {}).get("methods", {})]
     seeds = args.seeds if args.seeds is not None else [args.seed if args.seed is not None else 0]
-    _check_out_dir(args.out)
     config = SyntheticConfig(
         problem=args.problem, methods=methods, seeds=seeds, steps=args.steps, batch_size=args.batch_size,
         overrides=dict(args.hp), data_root=args.data_root,
     )
+    config.resolved()  # every setting checked before the output directory is created
+    _check_out_dir(args.out)
     summary = run_synthetic(config, args.out, progress=not args.quiet)
     from drmoo.experiments.reporting import summary_table
 
@@ -172,6 +199,11 @@ def _float_list(text: str) -> list[float]:
     return values
 
 
+def _grid_list(text: str) -> list[float]:
+    """Ablation grid values: distinct finite numbers (a repeated value would count one run twice)."""
+    return _distinct(_float_list(text), text)
+
+
 def _eps_list(text: str) -> list[float]:
     """FGSM budgets: finite and >= 0 (a negative or NaN eps is no attack at all)."""
     values = _float_list(text)
@@ -184,9 +216,9 @@ def _check_out_dir(path: str) -> None:
     """Create an output directory or refuse with one line (a file in the way, no permission)."""
     from pathlib import Path
 
-    from drmoo.experiments.training import prepare_run_dir
+    from drmoo.store import make_directory
 
-    prepare_run_dir(Path(path))
+    make_directory(Path(path), "--out directory")
 
 
 def _check_hparams(method: str, hparams: dict[str, Any]) -> None:
@@ -222,8 +254,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         "default: the preset's)")
     parser.add_argument("--train-size", type=_count, help="number of training composites (default: all / preset)")
     parser.add_argument("--test-size", type=_count, help="number of test composites (default: all / preset)")
-    parser.add_argument("--lr", type=float, help="the method's parameter learning rate (default: the paper's for "
-                        "the method)")
+    parser.add_argument("--lr", type=_positive_float, help="the method's parameter learning rate (default: the "
+                        "paper's for the method)")
     parser.add_argument("--hp", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="override a method hyperparameter, e.g. --hp lam=0.8 (repeatable; default: the paper's)")
     parser.add_argument("--head-lr", type=_positive_float,
@@ -233,11 +265,14 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-split", choices=("test", "validation"), default="test",
                         help="evaluate on the test digits (default) or on held-out training digits "
                         "(validation: for choosing hyperparameters without the test set)")
-    parser.add_argument("--weights", help="imagenet | none | PATH to a ResNet18 state dict (never downloaded; "
+    parser.add_argument("--weights", type=_path, help="imagenet | none | PATH to a ResNet18 state dict (never "
+                        "downloaded; "
                         "default: the preset's)")
-    parser.add_argument("--data-root", help="torchvision MNIST root (raw idx files); default: the embedded digits. "
+    parser.add_argument("--data-root", type=_path,
+                        help="torchvision MNIST root (raw idx files); default: the embedded digits. "
                         "celeba: the folder with img_align_celeba/ and the list_*.txt files (or its celeba/)")
-    parser.add_argument("--cache-dir", help="where generated data sets are cached (default ~/.cache/drmoo); "
+    parser.add_argument("--cache-dir", type=_path,
+                        help="where generated data sets are cached (default ~/.cache/drmoo); "
                         "celeba: decoded images are cached only when this is given (~10 GB at 128 px)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
     parser.add_argument("--backend", choices=BACKENDS, help="kernel backend (default: automatic, by device)")
@@ -280,7 +315,24 @@ def _run_config(args: argparse.Namespace, method: str, seed: int, variant: Any =
         label=variant.label, **preset,
     )
     config.validate()
+    _check_hparam_values(config)
     return config
+
+
+def _check_hparam_values(config: Any) -> None:
+    """Build the method's optimizer on a stand-in parameter: a bad value (NaN lr, negative lam, unknown
+    divergence, unusable backend) is refused now, before any directory is written or process launched."""
+    import torch
+
+    from drmoo.experiments.training import UsageError, check_backend
+    from drmoo.optim import create
+
+    check_backend(config.backend, torch.device(config.device))
+    try:
+        create(config.method, [torch.nn.Parameter(torch.zeros(2))], 2, **config.hparams)
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"{config.method}: {str(error).strip().splitlines()[0] if str(error).strip() else error!r}"
+                         ) from None
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -290,8 +342,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--method", default="double-clip",
                         help="a registered method, see drmoo.optim.available() (default: %(default)s)")
     parser.add_argument("--seed", type=_non_negative, default=0, help="random seed (default: %(default)s)")
-    parser.add_argument("--out", help="run directory (default runs/<experiment>-<method>-seed<seed>)")
-    parser.add_argument("--resume", metavar="RUN_DIR",
+    parser.add_argument("--out", type=_path, help="run directory (default runs/<experiment>-<method>-seed<seed>)")
+    parser.add_argument("--resume", metavar="RUN_DIR", type=_path,
                         help="continue the run saved in RUN_DIR exactly where it stopped (default: a new run)")
     parser.add_argument("--nproc", type=_count, help="data-parallel processes: relaunches itself under torchrun "
                         "(gloo on CPU, nccl on GPUs); the batch size is the global one (default: one process)")
@@ -323,19 +375,13 @@ def _run_train(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    if args.nproc is not None:
-        if args.nproc < 1:
-            raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-        if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-            return _launch_torchrun(args.nproc, args.argv)
-
     from drmoo.experiments.registry import get_experiment
     from drmoo.experiments.training import read_run_config, train
 
     if args.resume:
         run_dir = Path(args.resume)
         config_path = run_dir / "config.json"
-        if not config_path.is_file():
+        if not config_path.exists():
             raise FileNotFoundError(f"cannot resume: {config_path} does not exist")
         config = read_run_config(run_dir)
         _refuse_contradictions(args, config, run_dir)
@@ -343,9 +389,17 @@ def _run_train(args: argparse.Namespace) -> int:
             config.max_steps = args.max_steps
         if args.epochs is not None:
             config.epochs = args.epochs
+        if "device" in _given_options(args):  # e.g. a GPU run continued on a machine without one
+            from drmoo.experiments.training import resolve_device
+
+            config.device = str(resolve_device(args.device))
+        config.validate()
     else:
         config = _run_config(args, args.method, args.seed)
         run_dir = Path(args.out or f"runs/{config.experiment}-{config.method}-seed{config.seed}")
+    # Everything is checked before torchrun starts: a refusal is one line, not one traceback per process.
+    if args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_torchrun(args.nproc, args.argv)
     experiment = get_experiment(config.experiment)
     summary = train(config, run_dir, experiment.build, resume=bool(args.resume), progress=not args.quiet,
                     sample_weight=experiment.sample_weight)
@@ -356,7 +410,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 # Options of ``train`` that a resume may take without contradicting the saved run.
-_RESUME_MAY_CHANGE = {"epochs", "max_steps", "quiet", "resume", "nproc"}
+_RESUME_MAY_CHANGE = {"epochs", "max_steps", "quiet", "resume", "nproc", "device"}
 
 
 def _given_options(args: argparse.Namespace) -> set[str]:
@@ -372,7 +426,7 @@ def _refuse_contradictions(args: argparse.Namespace, config: Any, run_dir: Any) 
     """``--resume`` continues the run as saved: refuse options that would silently be ignored."""
     from pathlib import Path
 
-    from drmoo.experiments.training import UsageError, resolve_device
+    from drmoo.experiments.training import UsageError
 
     contradictions = []
     for dest in sorted(_given_options(args) - _RESUME_MAY_CHANGE):
@@ -388,21 +442,19 @@ def _refuse_contradictions(args: argparse.Namespace, config: Any, run_dir: Any) 
             for key, item in value:
                 if key not in config.hparams or config.hparams[key] != item:
                     contradictions.append(f"--hp {key}={item} (the run's: {config.hparams.get(key, 'unset')})")
-        elif dest == "device":
-            if str(resolve_device(value)) != config.device:
-                contradictions.append(f"--device {value} (the run's: {config.device})")
         elif hasattr(config, dest):
             if getattr(config, dest) != value:
                 contradictions.append(f"{flag} {value} (the run's: {getattr(config, dest)})")
     if contradictions:
         raise UsageError(f"--resume {run_dir} continues the run as saved, but {', '.join(contradictions)} "
-                         "contradict it; only --epochs/--max-steps may change (start a new --out for other settings)")
+                         "contradict it; only --epochs/--max-steps may change, and --device to move it (start a "
+                         "new --out for other settings)")
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("eval", help="evaluate a trained run: FGSM accuracy per task and eps (Multi-MNIST); "
                             "accuracy, balanced accuracy and AUC per attribute (CelebA)")
-    parser.add_argument("--run", required=True, metavar="RUN_DIR", help="the run directory of drmoo train")
+    parser.add_argument("--run", type=_path, required=True, metavar="RUN_DIR", help="the run directory of drmoo train")
     parser.add_argument("--attack", default="fgsm", choices=ATTACKS, help="the paper's attack (default: %(default)s)")
     parser.add_argument("--eps", type=_eps_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
                         help="FGSM budgets, comma-separated (Multi-MNIST; CelebA is evaluated clean; "
@@ -414,16 +466,26 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
+    import inspect
     from pathlib import Path
 
     from drmoo.experiments.registry import get_experiment
-    from drmoo.experiments.training import read_run_config
+    from drmoo.experiments.training import UsageError, read_run_config
+    from drmoo.store import ResultNotSaved
 
     if args.attack != "fgsm":
         raise ValueError(f"unknown attack {args.attack!r}; valid choices: fgsm")
+
     experiment = get_experiment(read_run_config(Path(args.run)).experiment)
-    report = experiment.evaluate(Path(args.run), eps=args.eps, progress=not args.quiet, device=args.device,
-                                 **_eps_space_option(args, experiment.evaluate, experiment.name))
+    eps_given = any(item == "--eps" or item.startswith("--eps=") for item in args.argv)
+    if eps_given and "eps_space" not in inspect.signature(experiment.evaluate).parameters:
+        raise UsageError(f"--eps: the {experiment.name} evaluation is clean (no FGSM attack); leave --eps out")
+    try:
+        report = experiment.evaluate(Path(args.run), eps=args.eps, progress=not args.quiet, device=args.device,
+                                     **_eps_space_option(args, experiment.evaluate, experiment.name))
+    except ResultNotSaved as error:  # computed: show it, then say (one line, status 2) that it was not saved
+        print(experiment.eval_table(error.result))
+        raise
     print(experiment.eval_table(report))
     print(f"wrote {Path(args.run) / 'eval.json'}")
     return 0
@@ -463,7 +525,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                         help="runs trained at once in worker processes, each with cores/jobs torch threads "
                         "(default 1; small models on a CPU: the number of cores)")
     _add_eps_space(parser)
-    parser.add_argument("--out", required=True, help="output directory (finished runs in it are reused)")
+    parser.add_argument("--out", type=_path, required=True, help="output directory (finished runs in it are reused)")
     parser.set_defaults(handler=_run_compare)
 
 
@@ -490,6 +552,9 @@ def _run_compare(args: argparse.Namespace) -> int:
         raise UsageError(f"--seeds {','.join(map(str, args.seeds))} repeats a seed (each seed must be a different "
                          "run)")
     configs = [_run_config(args, v.method, seed, v) for v in variants for seed in args.seeds]
+    from drmoo.experiments.robustness import check_distinct
+
+    check_distinct(configs)  # a row and seed given twice, refused before the output directory is created
     _check_out_dir(args.out)
     experiment = get_experiment(args.experiment)
     options = _eps_space_option(args, experiment.compare, experiment.name)
@@ -512,7 +577,7 @@ def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
                                                "and vs its own algorithm's passes")
     parser.add_argument("--experiment", default="multimnist2", choices=BENCH_EXPERIMENTS,
                         help="the Multi-MNIST model to time (default: %(default)s)")
-    parser.add_argument("--methods", type=_comma_list, default=["all"],
+    parser.add_argument("--methods", type=_name_list, default=["all"],
                         help="all or a comma-separated list (default: all)")
     parser.add_argument("--batch-size", type=_count, default=256,
                         help="batch size (default: %(default)s, the paper's; use less on a CPU)")
@@ -527,7 +592,7 @@ def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--clock", choices=CLOCKS, default="auto",
                         help="wall: elapsed time; cpu: this process's CPU time (a shared CPU); auto: cpu on a CPU "
                         "(default: %(default)s)")
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--out", type=_path, required=True, help="output directory")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=_run_bench_iter)
 
@@ -546,6 +611,8 @@ def _run_bench_iter(args: argparse.Namespace) -> int:
     unknown = [m for m in methods if m not in available()]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; valid choices: {', '.join(available())}")
+    if args.batch_size < 2:  # the timed ResNet18 trains its BatchNorm layers: one sample cannot be normalised
+        raise ValueError(f"--batch-size {args.batch_size}: the model's BatchNorm needs at least 2 samples per batch")
     device = resolve_device(args.device)
     _check_out_dir(args.out)
     size = args.input_size or PRESETS["paper"][args.experiment]["input_size"]
@@ -554,7 +621,9 @@ def _run_bench_iter(args: argparse.Namespace) -> int:
     title = (f"{args.experiment}, ResNet18, batch {args.batch_size}, {size}px, {machine_name(device)}; "
              f"median of {args.repeats} iterations after {max(args.warmup, 1)} warm-up(s)")
     table = write_outputs(rows, Path(args.out), title, stem=output_stem(device, args.batch_size))
-    print(table.read_text())
+    from drmoo.store import read_text
+
+    print(read_text(table))
     return 0
 
 
@@ -570,16 +639,18 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--what", required=True, choices=ABLATIONS, help="the hyperparameter to vary")
     parser.add_argument("--experiment", required=True, choices=ABLATION_EXPERIMENTS,
                         help="the problem (multimnist2: lambda only)")
-    parser.add_argument("--out", required=True, help="output directory (finished grid values in it are reused)")
-    parser.add_argument("--data-root", help="wine: the UCI CSV or its directory (required); multimnist2: torchvision "
+    parser.add_argument("--out", type=_path, required=True,
+                        help="output directory (finished grid values in it are reused)")
+    parser.add_argument("--data-root", type=_path,
+                        help="wine: the UCI CSV or its directory (required); multimnist2: torchvision "
                         "MNIST root (default: the embedded digits)")
     parser.add_argument("--seeds", type=_seed_list, default=[0], help="comma-separated seeds (default 0)")
-    parser.add_argument("--grid", type=_float_list, help="values to run instead of the paper's grid "
+    parser.add_argument("--grid", type=_grid_list, help="values to run instead of the paper's grid "
                         "(default: the paper's grid)")
     parser.add_argument("--steps", type=_count, help="linear/wine iterations (default: the paper's, 600 / 1000)")
     parser.add_argument("--batch-size", type=_count, help="batch size where it is not the ablated value "
                         "(default: the paper's)")
-    parser.add_argument("--methods", type=_comma_list,
+    parser.add_argument("--methods", type=_name_list,
                         help="lr only: methods (default double-clip,double-loop,mgda,modo,moco,sdmgrad)")
     parser.add_argument("--backend", choices=BACKENDS, help="kernel backend (default: automatic, by device)")
     parser.add_argument("--preset", default="quick", choices=PRESETS,
@@ -588,8 +659,8 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
                         "(default: no limit)")
     for flag in ("--epochs", "--input-size", "--train-size", "--test-size"):
         parser.add_argument(flag, type=_count, help="multimnist2: override the preset's value (default: the preset's)")
-    parser.add_argument("--weights", help="multimnist2: imagenet | none | PATH (default: the preset's)")
-    parser.add_argument("--cache-dir", help="multimnist2: where generated data sets are cached "
+    parser.add_argument("--weights", type=_path, help="multimnist2: imagenet | none | PATH (default: the preset's)")
+    parser.add_argument("--cache-dir", type=_path, help="multimnist2: where generated data sets are cached "
                         "(default ~/.cache/drmoo)")
     parser.add_argument("--device", default="auto", help="multimnist2: auto | cpu | cuda | cuda:N "
                         "(default: %(default)s)")
@@ -625,8 +696,11 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         "file that embeds their tables and links their PNGs (paths relative to the report), with the machine, "
         "backend and settings each records. Directories holding none of these are listed as skipped.",
     )
-    parser.add_argument("--runs", nargs="+", required=True, metavar="DIR", help="result directories to collect")
-    parser.add_argument("--out", required=True, help="the markdown file to write, e.g. report.md")
+    parser.add_argument("--runs", type=_path, nargs="+", required=True, metavar="DIR",
+                        help="result directories to collect")
+    parser.add_argument("--out", type=_path, required=True,
+                        help="the markdown file to write, e.g. report.md (an existing file is replaced only when "
+                        "drmoo report wrote it)")
     parser.add_argument("--title", default="drmoo results", help="the report's title (default: %(default)s)")
     parser.set_defaults(handler=_run_report)
 
@@ -637,6 +711,30 @@ def _run_report(args: argparse.Namespace) -> int:
     sections, skipped = write_report(args.runs, args.out, title=args.title)
     print(f"wrote {args.out}: {sections} section(s), {skipped} skipped")
     return 0
+
+
+# Options whose value may start with a minus sign: argparse would read "--grid -1,0.5" as two options
+# ("expected one argument") instead of handing the value to the option's check, which names the problem.
+_NUMERIC_OPTIONS = ("--grid", "--eps", "--seeds", "--seed", "--lr", "--head-lr", "--steps", "--batch-size",
+                    "--epochs", "--max-steps", "--input-size", "--train-size", "--test-size")
+
+
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """``--grid -1,0.5`` as ``--grid=-1,0.5`` (for the options above only), so its check refuses it by name."""
+    import re
+
+    out: list[str] = []
+    index = 0
+    while index < len(argv):
+        item = argv[index]
+        following = argv[index + 1] if index + 1 < len(argv) else None
+        if item in _NUMERIC_OPTIONS and following is not None and re.match(r"^-[\d.]", following):
+            out.append(f"{item}={following}")
+            index += 2
+            continue
+        out.append(item)
+        index += 1
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -661,7 +759,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from drmoo import _extras
 
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)  # --help and --version exit here, before anything imports torch
     args.argv = argv
     try:

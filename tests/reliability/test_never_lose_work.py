@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from drmoo import store
 from drmoo.cli import main
 from drmoo.data import mnist
 from drmoo.experiments import training
@@ -119,8 +120,8 @@ def test_atomic_write_is_per_process_and_fsynced_before_the_rename(tmp_path: Pat
         events.append(("replace", str(source)))
         real_replace(source, target)
 
-    monkeypatch.setattr(training.os, "fsync", fsync)
-    monkeypatch.setattr(training.os, "replace", replace)
+    monkeypatch.setattr(store.os, "fsync", fsync)
+    monkeypatch.setattr(store.os, "replace", replace)
     training.write_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "config": {}},
                               training.RunConfig(experiment="multimnist2", method="mgda", preset="quick"))
     kinds = [kind for kind, _ in events]

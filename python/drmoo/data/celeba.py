@@ -28,6 +28,7 @@ is written after the pixels, so an interrupted run leaves at worst an image deco
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor
+
+from drmoo.store import make_directory, open_mapped_file, read_text
 
 __all__ = ["ATTRIBUTES", "CelebA", "find_celeba_root", "load_celeba", "read_attributes", "read_partitions"]
 
@@ -77,8 +80,7 @@ def _bad_line(path: Path, number: int, problem: str) -> ValueError:
 
 def read_attributes(path: Path, attributes: tuple[str, ...] = ATTRIBUTES) -> tuple[list[str], Tensor]:
     """File names and labels ``int64 [N, len(attributes)]`` in {0, 1} from ``list_attr_celeba.txt``."""
-    with path.open() as handle:
-        lines = handle.read().splitlines()
+    lines = read_text(path, what="CelebA annotation file").splitlines()
     if len(lines) < 2:
         raise ValueError(f"{path}: expected a count line and a header line, the file has {len(lines)} line(s)")
     try:
@@ -114,14 +116,13 @@ def read_attributes(path: Path, attributes: tuple[str, ...] = ATTRIBUTES) -> tup
 def read_partitions(path: Path) -> dict[str, int]:
     """``filename -> split`` (0 train, 1 valid, 2 test) from ``list_eval_partition.txt``."""
     out: dict[str, int] = {}
-    with path.open() as handle:
-        for number, line in enumerate(handle, start=1):
-            fields = line.split()
-            if not fields:
-                continue
-            if len(fields) != 2 or fields[1] not in ("0", "1", "2"):
-                raise _bad_line(path, number, f"expected 'filename split' with split 0, 1 or 2, got {line.strip()!r}")
-            out[fields[0]] = int(fields[1])
+    for number, line in enumerate(read_text(path, what="CelebA partition file").splitlines(), start=1):
+        fields = line.split()
+        if not fields:
+            continue
+        if len(fields) != 2 or fields[1] not in ("0", "1", "2"):
+            raise _bad_line(path, number, f"expected 'filename split' with split 0, 1 or 2, got {line.strip()!r}")
+        out[fields[0]] = int(fields[1])
     return out
 
 
@@ -174,11 +175,15 @@ class CelebA:
             return None
         if self._cache is None:
             shape = (len(self.files), 3, self.input_size, self.input_size)
-            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            flags = self.cache_path.with_suffix(".filled")
-            mode = "r+" if self.cache_path.is_file() and flags.is_file() else "w+"  # w+ makes sparse files
-            self._cache = (np.memmap(self.cache_path, np.uint8, mode, shape=shape),
-                           np.memmap(flags, np.uint8, mode, shape=(len(self.files),)))
+            make_directory(self.cache_path.parent, "cache directory")
+            pixels, new_pixels = open_mapped_file(self.cache_path, math.prod(shape))  # sparse when new
+            flags, _ = open_mapped_file(self.cache_path.with_suffix(".filled"), len(self.files))
+            with pixels, flags:
+                if new_pixels:  # flags of another pixel file must not vouch for these zeros
+                    os.ftruncate(flags.fileno(), 0)
+                    os.ftruncate(flags.fileno(), len(self.files))
+                self._cache = (np.memmap(pixels, np.uint8, "r+", shape=shape),
+                               np.memmap(flags, np.uint8, "r+", shape=(len(self.files),)))
         return self._cache
 
     def __getstate__(self) -> dict:
@@ -251,8 +256,13 @@ def load_celeba(
     _check_images_exist(root, [files[i] for i in used])
     cache_path = None
     if cache_dir is not None:
-        stat = (root / ATTR_FILE).stat()
-        key = hashlib.sha1(f"{root.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v1".encode()).hexdigest()[:16]
+        # Keyed by the annotation file and every used image's name, size and modification time, so a
+        # replaced JPEG gets a new cache instead of being served stale.
+        key_hash = hashlib.sha1(f"{root.resolve()}|v2".encode())
+        for path in [root / ATTR_FILE] + [root / IMAGE_DIR / files[i] for i in used]:
+            info = path.stat()
+            key_hash.update(f"|{path.name}|{info.st_size}|{info.st_mtime_ns}".encode())
+        key = key_hash.hexdigest()[:16]
         cache_path = Path(cache_dir).expanduser() / "celeba" / f"{input_size}px-{key}.u8"
     return CelebA(root, input_size, files, rows["train"], labels[rows["train"]], rows["valid"],
                   labels[rows["valid"]], rows["test"], labels[rows["test"]], cache_path)

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from drmoo.store import UsageError, make_directory, read_checkpoint_file, write_checkpoint_file
+
 from .mnist import DigitSplits, digit_source_fingerprint, load_mnist
 
 __all__ = ["HOLDOUTS", "POSITIONS", "VALIDATION_FRACTION", "MultiMnist", "MultiMnistRecipe", "compose",
@@ -200,22 +202,49 @@ def load_multimnist(
 ) -> MultiMnist:
     """Generate (or read from the cache) the Multi-MNIST splits of ``recipe``."""
     fingerprint = digit_source_fingerprint(data_root)
-    # version 4: sizes above the digit count give more composites (version 3 capped them), shifts
-    key_text = json.dumps({**asdict(recipe), "source": fingerprint, "version": 4}, sort_keys=True)
+    # version 4: sizes above the digit count give more composites (version 3 capped them), shifts;
+    # version 5: the run store's verified format (header with this key and the payload's SHA-256)
+    key_text = json.dumps({**asdict(recipe), "source": fingerprint, "version": 5}, sort_keys=True)
     key = hashlib.sha1(key_text.encode()).hexdigest()[:16]
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cache / "multimnist" / f"{recipe.digits}digit-{recipe.input_size}px-{key}.pt"
     tensors = None
-    if path.is_file():
+    if os.path.lexists(path):
         try:
-            tensors = torch.load(path, weights_only=True)
-        except Exception as error:  # a truncated cache file is regenerated, not fatal
+            cached = read_checkpoint_file(path, what="Multi-MNIST cache file")  # size and SHA-256 checked
+            if cached.header.get("key") != key_text:
+                raise ValueError("it was written for another recipe")
+            tensors = _checked(cached.state, recipe)
+        except (ValueError, KeyError, TypeError) as error:  # a damaged or altered cache is rebuilt, not trusted
             warnings.warn(f"ignoring the unreadable cache file {path} ({error}); regenerating", stacklevel=2)
     if tensors is None:
         tensors = _generate(recipe, load_mnist(data_root))  # the digits are read only on a cache miss
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save(tensors, tmp)
-        tmp.replace(path)
+        try:
+            make_directory(path.parent, "cache directory")
+            write_checkpoint_file(path, tensors, {"kind": "multimnist-cache", "key": key_text})
+        except UsageError as error:  # a full disk or read-only cache: train from memory, say why it is not kept
+            warnings.warn(f"the Multi-MNIST data is not cached ({error})", stacklevel=2)
     return MultiMnist(recipe, tensors["train_images"], tensors["train_labels"], tensors["test_images"],
                       tensors["test_labels"], tensors["source"])
+
+
+def _checked(tensors: dict[str, object], recipe: MultiMnistRecipe) -> dict[str, Tensor | str]:
+    """Cached splits that fit ``recipe``: uint8 [N, 1, S, S] images, int64 [N, digits] labels in 0..9."""
+    if not isinstance(tensors.get("source"), str):
+        raise ValueError("it records no digit source")
+    for split in ("train", "test"):
+        images, labels = tensors.get(f"{split}_images"), tensors.get(f"{split}_labels")
+        if not isinstance(images, Tensor) or not isinstance(labels, Tensor):
+            raise ValueError(f"its {split} split is not a pair of tensors")
+        count = images.shape[0] if images.dim() else 0
+        wanted = recipe.train_size if split == "train" else recipe.test_size
+        if (images.dtype != torch.uint8 or tuple(images.shape[1:]) != (1, recipe.input_size, recipe.input_size)
+                or count < 1 or (wanted is not None and count != wanted)):
+            raise ValueError(f"its {split} images are {images.dtype} {tuple(images.shape)}, not uint8 "
+                             f"[{wanted or 'N'}, 1, {recipe.input_size}, {recipe.input_size}]")
+        if labels.dtype != torch.int64 or tuple(labels.shape) != (count, recipe.digits):
+            raise ValueError(f"its {split} labels are {labels.dtype} {tuple(labels.shape)}, not int64 "
+                             f"[{count}, {recipe.digits}]")
+        if labels.numel() and not (0 <= int(labels.min()) and int(labels.max()) <= 9):
+            raise ValueError(f"its {split} labels leave 0..9")
+    return tensors  # type: ignore[return-value]

@@ -22,8 +22,6 @@ machine and backend, read by ``drmoo report``).
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -34,11 +32,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from drmoo.store import UsageError, make_directory, read_csv, read_json, write_csv, write_figure, write_json, write_text
 from drmoo_kernels import resolve_backend
 
 from .reporting import aggregate_curves
 from .synthetic import PAPER_PRESETS, SyntheticConfig, run_synthetic
-from .training import _write_csv  # atomic CSV write, shared with the training runs
 
 __all__ = ["GRIDS", "SUPPORTED", "AblationConfig", "grid_points", "run_ablation"]
 
@@ -78,6 +76,7 @@ INNER_FIXED: dict[str, dict[str, Any]] = {
     "wine": {"lr": 1e-3, "pref_lr": 6e-4, "dual_lr": 1e-3, "rho": 1e-6},
 }
 DEFAULT_EPS = (0.0, 0.01, 0.03, 0.05, 0.08)
+MAX_BATCH, MAX_INNER_STEPS = 1 << 20, 10_000  # upper bounds of --what batch / inner grid values
 
 
 @dataclass
@@ -129,6 +128,11 @@ class AblationConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
             raise ValueError(f"--seeds must be integers >= 0, got {list(self.seeds)!r}")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"--seeds repeats a seed ({list(self.seeds)}): a seed given twice is one run counted "
+                             "twice")
+        if self.methods is not None and len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"--methods repeats a method ({', '.join(self.methods)})")
         if any(not math.isfinite(e) or e < 0 for e in self.eps):
             raise ValueError(f"--eps values must be finite numbers >= 0, got {list(self.eps)!r}")
         if self.grid is not None:
@@ -138,11 +142,15 @@ class AblationConfig:
         """Grid values must make sense for what they set: counts >= 1, rates and lambda finite and > 0."""
         if not grid:
             raise ValueError("--grid is empty")
+        repeated = sorted({v for v in grid if grid.count(v) > 1})
+        if repeated:  # a repeated value would be run once and counted as two independent points
+            raise ValueError(f"--grid repeats {', '.join(f'{v:g}' for v in repeated)}: give each value once")
         if self.what in ("batch", "inner"):
-            bad = [v for v in grid if not (math.isfinite(v) and v >= 1 and v == int(v))]
+            bound = MAX_BATCH if self.what == "batch" else MAX_INNER_STEPS
+            bad = [v for v in grid if not (math.isfinite(v) and 1 <= v <= bound and v == int(v))]
             kind = "batch sizes" if self.what == "batch" else "inner step counts"
             if bad:
-                raise ValueError(f"--grid for --what {self.what} holds {kind}: integers >= 1, got "
+                raise ValueError(f"--grid for --what {self.what} holds {kind}: integers from 1 to {bound}, got "
                                  f"{', '.join(f'{v:g}' for v in bad)}")
         else:
             bad = [v for v in grid if not (math.isfinite(v) and v > 0)]
@@ -209,16 +217,17 @@ def _lr_points(config: AblationConfig, values: Any) -> list[GridPoint]:
 def _point_done(directory: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
     """The saved outcome of a finished point with exactly these settings, else None."""
     marker = directory / "point.json"
-    if not marker.is_file():
+    if not marker.exists():
         return None
-    saved = json.loads(marker.read_text())
-    return saved if saved.get("settings") == settings else None
+    try:
+        saved = read_json(marker, what="grid point marker")
+    except UsageError:
+        return None  # damaged: the point is run again
+    return saved if isinstance(saved, dict) and saved.get("settings") == settings else None
 
 
 def _mark_done(directory: Path, settings: dict[str, Any], outcome: dict[str, Any]) -> None:
-    tmp = directory / "point.json.tmp"
-    tmp.write_text(json.dumps({"settings": settings, **outcome}, indent=2))
-    tmp.replace(directory / "point.json")  # written last and atomically: its presence means "finished"
+    write_json(directory / "point.json", {"settings": settings, **outcome})  # last: its presence means "finished"
 
 
 def _synthetic_point(config: AblationConfig, point: GridPoint, out: Path, progress: bool) -> dict[str, Any]:
@@ -236,7 +245,7 @@ def _synthetic_point(config: AblationConfig, point: GridPoint, out: Path, progre
     directory = out / point.name
     outcome = _point_done(directory, settings)
     if outcome is None:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_directory(directory)
         try:
             summary = run_synthetic(synthetic, directory, progress=progress)
             outcome = {"status": "ok", "result": summary["methods"][point.method]}
@@ -307,7 +316,7 @@ def _multimnist_point(config: AblationConfig, point: GridPoint, out: Path, progr
         _mark_done(directory, settings, {"status": "ok"})
     reports = []
     for run in configs:
-        report = json.loads((directory / f"{run.method}-seed{run.seed}" / "eval.json").read_text())
+        report = read_json(directory / f"{run.method}-seed{run.seed}" / "eval.json", what="evaluation")
         reports.append({**report, "method": point.label})  # the table's row label is the lambda
     return reports
 
@@ -318,10 +327,9 @@ def _multimnist_point(config: AblationConfig, point: GridPoint, out: Path, progr
 def _point_records(out: Path, point: GridPoint) -> list[dict[str, Any]]:
     """Per-iteration records of a finished synthetic point, labelled by the grid value."""
     path = out / point.name / "metrics.csv"
-    if not path.is_file():  # a diverged point has no metrics.csv
+    if not path.exists():  # a diverged point has no metrics.csv
         return []
-    with path.open(newline="") as handle:
-        return [{**row, "method": point.label} for row in csv.DictReader(handle)]
+    return [{**row, "method": point.label} for row in read_csv(path, what="metrics CSV")]
 
 
 def _running_mean(values: list[float], window: int) -> list[float]:
@@ -364,7 +372,7 @@ def _plot_curves(curves: list[dict[str, Any]], labels: list[str], path: Path, ti
     seeds = max((int(c["seeds"]) for c in curves), default=1)
     fig.suptitle(f"{title} (mean over {seeds} seed{'s' if seeds > 1 else ''}; "
                  f"faint: per iteration, solid: running mean of {window})", fontsize=10)
-    fig.savefig(path, dpi=120)
+    write_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -393,7 +401,7 @@ def _plot_lr(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     axis.set_title(title, fontsize=9)
     axis.grid(True, which="both", alpha=0.3)
     axis.legend(fontsize=8)
-    fig.savefig(path, dpi=120)
+    write_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -450,14 +458,14 @@ def _multimnist_device(config: AblationConfig) -> str:
 def _finish_synthetic(config: AblationConfig, points: list[GridPoint], rows: list[dict[str, Any]], out: Path,
                       environment: dict[str, Any]) -> str:
     stem = out / f"ablation-{config.what}"
-    _write_csv(stem.with_suffix(".csv"), rows)
+    write_csv(stem.with_suffix(".csv"), rows)
     header = _header(config, rows, environment)
     if config.what == "lr":
         _plot_lr(rows, stem.with_suffix(".png"), f"{config.experiment}: balanced gradient norm vs learning rate")
     else:
         records = [r for point in points for r in _point_records(out, point)]
         curves = aggregate_curves(records)
-        _write_csv(out / f"ablation-{config.what}-curves.csv", curves)
+        write_csv(out / f"ablation-{config.what}-curves.csv", curves)
         _plot_curves(curves, [p.label for p in points], stem.with_suffix(".png"),
                      f"{config.experiment}: ablation on {VARIED[config.what]}")
     return _synthetic_table(rows, header)
@@ -488,7 +496,7 @@ def _finish_multimnist(config: AblationConfig, reports: list[dict[str, Any]], ou
             row[f"acc_{column}"] = mine[value]["mean_acc"]
             row[f"std_{column}"] = mine[value]["std_acc"]
         rows.append({**row, "dir": point.name})
-    _write_csv(stem.with_suffix(".csv"), rows)
+    write_csv(stem.with_suffix(".csv"), rows)
     return table, rows
 
 
@@ -507,8 +515,7 @@ def _settings(config: AblationConfig, rows: list[dict[str, Any]]) -> dict[str, A
 def run_ablation(config: AblationConfig, out: str | Path, progress: bool = True) -> str:
     """Run (or finish) every grid point of ``config`` under ``out``; write the outputs; return the table."""
     points = grid_points(config)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_directory(out)
     environment = _environment(config)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -523,7 +530,7 @@ def run_ablation(config: AblationConfig, out: str | Path, progress: bool = True)
     else:
         table = _finish_synthetic(config, points, rows, out, environment)
     stem = out / f"ablation-{config.what}"
-    stem.with_suffix(".md").write_text(table)
+    write_text(stem.with_suffix(".md"), table)
     grid: dict[str, list[float]] = {}
     for point in points:
         grid.setdefault(point.method, []).append(point.value)
@@ -533,5 +540,5 @@ def run_ablation(config: AblationConfig, out: str | Path, progress: bool = True)
         **environment, "wall_time_s": time.perf_counter() - started,
         "outputs": [f"{stem.name}.{ext}" for ext in ("csv", "md", "png")],
     }
-    stem.with_suffix(".json").write_text(json.dumps(manifest, indent=2, default=str))
+    write_json(stem.with_suffix(".json"), manifest)
     return table

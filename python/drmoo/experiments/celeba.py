@@ -8,9 +8,7 @@ Evaluation is clean (no attack): accuracy, balanced accuracy and ROC AUC per att
 
 from __future__ import annotations
 
-import csv
 import inspect
-import json
 import math
 import time
 from pathlib import Path
@@ -24,10 +22,11 @@ from drmoo.data.celeba import ATTRIBUTES, CelebA, load_celeba
 from drmoo.metrics import task_metrics
 from drmoo.models import MultiTaskResNet, resolve_weights
 from drmoo.optim import available
+from drmoo.store import make_directory, save_result, write_csv, write_text
 
 from .registry import Experiment, register
-from .robustness import ensure_trained, mean_std
-from .training import RunConfig, load_trained, write_json
+from .robustness import check_distinct, ensure_trained, mean_std, reusable_result
+from .training import RunConfig, load_trained_run
 
 __all__ = ["CELEBA", "PAPER_METHOD_HPARAMS", "PRESETS", "build_celeba", "compare_celeba", "evaluate_celeba",
            "label_balancing_weights", "method_hparams", "metrics_table", "table_two"]
@@ -126,13 +125,13 @@ def evaluate_celeba(run_dir: Path, *, eps: list[float] | None = None, progress: 
 
     ``eps`` is accepted for the common ``Experiment.evaluate`` signature and ignored (Table 2 is clean).
     """
-    config, model, data, target = load_trained(run_dir, build_celeba, device)
+    config, model, data, target, provenance = load_trained_run(run_dir, build_celeba, device)
     predictions, scores = predict(model, data, 2 * config.batch_size, target, progress)
     metrics = task_metrics(data.test_labels, predictions, scores, names=list(ATTRIBUTES))
     report = {"run": str(run_dir), "method": config.method, "seed": config.seed, "experiment": config.experiment,
               "split": "test", "train_samples": int(data.train_labels.shape[0]),
-              "test_samples": int(data.test_labels.shape[0]), **metrics}
-    write_json(run_dir / "eval.json", _json_safe(report))  # strict JSON, written atomically
+              "test_samples": int(data.test_labels.shape[0]), **provenance, **metrics}
+    save_result(run_dir / "eval.json", _json_safe(report))  # strict JSON, written atomically
     return report
 
 
@@ -178,17 +177,23 @@ def table_two(reports: list[dict[str, Any]], header: str) -> tuple[str, list[dic
     return "\n".join(lines) + "\n", rows
 
 
+def _celeba_report_fits(report: dict[str, Any]) -> bool:
+    return (isinstance(report["train_samples"], int) and isinstance(report["test_samples"], int)
+            and all(report[key] is None or isinstance(report[key], float) for key, _ in METRICS)
+            and all(isinstance(report[key], list) for key in ("tasks", "accuracy", "balanced_accuracy", "auc")))
+
+
 def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | None = None,
                    progress: bool = True) -> str:
     """Train (reusing finished runs, resuming interrupted ones) and evaluate every config; write table.md/csv."""
-    out.mkdir(parents=True, exist_ok=True)
+    check_distinct(configs)
+    make_directory(out)
     reports, started = [], time.perf_counter()
     for config in tqdm(configs, desc="compare", disable=not progress):
         run_dir = out / f"{config.method}-seed{config.seed}"
         ensure_trained(config, run_dir, build_celeba, progress, sample_weight=label_balancing_weights)
-        eval_path = run_dir / "eval.json"
-        report = json.loads(eval_path.read_text()) if eval_path.is_file() else None
-        if report is None or "train_samples" not in report:  # absent, or not a CelebA metrics report
+        report = reusable_result(run_dir, _celeba_report_fits)
+        if report is None:  # absent, of other weights, or not a CelebA metrics report
             report = evaluate_celeba(run_dir, progress=False)
         reports.append(report)
     first = configs[0]
@@ -202,11 +207,8 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
         f"wall time {time.perf_counter() - started:.0f}s"
     )
     table, rows = table_two(reports, header)
-    (out / "table.md").write_text(table)
-    with (out / "table.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_text(out / "table.md", table)
+    write_csv(out / "table.csv", rows)
     return table
 
 

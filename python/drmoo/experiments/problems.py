@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from drmoo.store import read_bytes
+
 __all__ = ["WINE_FILE", "BatchStream", "Problem", "load_wine_table", "make_linear_problem", "make_wine_problem"]
 
 LossFn = Callable[[list[Tensor], Tensor, Tensor], Tensor]
@@ -127,7 +129,8 @@ def load_wine_table(data_root: str | Path) -> tuple[list[str], Tensor]:
     Raises ``ValueError`` naming the file, line and problem for a malformed file.
     """
     path = _wine_path(data_root)
-    text = path.read_text(encoding="utf-8", errors="replace")
+    # utf-8-sig: a spreadsheet's byte-order mark is not part of the first column's name
+    text = read_bytes(path, what="wine CSV").decode("utf-8-sig", errors="replace")
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"{path}: the file is empty")

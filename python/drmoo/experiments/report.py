@@ -20,8 +20,6 @@ with the reason.  Tables are embedded, PNGs linked with paths relative to the re
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -30,7 +28,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from drmoo.store import UsageError, make_directory, read_bytes, read_csv, read_json, read_text, write_text
+
 __all__ = ["Section", "collect", "render", "write_report"]
+
+CHECKPOINT_NAME = "checkpoint.pt"
 
 BENCH_PREFIX = "# drmoo kernel benchmarks"
 MAX_DEPTH = 8  # deeper trees are not result layouts any command writes
@@ -53,7 +55,7 @@ class Section:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path, what="result file")
     except (OSError, ValueError):
         return None  # unreadable or half-written: the directory is treated as not holding that result
     return data if isinstance(data, dict) else None
@@ -100,7 +102,7 @@ def _ablations(directory: Path) -> list[Section]:
                 "grid": _grid_text(manifest.get("grid", {})),
                 "settings": _compact(shown),
             },
-            tables=[table.read_text()] if table.is_file() else [],
+            tables=[read_text(table)] if table.is_file() else [],
             images=_existing(directory, f"{stem.name}.png"),
             links=_existing(directory, f"{stem.name}.csv", f"{stem.name}-curves.csv", manifest_path.name),
         ))
@@ -123,7 +125,7 @@ def _synthetic(directory: Path) -> list[Section]:
                         f"seeds {', '.join(map(str, summary.get('seeds', [])))}",
             **{f"hyperparameters of {m}": _compact(info.get("hparams", {})) for m, info in methods.items()},
         },
-        tables=[(directory / "summary.md").read_text()],
+        tables=[read_text(directory / "summary.md")],
         images=_existing(directory, "convergence.png"),
         links=_existing(directory, "metrics.csv", "convergence.csv", "summary.json"),
     )]
@@ -178,9 +180,8 @@ def _paper_block(directory: Path, experiment: str | None) -> tuple[str | None, d
     if reference is None:
         return None, None
     try:
-        with (directory / "table.csv").open(newline="") as handle:
-            rows = list(csv.DictReader(handle))
-    except (OSError, UnicodeDecodeError, csv.Error):
+        rows = read_csv(directory / "table.csv", what="comparison table")
+    except (OSError, ValueError):
         return None, None
     per_seed: dict[str, dict[Any, list[float]]] = {}
     columns: dict[Any, str] = {}
@@ -213,7 +214,7 @@ def _robustness(directory: Path) -> list[Section]:
         return []
     configs = _run_configs(directory)
     provenance = _run_provenance(configs)
-    tables = [(directory / "table.md").read_text()]
+    tables = [read_text(directory / "table.md")]
     agreement = _read_json(directory / "agreement.json")  # drmoo compare's paper block is already in table.md
     if agreement is None:
         block, agreement = _paper_block(directory, configs[0].get("experiment") if configs else None)
@@ -240,9 +241,8 @@ def _wallclock(directory: Path) -> list[Section]:
             continue
         backends: set[str] = set()
         if table.with_suffix(".csv").is_file():
-            with table.with_suffix(".csv").open(newline="") as handle:
-                backends = {row.get("backend") or "" for row in csv.DictReader(handle)} - {""}
-        text = table.read_text()
+            backends = {row.get("backend") or "" for row in read_csv(table.with_suffix(".csv"))} - {""}
+        text = read_text(table)
         title_line = text.splitlines()[0].lstrip("# ").strip() if text.strip() else ""
         sections.append(Section(
             kind="wall-clock", directory=directory, title="Wall-clock time per iteration",
@@ -261,8 +261,8 @@ def _kernel_benchmarks(directory: Path) -> list[Section]:
     sections = []
     for path in sorted(directory.glob("*.md")):
         try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError):
+            text = read_text(path)
+        except (OSError, ValueError):  # unreadable, not UTF-8 or refused by the store
             continue
         first, _, rest = text.partition("\n")
         if not first.startswith(BENCH_PREFIX):
@@ -280,8 +280,7 @@ def _kernel_benchmarks(directory: Path) -> list[Section]:
 
 def _csv_table(path: Path, max_rows: int = 40) -> str:
     """A CSV as a markdown table (numbers to 4 significant digits), the last ``max_rows`` rows."""
-    with path.open(newline="") as handle:
-        rows = list(csv.DictReader(handle))
+    rows = read_csv(path)
     if not rows:
         return ""
 
@@ -397,7 +396,7 @@ def render(sections: list[Section], skipped: list[tuple[Path, str]], base: Path,
            sources: Sequence[str | Path]) -> str:
     """The report's markdown; links are relative to ``base`` (the report's directory)."""
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"# {title}", "", f"Collected {stamp} by `drmoo report` from: "
+    lines = [f"# {title}", "", f"Collected {stamp} {REPORT_MARK} "
              + ", ".join(f"`{s}`" for s in sources) + ".", ""]
     if sections:
         lines += ["| # | kind | result | directory |", "|---:|---|---|---|"]
@@ -415,14 +414,46 @@ def render(sections: list[Section], skipped: list[tuple[Path, str]], base: Path,
     return "\n".join(lines)
 
 
-def write_report(paths: Sequence[str | Path], out: str | Path, title: str = "drmoo results") -> tuple[int, int]:
-    """Collect ``paths`` into the markdown file ``out``; returns (sections written, paths skipped)."""
-    if not paths:
-        raise ValueError("no result directories given (--runs DIR [DIR ...])")
-    out = Path(out)
+REPORT_MARK = "by `drmoo report` from:"  # in the second paragraph of every report: a file drmoo may replace
+
+
+def _check_output(out: Path, paths: Sequence[str | Path]) -> None:
+    """Refuse an output that is an input: inside a run directory, or an existing file drmoo report did not write."""
+    if str(out) == "":
+        raise UsageError("--out is an empty path (an unset shell variable?)")
     if out.is_dir():
-        raise ValueError(f"--out {out} is a directory; give the markdown file to write, e.g. {out / 'report.md'}")
-    out.parent.mkdir(parents=True, exist_ok=True)
+        raise UsageError(f"--out {out} is a directory; give the markdown file to write, e.g. {out / 'report.md'}")
+    if out.suffix.lower() != ".md":
+        raise UsageError(f"--out {out}: the report is markdown; give a file name ending in .md")
+    if (out.parent / CHECKPOINT_NAME).exists() or (out.parent / "config.json").exists():
+        raise UsageError(f"--out {out} is inside a run directory; write the report elsewhere")
+    if os.path.lexists(out):
+        try:
+            head = read_bytes(out, max_bytes=1 << 30, what="existing --out file")[:4096].decode(errors="replace")
+        except (UsageError, FileNotFoundError):
+            head = ""
+        if REPORT_MARK not in head:
+            raise UsageError(f"--out {out} exists and is not a report drmoo report wrote (it may be one of the "
+                             "results it reads): refusing to overwrite it; pick another --out")
+    resolved = out.resolve()
+    for path in paths:
+        if Path(path).resolve() == resolved:
+            raise UsageError(f"--out {out} is also given in --runs: pick another --out")
+
+
+def write_report(paths: Sequence[str | Path], out: str | Path, title: str = "drmoo results") -> tuple[int, int]:
+    """Collect ``paths`` into the markdown file ``out``; returns (sections written, paths skipped).
+
+    ``out`` must not be an input: an existing file is replaced only when drmoo report wrote it.
+    """
+    if not paths:
+        raise UsageError("no result directories given (--runs DIR [DIR ...])")
+    if any(str(path) == "" for path in paths):
+        raise UsageError("--runs holds an empty path (an unset shell variable?)")
+    out = Path(out)
+    _check_output(out, paths)
     sections, skipped = collect(paths)
-    out.write_text(render(sections, skipped, out.parent, title, paths))
+    text = render(sections, skipped, out.parent, title, paths)
+    make_directory(out.parent, "report's directory")
+    write_text(out, text)
     return len(sections), len(skipped)

@@ -7,12 +7,13 @@ orderings of the methods.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from drmoo.store import read_json, write_figure
 
 __all__ = ["aggregate_curves", "agreement_markdown", "fgsm_comparison", "kendall_tau_b", "mean_std",
            "plot_convergence", "ranks", "side_by_side", "summary_table", "training_progress"]
@@ -72,7 +73,7 @@ def plot_convergence(
     seeds = max((c["seeds"] for c in curves), default=1)
     spread = ", band = min..max)" if seeds > 1 else ")"
     fig.suptitle(f"{title} (mean over {seeds} seed{'s' if seeds > 1 else ''}{spread}")
-    fig.savefig(path, dpi=120)
+    write_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -263,8 +264,8 @@ def training_progress(run_dir: Path) -> dict[str, int]:
     drawn are what compares their data budgets.  {} when the run has no metrics yet.
     """
     try:
-        epochs = json.loads((run_dir / "metrics.json").read_text())
-    except (OSError, ValueError):
+        epochs = read_json(run_dir / "metrics.json", what="metrics file")
+    except (OSError, ValueError):  # missing, unreadable or refused (a UsageError is a ValueError)
         return {}
     if not isinstance(epochs, list) or not epochs or not isinstance(epochs[-1], dict):
         return {}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import multiprocessing
 import os
@@ -18,11 +16,22 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from drmoo.store import (
+    make_directory,
+    read_csv,
+    read_json,
+    remove_file,
+    write_csv,
+    write_figure,
+    write_json,
+    write_text,
+)
+
 from . import multimnist
 from .multimnist import build_multimnist
 from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
-from .reporting import fgsm_comparison, training_progress
+from .reporting import fgsm_comparison
 from .training import (
     CHECKPOINT,
     RunConfig,
@@ -30,6 +39,7 @@ from .training import (
     config_differences,
     evaluate_robustness,
     read_run_config,
+    result_matches_checkpoint,
     train,
 )
 from .variants import run_dir_name
@@ -102,13 +112,43 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         axis.legend(fontsize=8)
     else:  # beside the axes: inside, a dozen entries would hide the curves
         axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.savefig(path, dpi=120)
+    write_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
 def _finished(run_dir: Path, config: RunConfig) -> bool:
-    saved = run_dir / "config.json"
-    return (run_dir / "done").is_file() and saved.is_file() and json.loads(saved.read_text()) == asdict(config)
+    if not (run_dir / "done").is_file() or not (run_dir / "config.json").is_file():
+        return False
+    try:
+        return asdict(read_run_config(run_dir)) == asdict(config)
+    except (UsageError, FileNotFoundError):
+        return False  # a damaged config.json: ensure_trained's checks below decide
+
+
+def reusable_result(run_dir: Path, valid: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+    """``run_dir``'s eval.json when it is readable, ``valid`` and computed from the checkpoint there now; else None.
+
+    A result of other weights (the run was extended since), of a damaged or forged file, or of an
+    older drmoo that did not record its checkpoint is recomputed, never shown beside the new run.
+    """
+    try:
+        report = read_json(run_dir / "eval.json", what="evaluation")
+    except (UsageError, FileNotFoundError):
+        return None
+    if not isinstance(report, dict) or not result_matches_checkpoint(run_dir, report):
+        return None
+    try:
+        return report if valid(report) else None
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+
+
+def _fgsm_report_fits(report: dict[str, Any], eps_values: list[float], eps_space: str) -> bool:
+    results = report["results"]
+    return (isinstance(results, list) and [r["eps"] for r in results] == list(eps_values)
+            and all(isinstance(r["mean_acc"], float) and isinstance(r["task_acc"], list) for r in results)
+            and report.get("eps_space", "pixel") == eps_space
+            and all(isinstance(report[key], int) for key in ("test_samples", "iterations", "samples_seen")))
 
 
 def ensure_trained(config: RunConfig, run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]],
@@ -132,10 +172,7 @@ def ensure_trained(config: RunConfig, run_dir: Path, build: Callable[[RunConfig]
             raise UsageError(f"{run_dir} holds a run with other settings ({'; '.join(differences)}); it is kept: "
                              "move it aside or pick another --out")
     train(config, run_dir, build, resume=resume, progress=progress, sample_weight=sample_weight)
-    (run_dir / "eval.json").unlink(missing_ok=True)
-
-
-MAX_STEPS_CSV_BYTES = 256 * 2**20  # a steps.csv of a million steps is ~100 MB; beyond this it is not ours
+    remove_file(run_dir / "eval.json")
 
 
 def preference_trace(run_dir: Path) -> dict[str, list[float]] | None:
@@ -144,15 +181,11 @@ def preference_trace(run_dir: Path) -> dict[str, list[float]] | None:
     None when the run has no readable per-step log (an older run, or a damaged file): the balancing
     table then says n/a for it instead of guessing.
     """
-    path = run_dir / "steps.csv"
-    try:
-        if not path.is_file() or path.stat().st_size > MAX_STEPS_CSV_BYTES:
-            return None
-        with path.open(newline="") as handle:
-            rows = list(csv.DictReader(handle))
+    try:  # bounded by the store (256 MiB: a million steps is ~100 MB; beyond that it is not ours)
+        rows = read_csv(run_dir / "steps.csv", what="per-step log")
         keys = sorted((k for k in (rows[0] if rows else {}) if k.startswith("w_")), key=lambda k: int(k[2:]))
         trace = [[float(row[k]) for k in keys] for row in rows]
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, csv.Error):
+    except (OSError, ValueError, KeyError, TypeError):  # missing, refused (a UsageError) or not numbers
         return None
     if not trace or not keys or any(not math.isfinite(v) for w in trace for v in w):
         return None
@@ -182,13 +215,12 @@ def train_and_evaluate(config: RunConfig, run_dir: Path, eps_values: list[float]
                        progress: bool) -> tuple[dict[str, Any], dict[str, list[float]] | None]:
     """One run of a comparison: trained (or reused / resumed) and FGSM-evaluated; its report and w trace."""
     ensure_trained(config, run_dir, build_multimnist, progress)
-    eval_path = run_dir / "eval.json"
-    report = json.loads(eval_path.read_text()) if eval_path.is_file() else None
-    if (report is None or [r["eps"] for r in report["results"]] != list(eps_values)
-            or report.get("eps_space", "pixel") != eps_space):
+    report = reusable_result(run_dir, lambda r: _fgsm_report_fits(r, list(eps_values), eps_space))
+    if report is None:  # absent, damaged, for other eps, or of other weights than the checkpoint's now
         report = evaluate_robustness(run_dir, build_multimnist, list(eps_values), progress=False,
                                      eps_space=eps_space)
-    return {**report, "label": config.name, **training_progress(run_dir)}, preference_trace(run_dir)
+    # its iterations / samples are those of the weights it evaluated (recorded from the checkpoint)
+    return {**report, "label": config.name}, preference_trace(run_dir)
 
 
 def _worker_threads(threads: int) -> None:
@@ -227,6 +259,17 @@ def _run_all(configs: list[RunConfig], run_dirs: list[Path], eps_values: list[fl
     return results
 
 
+def check_distinct(configs: list[RunConfig]) -> None:
+    """Refuse a comparison that lists a row and seed twice: it would be one run counted as two."""
+    names = [run_dir_name(c.name, c.seed) for c in configs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if not configs:
+        raise UsageError("nothing to compare: no method x seed given")
+    if repeated:
+        raise UsageError(f"the comparison lists {', '.join(repeated)} twice (or two variants share its directory): "
+                         "give each method, variant and seed once")
+
+
 def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progress: bool = True,
             eps_space: str = "pixel", reference: str = "double-clip", jobs: int = 1) -> str:
     """Train (skipping finished runs, resuming interrupted ones) and evaluate each config; write the tables.
@@ -240,12 +283,9 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= 256:
         raise UsageError(f"--jobs must be an integer in [1, 256], got {jobs!r}")
+    check_distinct(configs)
     names = [run_dir_name(config.name, config.seed) for config in configs]
-    clashes = sorted({name for name in names if names.count(name) > 1})
-    if clashes:
-        raise UsageError(f"two runs of this comparison would share the directory {clashes[0]}: give the "
-                         "variants different labels, or the seeds different numbers")
-    out.mkdir(parents=True, exist_ok=True)
+    make_directory(out)
     started = time.perf_counter()
     jobs_done = _run_all(configs, [out / name for name in names], list(eps_values), eps_space, jobs, progress)
     reports = [report for report, _ in jobs_done]
@@ -277,17 +317,11 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
         paired = paired_differences(per_seed, reference, list(eps_values))
         labels = {eps: "Clean" if eps == 0 else f"{eps:g}" for eps in eps_values}
         table += "\n" + paired_markdown(paired, labels, unit="accuracy points")
-        with (out / "paired.csv").open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(paired[0]))
-            writer.writeheader()
-            writer.writerows(paired)
+        write_csv(out / "paired.csv", paired)
     table += "\n" + balancing_table(traces)
-    (out / "table.md").write_text(table)
-    (out / "agreement.json").write_text(json.dumps({**agreement, "eps_space": eps_space}, indent=2))
-    with (out / "table.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_text(out / "table.md", table)
+    write_json(out / "agreement.json", {**agreement, "eps_space": eps_space})
+    write_csv(out / "table.csv", rows)
     _plot(rows, out / "robustness.png", f"{first.experiment} ({first.preset} preset): accuracy vs FGSM eps")
     return table
 

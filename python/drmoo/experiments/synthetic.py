@@ -12,9 +12,7 @@ balanced gradient norm, the per-task dual objectives, w and eta at every iterati
 
 from __future__ import annotations
 
-import csv
 import inspect
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from drmoo.optim import available, create
+from drmoo.store import UsageError, make_directory, read_csv, read_json, write_csv, write_json, write_text
 
 from .problems import BatchStream, Problem, make_linear_problem, make_wine_problem
 from .reporting import aggregate_curves, plot_convergence, summary_table
@@ -33,6 +32,7 @@ from .reporting import aggregate_curves, plot_convergence, summary_table
 __all__ = ["PAPER_PRESETS", "PROBLEMS", "SyntheticConfig", "run_synthetic"]
 
 PROBLEMS: dict[str, Callable[..., Problem]] = {"linear": make_linear_problem, "wine": make_wine_problem}
+MAX_STEPS, MAX_BATCH, MAX_SEED = 10_000_000, 1 << 20, 2**63 - 1  # upper bounds (typos, int64 overflow)
 
 def _class_presets(problem: str, methods: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """The named presets the baseline classes carry (one source for those numbers)."""
@@ -101,11 +101,18 @@ class SyntheticConfig:
         if not self.methods:
             raise ValueError("no methods to run")
         # None means "the paper's value"; 0 or a negative count is refused, never read as "default".
-        for name, value in (("--steps", self.steps), ("--batch-size", self.batch_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
-            raise ValueError(f"seeds must be integers >= 0, got {list(self.seeds)!r}")
+        for name, value, bound in (("--steps", self.steps, MAX_STEPS), ("--batch-size", self.batch_size, MAX_BATCH)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound):
+                raise ValueError(f"{name} must be an integer >= 1 and <= {bound}, got {value!r}")
+        if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED
+                                 for s in self.seeds):
+            raise ValueError(f"seeds must be integers from 0 to {MAX_SEED}, got {list(self.seeds)!r}")
+        # a repeated seed or method would be run once and counted as two independent runs
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"--seeds repeats a seed ({list(self.seeds)}): a seed given twice is one run counted "
+                             "twice")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"methods repeat: {', '.join(self.methods)}; give each method once")
         for method in self.methods:
             _check_overrides(method, self.overrides)
         return {
@@ -172,32 +179,31 @@ def _run_one(
     return records
 
 
-def _write_csv(path: Path, records: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(records[0]))
-        writer.writeheader()
-        writer.writerows(records)
-    tmp.replace(path)  # atomic: a killed run never leaves a half-written file that looks finished
-
-
-def _read_csv(path: Path) -> list[dict[str, Any]]:
-    with path.open(newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    parsed = []
-    for row in rows:
-        parsed.append({k: (v if k == "method" else float(v)) for k, v in row.items()})
-        for key in ("seed", "iteration", "samples"):
-            parsed[-1][key] = int(parsed[-1][key])
+def _read_records(path: Path, method: str, seed: int, steps: int) -> list[dict[str, Any]] | None:
+    """The records of a finished run's CSV, or None when it is not exactly that run's (damaged, edited, NaN)."""
+    try:
+        rows = read_csv(path, what="run CSV")
+        parsed = []
+        for row in rows:
+            record: dict[str, Any] = {k: (v if k == "method" else float(v)) for k, v in row.items()}
+            if any(isinstance(v, float) and not math.isfinite(v) for v in record.values()):
+                return None  # a finished run never logs a non-finite value: the file was altered
+            for key in ("seed", "iteration", "samples"):
+                record[key] = int(record[key])
+            parsed.append(record)
+    except (UsageError, ValueError, KeyError, FileNotFoundError, OverflowError):
+        return None
+    if ([r["iteration"] for r in parsed] != list(range(1, steps + 1))
+            or any(r["method"] != method or r["seed"] != seed for r in parsed)):
+        return None
     return parsed
 
 
 def run_synthetic(config: SyntheticConfig, out_dir: str | Path, progress: bool = True) -> dict[str, Any]:
     """Run every (method, seed) of ``config``, write the outputs listed above, return the summary."""
     settings = config.resolved()
-    out = Path(out_dir)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
+    out = make_directory(out_dir)
+    make_directory(out / "runs")
     all_records: list[dict[str, Any]] = []
     problems: dict[int, Problem] = {}
     jobs = [(m, s) for m in settings["methods"] for s in settings["seeds"]]
@@ -207,19 +213,21 @@ def run_synthetic(config: SyntheticConfig, out_dir: str | Path, progress: bool =
         meta_path = run_path.with_suffix(".json")
         meta = {"problem": settings["problem"], "hparams": hparams, "steps": settings["steps"],
                 "batch_size": settings["batch_size"], "seed": seed}
-        if run_path.exists() and meta_path.exists() and json.loads(meta_path.read_text()) == meta:
-            all_records.extend(_read_csv(run_path))  # finished earlier with the same settings
-            continue
+        if _saved_meta(meta_path) == meta:
+            records = _read_records(run_path, method, seed, settings["steps"])
+            if records is not None:
+                all_records.extend(records)  # finished earlier with the same settings
+                continue
         if seed not in problems:
             problems[seed] = PROBLEMS[settings["problem"]](seed=seed, data_root=config.data_root)
         records = _run_one(problems[seed], method, hparams, settings["steps"], settings["batch_size"], seed, progress)
-        _write_csv(run_path, records)
-        meta_path.write_text(json.dumps(meta, indent=2))
+        write_csv(run_path, records)
+        write_json(meta_path, meta)  # after the records: its presence with these settings means "finished"
         all_records.extend(records)
 
-    _write_csv(out / "metrics.csv", all_records)
+    write_csv(out / "metrics.csv", all_records)
     curves = aggregate_curves(all_records)
-    _write_csv(out / "convergence.csv", curves)
+    write_csv(out / "convergence.csv", curves)
     plot_convergence(curves, out / "convergence.png", title=f"{settings['problem']}: balanced gradient norm")
     any_problem = problems.get(settings["seeds"][0]) or PROBLEMS[settings["problem"]](
         seed=settings["seeds"][0], data_root=config.data_root
@@ -246,9 +254,17 @@ def run_synthetic(config: SyntheticConfig, out_dir: str | Path, progress: bool =
             "mean_last20_balanced_grad_norm": _mean_std(last20),
             "wall_time_s": _mean_std([r["wall_time_s"] for r in runs if r["iteration"] == settings["steps"]]),
         }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "summary.md").write_text(summary_table(summary))
+    write_json(out / "summary.json", summary)  # strict JSON: a NaN becomes null
+    write_text(out / "summary.md", summary_table(summary))
     return summary
+
+
+def _saved_meta(path: Path) -> Any:
+    """A finished run's settings file, or None when it is missing or unreadable (the run is redone)."""
+    try:
+        return read_json(path, what="run settings file")
+    except (UsageError, FileNotFoundError):
+        return None
 
 
 def _mean_std(values: list[float]) -> dict[str, float]:

@@ -10,26 +10,24 @@ A run directory holds:
 * ``eval.json`` after ``drmoo eval``; ``done`` marks a finished training run;
 * ``train.lock`` - held (``flock``) by the one process training in the directory.
 
-Checkpoints are trusted only after checks (:func:`read_checkpoint`): the file is a one-line JSON
-header (the run's config, the payload's size and SHA-256) followed by the ``torch.save`` payload.
-Loading verifies the size, the hash and that the config agrees with ``config.json`` *before*
-unpickling, and unpickles with ``weights_only=True`` (tensors and plain containers only), so a
-crafted or damaged file is refused with one line and never runs code.
+Every file here is written and read through the run store (:mod:`drmoo.store`): atomic writes into
+exclusive temporaries, a lock that refuses symlinks, bounded reads, and the checkpoint format (a
+one-line JSON header with the run's config and step and the payload's size and SHA-256, then the
+``torch.save`` payload), verified before anything is unpickled with ``weights_only=True``.
+:func:`train` builds and checks everything (settings, model, data, optimizer, the checkpoint and
+its state) before the run directory is created or changed, so a refused run or resume leaves it as
+it was.  ``eval.json`` records the checkpoint it evaluated (step, payload SHA-256).
 """
 
 from __future__ import annotations
 
-import csv
-import fcntl
-import hashlib
-import io
 import json
 import math
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -42,19 +40,44 @@ from tqdm.auto import tqdm
 from drmoo import distributed
 from drmoo.attacks import fgsm, pixel_step
 from drmoo.optim import NonFiniteStepError, create
+from drmoo.store import (
+    CHECKPOINT_MAGIC,
+    LOCK_FILE,
+    MAX_HEADER_BYTES,
+    CheckpointError,
+    CheckpointFile,
+    RunLockedError,
+    UsageError,
+    atomic_write,
+    make_directory,
+    parse_json,
+    read_bytes,
+    read_checkpoint_file,
+    read_checkpoint_header,
+    remove_file,
+    run_lock,
+    save_result,
+    write_checkpoint_file,
+    write_csv,
+    write_json,
+)
+from drmoo_kernels import resolve_backend
 
-from .reporting import training_progress
-
-__all__ = ["CheckpointError", "IndexStream", "RunConfig", "RunLockedError", "TrainingInterrupted", "UsageError",
-           "config_differences", "evaluate_robustness", "load_trained", "read_checkpoint", "read_run_config",
+__all__ = ["CHECKPOINT_MAGIC", "LOCK_FILE", "MAX_HEADER_BYTES", "CheckpointError", "IndexStream", "RunConfig",
+           "RunLockedError", "TrainingInterrupted", "UsageError", "atomic_write", "config_differences",
+           "evaluate_robustness", "load_checkpoint", "load_trained", "read_checkpoint", "read_run_config",
            "resolve_device", "run_lock", "train", "write_json"]
 
 CHECKPOINT = "checkpoint.pt"
-LOCK_FILE = "train.lock"
-CHECKPOINT_MAGIC = b"DRMOO-CHECKPOINT 1\n"  # then one line of JSON header, then the torch.save payload
-MAX_HEADER_BYTES = 1 << 20
-# The settings a resume may change: how far the run goes.  Every other field defines the run.
-RESUMABLE_FIELDS = ("epochs", "max_steps")
+MAX_CONFIG_BYTES = 1 << 20  # a config.json is ~1 KB
+# Upper bounds of every count (a value past them is a typo, and past 2**63 it would overflow torch).
+MAX_COUNTS = {"epochs": 100_000, "batch_size": 1 << 20, "input_size": 4096, "train_size": 1 << 31,
+              "test_size": 1 << 31, "max_steps": 1 << 40}
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+JACOBIANS = ("loop", "batched")
+# The settings a resume may change: how far the run goes, and where it runs (a GPU run may be continued
+# on a CPU; the continuation is then not bit-identical to one on the GPU).  Every other field defines the run.
+RESUMABLE_FIELDS = ("epochs", "max_steps", "device")
 MODELS = ("resnet18", "lenet")
 EVAL_SPLITS = ("test", "validation")
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,21 +86,6 @@ GRAD_SCALE_INIT, GRAD_SCALE_BACKOFF, GRAD_SCALE_GROWTH, GRAD_SCALE_GROWTH_INTERV
 
 class TrainingInterrupted(RuntimeError):
     """Raised after a SIGINT/SIGTERM once the checkpoint is safely on disk."""
-
-
-class UsageError(ValueError):
-    """A setting or a file the user handed in is refused; the message is one line naming the problem.
-
-    The command line prints it without a traceback and exits with status 2.
-    """
-
-
-class CheckpointError(UsageError):
-    """A checkpoint that is corrupt, truncated, crafted or from another run: refused, never unpickled freely."""
-
-
-class RunLockedError(UsageError):
-    """Another process is training in the run directory."""
 
 
 @dataclass
@@ -116,25 +124,40 @@ class RunConfig:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> RunConfig:
-        values = json.loads(text)
+    def from_json(cls, text: str | bytes, source: str | Path = "config") -> RunConfig:
+        """A config from JSON (strict, depth-bounded: :func:`drmoo.store.parse_json`), validated."""
+        values = parse_json(text, source)
         if not isinstance(values, dict):
-            raise ValueError("expected a JSON object")
+            raise UsageError(f"{source}: expected a JSON object")
         unknown = sorted(set(values) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown setting(s) {', '.join(unknown)}")
-        return cls(**values)
+        missing = sorted(f.name for f in fields(cls) if f.name in ("experiment", "method", "preset")
+                         and f.name not in values)
+        if unknown or missing:
+            raise UsageError(f"{source}: unknown setting(s) {', '.join(unknown)}" if unknown
+                             else f"{source}: missing setting(s) {', '.join(missing)}")
+        config = cls(**values)
+        config.validate()
+        return config
 
     def validate(self) -> None:
-        """Refuse settings that cannot define a run (counts below 1, a non-finite rate, ...)."""
-        for name in ("epochs", "batch_size", "input_size", "train_size", "test_size", "max_steps"):
+        """Refuse settings that cannot define a run (counts below 1 or past their bound, a non-finite rate, ...)."""
+        for name in ("experiment", "method", "preset", "weights", "device", "jacobian", "amp"):
+            if not isinstance(getattr(self, name), str):
+                raise UsageError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("data_root", "cache_dir", "backend"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or value == ""):
+                raise UsageError(f"--{name.replace('_', '-')} must be a non-empty string, got {value!r}")
+        for name, bound in MAX_COUNTS.items():
             value = getattr(self, name)
             if value is None and name in ("train_size", "test_size", "max_steps"):
                 continue  # None: all of the split / no step limit
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise UsageError(f"--seed must be an integer >= 0, got {self.seed!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+                raise UsageError(f"--{name.replace('_', '-')} must be an integer >= 1 and <= {bound}, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise UsageError(f"--seed must be an integer >= 0 and <= {MAX_SEED}, got {self.seed!r}")
+        if self.jacobian not in JACOBIANS:
+            raise UsageError(f"unknown --jacobian {self.jacobian!r}; valid choices: {', '.join(JACOBIANS)}")
         if isinstance(self.head_lr, bool) or not isinstance(self.head_lr, (int, float)) or not (
                 math.isfinite(self.head_lr) and self.head_lr > 0):
             raise UsageError(f"--head-lr must be a finite number > 0, got {self.head_lr!r}")
@@ -162,13 +185,16 @@ def config_differences(saved: RunConfig | dict[str, Any], wanted: RunConfig | di
 
 def read_run_config(run_dir: Path) -> RunConfig:
     """The config.json of a run directory; a clear error when it is missing or not a drmoo run config."""
+    if str(run_dir) == "":
+        raise UsageError("the run directory is an empty path (an unset shell variable?)")
     path = run_dir / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory of drmoo train?")
     try:
-        return RunConfig.from_json(path.read_text())
-    except (ValueError, TypeError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
-        raise UsageError(f"{path} is not a drmoo run config ({error})") from None
+        return RunConfig.from_json(read_bytes(path, MAX_CONFIG_BYTES, "run config"), path)
+    except (ValueError, TypeError) as error:  # a UsageError already names the file
+        message = str(error) if isinstance(error, UsageError) else f"{path}: {error}"
+        raise UsageError(f"{message} (is {run_dir} a drmoo run directory?)") from None
 
 
 def resolve_device(text: str) -> torch.device:
@@ -191,46 +217,20 @@ def resolve_device(text: str) -> torch.device:
     return device
 
 
+def check_backend(backend: str | None, device: torch.device) -> None:
+    """Refuse (one line) a kernel backend that does not exist or cannot run on ``device`` here."""
+    if backend is None:
+        return
+    try:
+        resolve_backend(backend, device)
+    except (RuntimeError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"--backend {backend}: {reason}") from None
+
+
 def prepare_run_dir(run_dir: Path) -> None:
-    """Create ``run_dir`` (and its parents) or refuse with one line: a file in the way, no permission."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UsageError(f"{run_dir} is a file, not a directory: pick another --out")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:  # a parent that is a file, a read-only or forbidden place
-        raise UsageError(f"cannot create the run directory {run_dir}: {error.strerror or error}") from None
-    if not os.access(run_dir, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write in the run directory {run_dir}: permission denied")
-
-
-@contextmanager
-def run_lock(run_dir: Path) -> Iterator[None]:
-    """Hold ``run_dir/train.lock`` (an exclusive ``flock``) or refuse at once: one trainer per directory.
-
-    The lock goes with the process (closing the descriptor, or dying, releases it), so a crashed run
-    never leaves the directory locked.  The file itself stays: removing it would let two processes
-    lock two different files of the same name.
-    """
-    path = run_dir / LOCK_FILE
-    try:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as error:
-        raise UsageError(f"cannot write in the run directory {run_dir}: {error.strerror or error}") from None
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(descriptor)
-        holder = path.read_text(errors="replace").strip() or "?"
-        raise RunLockedError(
-            f"{run_dir} is in use by another drmoo process (pid {holder}, holding {path}); wait for it to "
-            "finish or pick another --out"
-        ) from None
-    try:
-        os.ftruncate(descriptor, 0)
-        os.write(descriptor, f"{os.getpid()}\n".encode())
-        yield
-    finally:
-        os.close(descriptor)
+    """Create ``run_dir`` (and its parents) or refuse with one line: empty, a file in the way, no permission."""
+    make_directory(run_dir, "run directory")
 
 
 class IndexStream:
@@ -262,8 +262,18 @@ class IndexStream:
                 "samples_drawn": self.samples_drawn}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a saved stream; a state that is not a stream over ``size`` rows is refused (ValueError)."""
+        order, position, drawn = state["order"], state["position"], state["samples_drawn"]
+        if (not isinstance(order, Tensor) or order.dtype != torch.int64 or tuple(order.shape) != (self.size,)
+                or not torch.equal(order.sort().values, torch.arange(self.size))):
+            raise ValueError(f"the saved index stream is not a permutation of the {self.size} training rows")
+        for name, value in (("position", position), ("samples drawn", drawn)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"the saved index stream's {name} {value!r} is not a count")
+        if position > self.size:
+            raise ValueError(f"the saved index stream's position {position} is past its {self.size} rows")
         self.generator.set_state(state["generator"])
-        self.order, self.position, self.samples_drawn = state["order"], state["position"], state["samples_drawn"]
+        self.order, self.position, self.samples_drawn = order, position, drawn
 
 
 def per_sample_losses(logits: list[Tensor], labels: Tensor) -> Tensor:
@@ -271,122 +281,39 @@ def per_sample_losses(logits: list[Tensor], labels: Tensor) -> Tensor:
     return torch.stack([F.cross_entropy(z, labels[:, i], reduction="none") for i, z in enumerate(logits)], dim=1)
 
 
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)  # makes the rename itself durable
-    finally:
-        os.close(descriptor)
+def write_checkpoint(path: Path, state: dict[str, Any], config: RunConfig) -> str:
+    """``state`` behind a header with the run's config and the payload's size and SHA-256 (atomic); the hash."""
+    return write_checkpoint_file(path, state, {"config": asdict(config), "step": state.get("step")})
 
 
-def atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
-    """Write ``path`` all or nothing: a per-process temporary file, fsynced, renamed over it, directory fsynced.
-
-    A crash leaves either the old file or the new one, never a mix; two processes never share a
-    temporary file (its name carries the pid).
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("wb") as handle:
-            for chunk in chunks:
-                handle.write(chunk)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
-
-
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        return
-    text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write(path, [text.getvalue().encode()])
-
-
-def _finite_or_none(value: Any) -> Any:
-    """``value`` with every NaN / infinity replaced by None (JSON has no token for them)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite_or_none(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_none(item) for item in value]
-    return value
-
-
-def write_json(path: Path, value: Any) -> None:
-    """Strict JSON, written atomically: a non-finite number becomes null, never the ``NaN`` token."""
-    text = json.dumps(_finite_or_none(value), indent=2, allow_nan=False)
-    atomic_write(path, [text.encode(), b"\n"])
-
-
-def write_checkpoint(path: Path, state: dict[str, Any], config: RunConfig) -> None:
-    """``state`` behind a header with the run's config and the payload's size and SHA-256 (atomic)."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
-    header = json.dumps({"format": 1, "config": asdict(config), "payload_bytes": len(payload),
-                         "payload_sha256": hashlib.sha256(payload).hexdigest()}, sort_keys=True)
-    atomic_write(path, [CHECKPOINT_MAGIC, header.encode(), b"\n", payload])
+def load_checkpoint(run_dir: Path, config: RunConfig | None = None) -> CheckpointFile:
+    """The verified checkpoint of ``run_dir`` (header, state, payload SHA-256); see :func:`read_checkpoint`."""
+    path = run_dir / CHECKPOINT
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: train the run first")
+    expected = config if config is not None else read_run_config(run_dir)
+    checkpoint = read_checkpoint_file(path)
+    saved_config = checkpoint.header.get("config")
+    if not isinstance(saved_config, dict):
+        raise CheckpointError(f"{path}: refused: its header is corrupt or truncated")
+    differences = config_differences(saved_config, expected)
+    if differences:
+        raise CheckpointError(f"{path}: refused: it belongs to a run with other settings than "
+                              f"{run_dir / 'config.json'} ({'; '.join(differences)})")
+    if checkpoint.state.get("config") != saved_config:
+        raise CheckpointError(f"{path}: refused: its payload does not match its header")
+    return checkpoint
 
 
 def read_checkpoint(run_dir: Path, config: RunConfig | None = None) -> dict[str, Any]:
     """The state in ``run_dir``'s checkpoint, after checking it belongs to the run and is intact.
 
-    Refused (:class:`CheckpointError`, one line) unless, in this order: the file starts with drmoo's
-    header; the payload has the announced size (not truncated) and SHA-256 (not corrupt); the header's
-    config agrees with ``config`` (default: ``run_dir/config.json``) on every setting but
-    ``RESUMABLE_FIELDS``; and the payload unpickles with ``weights_only=True`` (tensors and plain
-    containers only: nothing in it can run code).  Nothing is unpickled before the hash matches.
+    Refused (:class:`CheckpointError`, one line) unless the run store's checks pass
+    (:func:`drmoo.store.read_checkpoint_file`: a regular file, drmoo's header, the announced size,
+    the SHA-256, ``weights_only=True`` unpickling) and the header's config agrees with ``config``
+    (default: ``run_dir/config.json``) on every setting but ``RESUMABLE_FIELDS``.
     """
-    path = run_dir / CHECKPOINT
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: train the run first")
-    expected = config if config is not None else read_run_config(run_dir)
-    try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise CheckpointError(f"{path}: refused: cannot be read ({error.strerror or error})") from None
-    if not data.startswith(CHECKPOINT_MAGIC):
-        raise CheckpointError(f"{path}: refused: not a drmoo checkpoint (no drmoo header: corrupt, or written by "
-                              "something else or an older drmoo)")
-    start = len(CHECKPOINT_MAGIC)
-    end = data.find(b"\n", start, start + MAX_HEADER_BYTES)
-    try:
-        if end < 0:
-            raise ValueError("no end of header")
-        header = json.loads(data[start:end])
-        size, digest, saved_config = int(header["payload_bytes"]), str(header["payload_sha256"]), header["config"]
-        if not isinstance(saved_config, dict):
-            raise TypeError("config is not a mapping")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        raise CheckpointError(f"{path}: refused: its header is corrupt or truncated") from None
-    payload = memoryview(data)[end + 1:]
-    if len(payload) != size:
-        raise CheckpointError(f"{path}: refused: truncated or extended: holds {len(payload)} payload bytes, its "
-                              f"header announces {size}")
-    if hashlib.sha256(payload).hexdigest() != digest:
-        raise CheckpointError(f"{path}: refused: the payload's SHA-256 differs from the one recorded in its header "
-                              "(the file is corrupt)")
-    differences = config_differences(saved_config, expected)
-    if differences:
-        raise CheckpointError(f"{path}: refused: it belongs to a run with other settings than "
-                              f"{run_dir / 'config.json'} ({'; '.join(differences)})")
-    try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as error:  # untrusted bytes: any failure to parse them refuses the file
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"{path}: refused: its payload holds more than tensors and plain containers "
-                              f"or is malformed ({reason[:200]})") from None
-    if not isinstance(state, dict) or state.get("config") != saved_config:
-        raise CheckpointError(f"{path}: refused: its payload does not match its header")
-    return state
+    return load_checkpoint(run_dir, config).state
 
 
 class _StopFlag:
@@ -450,45 +377,87 @@ def train(
     its checkpoint must agree with ``config`` on everything else.
     """
     config.validate()
+    if str(run_dir) == "":
+        raise UsageError("the run directory is an empty path (an unset shell variable?)")
+    run_dir = Path(run_dir)
+    checkpoint_path = run_dir / CHECKPOINT
+    if resume and not checkpoint_path.exists():
+        raise FileNotFoundError(f"cannot resume: {checkpoint_path} does not exist")
+    if not resume and checkpoint_path.exists():  # checked again under the lock
+        raise FileExistsError(f"{run_dir} already holds a run; pass --resume {run_dir} to continue it or pick a new "
+                              "--out")
     created_group, device = _setup_distributed(config)
     is_main = distributed.rank() == 0  # only rank 0 writes checkpoints, logs and progress
-    if is_main:
-        prepare_run_dir(run_dir)
     try:
+        check_backend(config.backend, device)
+        # Every setting is checked by building the run before the directory is touched: a refusal
+        # (a bad hyperparameter, backend, data root, weights file) leaves no trace on disk.
+        parts = _build_run(config, build, device)
+        if is_main:
+            prepare_run_dir(run_dir)
         with run_lock(run_dir) if is_main else nullcontext():
-            return _train_locked(config, run_dir, build, device, is_main, resume, progress, sample_weight)
+            return _train_locked(config, run_dir, parts, device, is_main, resume, progress, sample_weight)
     finally:
         if created_group:
             torch.distributed.destroy_process_group()
 
 
+def _build_run(config: RunConfig, build: Callable[[RunConfig], tuple[nn.Module, Any]], device: torch.device
+               ) -> tuple[nn.Module, Any, Any, torch.optim.Optimizer, IndexStream]:
+    """The run's model (on ``device``), data, optimizer, heads' SGD and index stream; nothing is written."""
+    torch.manual_seed(config.seed)
+    model, data = build(config)
+    model.to(device)
+    optimizer = create(config.method, model.shared_parameters(), data.num_tasks, backend=config.backend,
+                       # fp16 scaling needs the eager step's raise on a non-finite step
+                       **{"capturable": device.type == "cuda" and config.amp != "fp16", **config.hparams})
+    optimizer.jacobian_strategy = config.jacobian
+    heads = torch.optim.SGD(model.task_parameters(), lr=config.head_lr)
+    stream = IndexStream(data.train_labels.shape[0], config.batch_size, seed=config.seed)
+    if stream.batch_size // distributed.world_size() < 2 and any(
+            isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules()):
+        # BatchNorm cannot normalise one sample per channel: say which setting, not torch's message
+        raise UsageError(f"a training batch of {stream.batch_size} sample(s) per process (--batch-size "
+                         f"{config.batch_size}, --train-size {data.train_labels.shape[0]}) is too small for the "
+                         f"model's BatchNorm: use at least 2")
+    return model, data, optimizer, heads, stream
+
+
+def _check_state(state: dict[str, Any], config: RunConfig, steps_per_epoch: int) -> None:
+    """Refuse a hash-valid state whose counters do not describe a run of ``config`` (forged or damaged)."""
+    step, pending = state.get("step"), state.get("pending_epoch")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step {step!r} is not a count")
+    if not isinstance(state.get("epochs"), list) or not isinstance(state.get("steps"), list) or not all(
+            isinstance(row, dict) for row in state["epochs"] + state["steps"]):
+        raise ValueError("its metrics are not lists of rows")
+    if len(state["steps"]) != step:
+        raise ValueError(f"it holds {len(state['steps'])} step rows for step {step}")
+    last_epoch = (step - 1) // steps_per_epoch + 1 if step else 0
+    if pending is not None and (isinstance(pending, bool) or not isinstance(pending, int)
+                                or not 1 <= pending <= last_epoch):
+        raise ValueError(f"pending epoch {pending!r} is not an epoch of its {step} steps")
+    scale = state.get("grad_scale", {})
+    if not isinstance(scale, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+            for v in scale.values()) or set(scale) - {"value", "good_steps", "skipped_steps"}:
+        raise ValueError("its gradient scale is not a set of finite numbers")
+
+
 def _train_locked(
-    config: RunConfig, run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], device: torch.device,
-    is_main: bool, resume: bool, progress: bool, sample_weight: Callable[[Tensor], Tensor] | None,
+    config: RunConfig, run_dir: Path, parts: tuple[nn.Module, Any, Any, torch.optim.Optimizer, IndexStream],
+    device: torch.device, is_main: bool, resume: bool, progress: bool,
+    sample_weight: Callable[[Tensor], Tensor] | None,
 ) -> dict[str, Any]:
     checkpoint_path = run_dir / CHECKPOINT
     state: dict[str, Any] | None = None
     if resume:
-        if not checkpoint_path.is_file():
-            raise FileNotFoundError(f"cannot resume: {checkpoint_path} does not exist")
         state = read_checkpoint(run_dir, config)  # verified before anything is written
     elif checkpoint_path.exists():
         raise FileExistsError(
             f"{run_dir} already holds a run; pass --resume {run_dir} to continue it or pick a new --out"
         )
-    if is_main:
-        (run_dir / "done").unlink(missing_ok=True)  # a marker, not work: written again when this run finishes
-        atomic_write(run_dir / "config.json", [config.to_json().encode()])
-
-    torch.manual_seed(config.seed)
-    model, data = build(config)
-    model.to(device)
-    shared = model.shared_parameters()
-    optimizer = create(config.method, shared, data.num_tasks, backend=config.backend,  # fp16 scaling needs the raise
-                       **{"capturable": device.type == "cuda" and config.amp != "fp16", **config.hparams})
-    optimizer.jacobian_strategy = config.jacobian
-    heads = torch.optim.SGD(model.task_parameters(), lr=config.head_lr)
-    stream = IndexStream(data.train_labels.shape[0], config.batch_size, seed=config.seed)
+    model, data, optimizer, heads, stream = parts
     steps_per_epoch = math.ceil(data.train_labels.shape[0] / stream.batch_size)
     total = config.epochs * steps_per_epoch
     if config.max_steps is not None:
@@ -500,6 +469,7 @@ def _train_locked(
     grad_scale = {"value": GRAD_SCALE_INIT if config.amp == "fp16" else 1.0, "good_steps": 0, "skipped_steps": 0}
     if state is not None:
         try:
+            _check_state(state, config, steps_per_epoch)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             heads.load_state_dict(state["heads"])
@@ -510,13 +480,23 @@ def _train_locked(
             step, epoch_rows, step_rows = int(state["step"]), list(state["epochs"]), list(state["steps"])
             grad_scale.update(state.get("grad_scale", {}))
             pending_epoch = state.get("pending_epoch")
-        except (KeyError, TypeError, ValueError, RuntimeError) as error:  # a hash-valid file with a wrong state
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as error:  # a hash-valid, wrong state
             raise CheckpointError(f"{checkpoint_path}: refused: its state does not fit this run "
                                   f"({str(error).strip().splitlines()[0] if str(error).strip() else error!r})"
                                   ) from None
         if step > total:
             raise UsageError(f"cannot resume {run_dir} to {total} steps: it has trained {step} already; a resume "
                              "can only extend a run (--epochs / --max-steps)")
+        saved = state["config"]
+        if step == total and (saved.get("epochs"), saved.get("max_steps")) != (config.epochs, config.max_steps):
+            # asked to go further, but the other limit stops the run where it is
+            limit = (f"--max-steps {config.max_steps}" if config.max_steps is not None and config.max_steps == total
+                     else f"--epochs {config.epochs}")
+            raise UsageError(f"--resume {run_dir}: nothing to train: the run has {step} steps and its {limit} stops "
+                             "it there; raise that setting too to go further")
+    if is_main:  # everything is checked: from here on the run directory changes
+        remove_file(run_dir / "done")  # a marker, not work: written again when this run finishes
+        atomic_write(run_dir / "config.json", [config.to_json().encode()])
 
     saved_at: dict[str, int] = {}
 
@@ -531,8 +511,8 @@ def _train_locked(
             "step": step, "epochs": epoch_rows, "steps": step_rows, "config": asdict(config),
             "grad_scale": dict(grad_scale), "pending_epoch": pending_epoch,
         }, config)
-        _write_csv(run_dir / "steps.csv", step_rows)
-        _write_csv(run_dir / "metrics.csv", epoch_rows)
+        write_csv(run_dir / "steps.csv", step_rows)
+        write_csv(run_dir / "metrics.csv", epoch_rows)
         write_json(run_dir / "metrics.json", epoch_rows)
 
     started = time.perf_counter()
@@ -673,20 +653,49 @@ def _agreed(flag: bool, device: torch.device) -> bool:
     return bool(distributed.all_reduce_max(torch.tensor([int(flag)], device=device)).item())
 
 
-def load_trained(run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], device: str | None = None
-                 ) -> tuple[RunConfig, nn.Module, Any, torch.device]:
-    """A trained run's config, model (weights loaded, on ``device`` or the run's), data and that device."""
+def load_trained_run(run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], device: str | None = None
+                     ) -> tuple[RunConfig, nn.Module, Any, torch.device, dict[str, Any]]:
+    """:func:`load_trained` and the provenance of the weights loaded (see :func:`checkpoint_provenance`)."""
     config = read_run_config(run_dir)
-    state = read_checkpoint(run_dir, config)  # verified (size, SHA-256, config) and never unpickled freely
+    checkpoint = load_checkpoint(run_dir, config)  # verified (size, SHA-256, config) and never unpickled freely
     target = resolve_device(device or config.device)
     model, data = build(config)
     try:
-        model.load_state_dict(state["model"])
-    except (KeyError, TypeError, RuntimeError) as error:
+        model.load_state_dict(checkpoint.state["model"])
+        provenance = checkpoint_provenance(checkpoint)
+    except (KeyError, TypeError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"{run_dir / CHECKPOINT}: refused: its model does not fit the run's "
                               f"({str(error).strip().splitlines()[0] if str(error).strip() else error!r})") from None
     model.to(target)
-    return config, model, data, target
+    return config, model, data, target, provenance
+
+
+def load_trained(run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], device: str | None = None
+                 ) -> tuple[RunConfig, nn.Module, Any, torch.device]:
+    """A trained run's config, model (weights loaded, on ``device`` or the run's), data and that device."""
+    return load_trained_run(run_dir, build, device)[:4]
+
+
+def checkpoint_provenance(checkpoint: CheckpointFile) -> dict[str, Any]:
+    """What a result computed from ``checkpoint``'s weights records: the iterations and samples that trained
+    them, and the checkpoint itself (step and payload SHA-256) so a later reader can tell it still describes it."""
+    step, drawn = checkpoint.state["step"], checkpoint.state["stream"]["samples_drawn"]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (step, drawn)):
+        raise ValueError("its step or samples drawn is not a count")
+    return {"iterations": step, "samples_seen": drawn,
+            "checkpoint": {"step": step, "payload_sha256": checkpoint.sha256}}
+
+
+def result_matches_checkpoint(run_dir: Path, result: Any) -> bool:
+    """Whether a saved result (eval.json) was computed from the checkpoint ``run_dir`` holds now."""
+    recorded = result.get("checkpoint") if isinstance(result, dict) else None
+    if not isinstance(recorded, dict):
+        return False  # written by an older drmoo, or forged: not known to describe these weights
+    try:
+        header = read_checkpoint_header(run_dir / CHECKPOINT)
+    except (UsageError, FileNotFoundError):
+        return False
+    return recorded.get("payload_sha256") == header["payload_sha256"] and recorded.get("step") == header.get("step")
 
 
 def check_eps(eps_values: Iterable[float]) -> list[float]:
@@ -705,10 +714,12 @@ def evaluate_robustness(
 ) -> dict[str, Any]:
     """FGSM accuracy per task and on average for each eps; writes and returns eval.json's content.
 
-    eval.json also records the eps space and the training budget spent (iterations, samples drawn).
+    eval.json also records the eps space, the training budget spent (iterations, samples drawn) and the
+    checkpoint evaluated (step, payload SHA-256), all read from the checkpoint the weights came from.
+    When eval.json cannot be written, :class:`drmoo.store.ResultNotSaved` carries the report.
     """
     eps_values = check_eps(eps_values)
-    config, model, data, target = load_trained(run_dir, build, device)
+    config, model, data, target, provenance = load_trained_run(run_dir, build, device)
     results = []
     for eps in tqdm(eps_values, desc="FGSM", disable=not progress):
         task_acc = accuracy(model, data.test_images, data.test_labels, 2 * config.batch_size, target, data.images, eps,
@@ -717,6 +728,6 @@ def evaluate_robustness(
     report = {"run": str(run_dir), "method": config.method, "label": config.name, "seed": config.seed,
               "experiment": config.experiment, "model": config.model, "eval_split": config.eval_split,
               "attack": "fgsm", "eps_space": eps_space, "test_samples": int(data.test_labels.shape[0]),
-              **training_progress(run_dir), "results": results}
-    write_json(run_dir / "eval.json", report)
+              **provenance, "results": results}
+    save_result(run_dir / "eval.json", report)
     return report

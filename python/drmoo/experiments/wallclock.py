@@ -28,7 +28,6 @@ ratio count batches drawn rather than the work of the algorithm.
 
 from __future__ import annotations
 
-import csv
 import itertools
 import platform
 import re
@@ -46,6 +45,7 @@ from tqdm.auto import tqdm
 
 from drmoo.models import MultiTaskResNet
 from drmoo.optim import create
+from drmoo.store import make_directory, read_text, write_csv, write_figure, write_text
 
 from .multimnist import EXPERIMENTS, method_hparams
 
@@ -144,11 +144,11 @@ def machine_name(device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
     model = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in read_text(Path("/proc/cpuinfo"), what="CPU description").splitlines():
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    except OSError:
+    except (OSError, ValueError):  # no /proc (not Linux) or refused by the store: keep platform's name
         pass
     return f"{model}, {torch.get_num_threads()} threads"
 
@@ -359,11 +359,8 @@ FIELDS = ["method", "passes", "forward", "forward_no_grad", "backward", "median_
 
 def write_outputs(rows: list[dict[str, Any]], out: Path, title: str, stem: str = "wallclock") -> Path:
     """``<stem>.csv``, ``<stem>.md`` and ``<stem>.png`` in ``out``; returns the markdown table's path."""
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / f"{stem}.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    make_directory(out)
+    write_csv(out / f"{stem}.csv", rows, fieldnames=FIELDS)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -385,7 +382,7 @@ def write_outputs(rows: list[dict[str, Any]], out: Path, title: str, stem: str =
     axis.tick_params(axis="x", rotation=30, labelsize=8)
     axis.margins(y=0.18)
     axis.legend(fontsize=7, loc="upper left")
-    fig.savefig(out / f"{stem}.png", dpi=120)
+    write_figure(fig, out / f"{stem}.png", dpi=120)
     plt.close(fig)
     lines = [
         f"### {title}", "",
@@ -402,5 +399,5 @@ def write_outputs(rows: list[dict[str, Any]], out: Path, title: str, stem: str =
               f"{r['own_floor_median_s']:.4f} | {r['own_floor_min_s']:.4f} | {r['ratio_to_own_floor']:.2f} |"
               for r in rows]
     path = out / f"{stem}.md"
-    path.write_text("\n".join(lines) + "\n")
+    write_text(path, "\n".join(lines) + "\n")
     return path

