@@ -182,7 +182,10 @@ class Balancer:
             if not isinstance(scaler, torch.amp.GradScaler):
                 raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
             if scaler.is_enabled():
-                scale = float(scaler.get_scale())
+                # scaler.scale() (public) also creates the scaler's state on our device, which
+                # scaler.step() requires ("did not use scaler.scale(loss)" otherwise); a host read.
+                one = torch.ones((), dtype=torch.float32, device=algorithm.device)
+                scale = float(scaler.scale(one))
         algorithm.loss_scale = algorithm.grad_scale = scale
         algorithm.graph_reuses = graph_reuses
         try:

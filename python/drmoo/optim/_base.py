@@ -262,10 +262,14 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                 if key not in _SCRATCH_ATTRIBUTES and not key.startswith("_optimizer_")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        had_differentiable = "differentiable" in state["defaults"]
+        # Also called by torch's load_state_dict with only state and param_groups: then no scratch is reset.
+        defaults = state.get("defaults", getattr(self, "defaults", {}))
+        had_differentiable = "differentiable" in defaults
         super().__setstate__(state)
         if not had_differentiable:  # torch adds it; it is no drmoo hyperparameter (load_state_dict checks them)
             self.defaults.pop("differentiable", None)
+        if "defaults" not in state:
+            return
         self._head_grads_before = None
         self._found_inf = None
         self.batch_weight = None
