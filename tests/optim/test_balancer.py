@@ -92,7 +92,8 @@ def assert_states_close(first: dict[str, Any], second: dict[str, Any]) -> None:
     assert set(mine) == set(theirs)
     for key, value in mine.items():
         if isinstance(value, Tensor):
-            torch.testing.assert_close(value, theirs[key], atol=1e-12, rtol=1e-10, msg=lambda text, key=key: f"{key}: {text}")
+            torch.testing.assert_close(value, theirs[key], atol=1e-12, rtol=1e-10,
+                                       msg=lambda text, key=key: f"{key}: {text}")
         else:
             assert value == theirs[key], key
 
@@ -494,3 +495,37 @@ def test_famo_plain_closure_updates_the_logits_from_the_next_batch() -> None:
     expected = -pref_lr * gradient / (gradient.abs() + 1e-8)
     torch.testing.assert_close(famo.state["drmoo"]["logits"], expected, rtol=1e-6, atol=1e-9)
     assert "dual_objective_after" not in famo.stats
+
+
+# ------------------------------------------------------------------------------- capturable
+@pytest.mark.parametrize("case", [case for case in CASES if case != "mgda-min-norm"])
+def test_a_capturable_balancer_follows_the_eager_one_and_skips_a_nan_step_on_the_device(case: str) -> None:
+    name, hparams = CASES[case]
+    runs = []
+    for capturable in (False, True):
+        model, stream = TwoTaskNet(), batch_stream()
+        balancer = drmoo.Balancer(name, model.trunk.parameters(), M, lr=LR, capturable=capturable, **hparams)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        for _ in range(3):
+            optimizer.zero_grad()
+            balancer.backward(per_sample_losses(model, *next(stream)))
+            optimizer.step()
+        runs.append((model, balancer))
+    (eager, eager_balancer), (model, balancer) = runs
+    assert_models_close(model, eager)
+    mine, theirs = balancer.state_dict(), eager_balancer.state_dict()
+    for state in (mine, theirs):
+        state["state"]["drmoo"].pop("skipped_steps")
+    assert_states_close(mine, theirs)
+
+    before = copy.deepcopy(balancer.state_dict()["state"]["drmoo"])
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 2.0)
+    losses = per_sample_losses(model, *next(batch_stream(seed=7)))
+    balancer.backward(losses * torch.tensor([1.0, float("nan")], dtype=losses.dtype))  # no raise: skipped
+    assert float(balancer.stats["found_inf"]) == 1.0
+    assert all(bool((p.grad == 2.0).all()) for p in model.parameters())  # zeros added
+    after = balancer.state_dict()["state"]["drmoo"]
+    for key, value in before.items():
+        if key not in ("step", "skipped_steps", "index_rng_state"):  # Double-Loop draws its indices all the same
+            assert torch.equal(after[key], value) if isinstance(value, Tensor) else after[key] == value, key
