@@ -2,6 +2,7 @@
 
 * :func:`dual_objective` - the f-divergence DR dual of each task (differentiable);
 * :mod:`drmoo.optim` - Double-Clip MGDA, Double-Loop MGDA (and the baselines) as torch optimizers;
+* :class:`Balancer` - any of those methods writing its direction into ``.grad``, for any torch optimizer;
 * :mod:`drmoo.experiments` - the paper's experiments; ``drmoo`` on the command line runs them.
 
 ``import drmoo`` itself imports no torch: the names below are loaded on first use (PEP 562), so
@@ -20,6 +21,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from drmoo_kernels import DIVERGENCE_NAMES, Divergence, get_divergence, project_simplex
 
     from . import optim
+    from .balancer import Balancer
     from .objective import dual_objective, worst_case_weights
 
 # public name -> the module that defines it (None: the name is that submodule itself)
@@ -29,12 +31,14 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "get_divergence": ("drmoo_kernels", "get_divergence"),
     "project_simplex": ("drmoo_kernels", "project_simplex"),
     "optim": ("drmoo.optim", None),
+    "Balancer": ("drmoo.balancer", "Balancer"),
     "dual_objective": ("drmoo.objective", "dual_objective"),
     "worst_case_weights": ("drmoo.objective", "worst_case_weights"),
 }
 
 __all__ = [
     "DIVERGENCE_NAMES",
+    "Balancer",
     "Divergence",
     "__version__",
     "dual_objective",

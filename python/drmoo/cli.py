@@ -592,6 +592,9 @@ def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--clock", choices=CLOCKS, default="auto",
                         help="wall: elapsed time; cpu: this process's CPU time (a shared CPU); auto: cpu on a CPU "
                         "(default: %(default)s)")
+    parser.add_argument("--api", choices=("step", "balancer"), default="step",
+                        help="step: optimizer.step(closure); balancer: drmoo.Balancer.backward + Adam.step against "
+                        "forward + m backward + Adam.step (default: %(default)s)")
     parser.add_argument("--out", type=_path, required=True, help="output directory")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=_run_bench_iter)
@@ -617,8 +620,10 @@ def _run_bench_iter(args: argparse.Namespace) -> int:
     _check_out_dir(args.out)
     size = args.input_size or PRESETS["paper"][args.experiment]["input_size"]
     rows = measure_iterations(args.experiment, methods, args.batch_size, size, device, warmup=args.warmup,
-                              repeats=args.repeats, backend=args.backend, progress=not args.quiet, clock=args.clock)
-    title = (f"{args.experiment}, ResNet18, batch {args.batch_size}, {size}px, {machine_name(device)}; "
+                              repeats=args.repeats, backend=args.backend, progress=not args.quiet, clock=args.clock,
+                              api=args.api)
+    api = "; drmoo.Balancer + Adam" if args.api == "balancer" else ""
+    title = (f"{args.experiment}, ResNet18, batch {args.batch_size}, {size}px, {machine_name(device)}{api}; "
              f"median of {args.repeats} iterations after {max(args.warmup, 1)} warm-up(s)")
     table = write_outputs(rows, Path(args.out), title, stem=output_stem(device, args.batch_size))
     from drmoo.store import read_text

@@ -118,8 +118,12 @@ def task_jacobian(
     *,
     strategy: str = "loop",
     feed_heads: bool = True,
+    retain_graph: bool = False,
 ) -> Tensor:
-    """Fill ``out`` [m, n] with the per-task gradients of ``shared``; returns ``out``."""
+    """Fill ``out`` [m, n] with the per-task gradients of ``shared``; returns ``out``.
+
+    ``retain_graph``: keep the losses' graph after the last pass (another backward over it follows).
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown Jacobian strategy {strategy!r}; valid choices: {', '.join(STRATEGIES)}")
     num_tasks = losses.shape[1]
@@ -132,7 +136,7 @@ def task_jacobian(
         for task in range(num_tasks):
             task_cotangent = torch.zeros_like(cotangent)
             task_cotangent[:, task] = cotangent[:, task]
-            _backward_into(shared, out[task], losses, task_cotangent, retain_graph=task < num_tasks - 1,
+            _backward_into(shared, out[task], losses, task_cotangent, retain_graph=retain_graph or task < num_tasks - 1,
                            heads=heads)
         return out
 
@@ -141,13 +145,14 @@ def task_jacobian(
     batched_cotangent = eye[:, None, :] * cotangent[None, :, :]
     grads = torch.autograd.grad(
         losses, list(shared), grad_outputs=batched_cotangent, is_grads_batched=True,
-        retain_graph=bool(heads), allow_unused=True, materialize_grads=True,
+        retain_graph=retain_graph or bool(heads), allow_unused=True, materialize_grads=True,
     )
     offset = 0
     for param, grad in zip(shared, grads):
         out[:, offset : offset + param.numel()].copy_(grad.reshape(num_tasks, -1))
         offset += param.numel()
     if heads:  # one more pass, for the heads only
-        grads = torch.autograd.grad(losses, heads, grad_outputs=cotangent, allow_unused=True)
+        grads = torch.autograd.grad(losses, heads, grad_outputs=cotangent, retain_graph=retain_graph,
+                                    allow_unused=True)
         accumulate_into_grad(heads, grads)
     return out

@@ -452,7 +452,7 @@ def test_famo_decreases_both_losses_of_two_quadratics() -> None:
     assert bool((last < 0.5 * first).all()), (first, last)
 
 
-def test_famo_reevaluate_argument_and_missing_same_batch() -> None:
+def test_famo_reevaluate_argument_and_plain_closure() -> None:
     params, stream = fresh_params(), Stream(2)
     closure = make_closure(params, stream)
 
@@ -461,12 +461,17 @@ def test_famo_reevaluate_argument_and_missing_same_batch() -> None:
 
     opt = FAMO(params, 2, lr=0.1)
     before = flat(params)
-    with pytest.raises(ValueError, match="same_batch"):
-        opt.step(plain_closure)
-    assert torch.equal(flat(params), before) and stream.draws == 0
-    opt.step(plain_closure, reevaluate=lambda: closure(same_batch=True))
-    assert stream.draws == 1 and opt.stats["batches"] == 1
+    opt.step(plain_closure, reevaluate=lambda: closure(same_batch=True))  # same-batch form
+    assert stream.draws == 1 and opt.stats["batches"] == 1 and "dual_objective_after" in opt.stats
     assert not torch.equal(flat(params), before)
+    logits = opt.state["drmoo"]["logits"].clone()
+    assert not bool((logits == 0).all()) and float(opt.state["drmoo"]["pending"]) == 0.0
+    # A plain closure: the next-batch form, one draw per step, the logit update waits for the next step.
+    opt.step(plain_closure)
+    assert stream.draws == 2 and torch.equal(opt.state["drmoo"]["logits"], logits)
+    assert float(opt.state["drmoo"]["pending"]) == 1.0 and "dual_objective_after" not in opt.stats
+    opt.step(plain_closure)
+    assert stream.draws == 3 and not torch.equal(opt.state["drmoo"]["logits"], logits)
 
 
 def test_famo_restores_parameters_when_the_reevaluation_is_nan() -> None:

@@ -15,9 +15,13 @@
   the optimizer's own work: Gram matrices, solvers, the parameter update, host syncs.
 
 Each method's iteration is ``optimizer.step(closure)`` plus the heads' SGD step, with the closure
-drawing a fresh batch every call.  The method, the common floor and its own floor (when its passes
-differ from the common floor's) run interleaved, one iteration each in turn, so that a busy spell
-of a shared machine slows every side of a ratio; each ratio divides medians of the same run.
+drawing a fresh batch every call.  With ``api="balancer"`` it is instead the ``.grad``-writing API
+on one batch, ``Adam.zero_grad(); balancer.backward(losses); Adam.step()`` over all parameters, and
+every floor ends with the same ``Adam.step()`` (on gradients of the same shapes), so that the ratio
+is ``balancer.backward + Adam.step`` over ``forward + m backward + Adam.step``.  The method, the
+common floor and its own floor (when its passes differ from the common floor's) run interleaved,
+one iteration each in turn, so that a busy spell of a shared machine slows every side of a ratio;
+each ratio divides medians of the same run.
 
 Inputs are random images of the experiment's size (timing does not depend on the pixels), made
 once and kept on the device in a pool that the closure cycles through, as a prefetching data loader
@@ -43,18 +47,22 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from drmoo.balancer import Balancer
 from drmoo.models import MultiTaskResNet
 from drmoo.optim import create
 from drmoo.store import make_directory, read_text, write_csv, write_figure, write_text
 
 from .multimnist import EXPERIMENTS, method_hparams
 
-__all__ = ["CLOCKS", "ModelCall", "PassCounter", "describe_passes", "machine_name", "measure_iterations",
+__all__ = ["APIS", "CLOCKS", "ModelCall", "PassCounter", "describe_passes", "machine_name", "measure_iterations",
            "output_stem", "replay_passes", "resolve_clock", "write_outputs"]
 
 # Distinct batches kept on the device (Double-Loop draws D + 3 = 8 per iteration with the paper's D).
 POOL_SIZE = 8
 COMMON_FLOOR_LABEL = "floor (1 fwd + m bwd)"
+# step: optimizer.step(closure); balancer: drmoo.Balancer.backward(losses) + torch.optim.Adam.step()
+APIS = ("step", "balancer")
+BALANCER_FLOOR_LABEL = "floor (1 fwd + m bwd + Adam.step)"
 
 
 @dataclass(frozen=True)
@@ -232,6 +240,37 @@ def _method_iteration(
     return iteration
 
 
+def _balancer_iteration(
+    balancer: Balancer, optimizer: torch.optim.Optimizer, draw_batch: Callable[[], tuple[Tensor, ...]],
+    losses_of: Callable[..., Tensor],
+) -> Callable[[], None]:
+    """One iteration of the .grad-writing API: one batch, the balanced direction into .grad, Adam's step."""
+
+    def iteration() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        balancer.backward(losses_of(*draw_batch()))
+        optimizer.step()
+
+    return iteration
+
+
+def _with_optimizer_step(floor: Callable[[], None], optimizer: torch.optim.Optimizer,
+                         params: Sequence[Tensor]) -> Callable[[], None]:
+    """The floor followed by ``optimizer.step()`` over ``params`` with (zero) gradients in place: the
+    optimizer's own cost, which the balancer API pays after every backward (zero gradients keep the
+    model as it is; Adam's arithmetic does not depend on the values)."""
+    grads = [torch.zeros_like(p) for p in params]
+
+    def floor_and_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        floor()
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        optimizer.step()
+
+    return floor_and_step
+
+
 def _count_passes(iteration: Callable[[], None], counter: PassCounter, probes: int, label: str) -> Passes:
     """The passes of ``iteration``, counted over ``probes`` calls (warm-ups) that must all agree."""
     seen: list[Passes] = []
@@ -248,15 +287,18 @@ def _count_passes(iteration: Callable[[], None], counter: PassCounter, probes: i
 def measure_iterations(
     experiment: str, methods: list[str], batch_size: int, input_size: int, device: torch.device,
     warmup: int = 1, repeats: int = 3, backend: str | None = None, progress: bool = True,
-    capturable: bool | None = None, clock: str = "auto",
+    capturable: bool | None = None, clock: str = "auto", api: str = "step",
 ) -> list[dict[str, Any]]:
     """Rows (method, its passes, seconds per iteration median/min, ratios to both floors), the common floor first.
 
     Each method's first ``max(warmup, 1)`` iterations are warm-ups whose passes are counted (they
     must agree); then ``repeats`` timed rounds of: one iteration, one common floor, one own floor.
     ``capturable`` (default: as the trainer runs the optimizers, True on CUDA) is passed to every
-    optimizer.  ``clock``: see :func:`resolve_clock`.
+    optimizer.  ``clock``: see :func:`resolve_clock`.  ``api``: ``"step"`` (``optimizer.step(closure)``)
+    or ``"balancer"`` (``drmoo.Balancer`` + Adam, the floors + ``Adam.step``; see the module docstring).
     """
+    if api not in APIS:
+        raise ValueError(f"unknown api {api!r}; valid choices: {', '.join(APIS)}")
     clock = resolve_clock(clock, device)
     if capturable is None:
         capturable = device.type == "cuda"
@@ -283,16 +325,30 @@ def measure_iterations(
         return lambda: replay_passes(passes, num_tasks, lambda: losses_of(*draw_batch()), shared)
 
     common = common_passes(num_tasks)
+    every_param = [p for p in model.parameters() if p.requires_grad]
+    floor_optimizer = torch.optim.Adam(every_param, lr=1e-3)
+    if api == "balancer":
+        plain_floor_of = floor_of
+
+        def floor_of(passes: Passes) -> Callable[[], None]:  # type: ignore[no-redef]
+            return _with_optimizer_step(plain_floor_of(passes), floor_optimizer, every_param)
+
     common_floor = floor_of(common)
     (all_floor_times,) = _timed(common_floor, device=device, warmup=warmup, repeats=repeats, clock=clock)
     rows: list[dict[str, Any]] = []
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    for label, method, overrides in tqdm(_variants(methods), desc="bench-iter", disable=not progress):
+    variants = _variants(methods) if api == "step" else [(f"{m} (balancer + Adam)", m, {}) for m in methods]
+    for label, method, overrides in tqdm(variants, desc="bench-iter", disable=not progress):
         model.load_state_dict(initial)
-        optimizer = create(method, shared, num_tasks, backend=backend,
-                           **method_hparams(method, {"capturable": capturable, **overrides}))
-        heads = torch.optim.SGD(model.task_parameters(), lr=1e-2)
-        iteration = _method_iteration(optimizer, heads, draw_batch, losses_of)
+        hparams = method_hparams(method, {"capturable": capturable, **overrides})
+        if api == "step":
+            optimizer = create(method, shared, num_tasks, backend=backend, **hparams)
+            heads = torch.optim.SGD(model.task_parameters(), lr=1e-2)
+            iteration = _method_iteration(optimizer, heads, draw_batch, losses_of)
+        else:
+            balancer = Balancer(method, shared, num_tasks, backend=backend, **hparams)
+            optimizer = balancer.algorithm
+            iteration = _balancer_iteration(balancer, torch.optim.Adam(every_param, lr=1e-3), draw_batch, losses_of)
         passes = _count_passes(iteration, counter, max(warmup, 1), label)
         if passes == common:  # its own floor is the common one: no need to time it twice
             times, floor_times = _timed(iteration, common_floor, device=device, warmup=0, repeats=repeats,
@@ -315,7 +371,8 @@ def measure_iterations(
             "backend": optimizer.backend, "capturable": optimizer.capturable, "clock": clock,
         })
     floor_median = statistics.median(all_floor_times)
-    floor_row = {"method": COMMON_FLOOR_LABEL, "passes": describe_passes(common), "forward": 1, "forward_no_grad": 0,
+    floor_label = COMMON_FLOOR_LABEL if api == "step" else BALANCER_FLOOR_LABEL
+    floor_row = {"method": floor_label, "passes": describe_passes(common), "forward": 1, "forward_no_grad": 0,
                  "backward": num_tasks, "median_s": floor_median, "min_s": min(all_floor_times),
                  "floor_median_s": floor_median, "ratio_to_floor": 1.0, "own_floor_median_s": floor_median,
                  "own_floor_min_s": min(all_floor_times), "ratio_to_own_floor": 1.0, "clock": clock}

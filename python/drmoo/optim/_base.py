@@ -22,6 +22,18 @@ another method or for another problem.
 
 State.  The preference vector ``w`` (on the simplex) and the dual variables ``eta`` live in
 ``optimizer.state["drmoo"]`` so that ``state_dict()`` / ``load_state_dict()`` round-trip them.
+An optimizer can also be copied whole: ``copy.deepcopy``, ``pickle`` and ``torch.save`` keep its
+hyperparameters, state and configuration (not the per-step scratch: buffers are rebuilt on the next
+step); copy it together with the model (``copy.deepcopy((model, optimizer))``) so that the copy's
+parameters are the copied model's.
+
+Two ways to apply a step.  :meth:`MultiObjectiveOptimizer.step` is the paper's algorithm: it writes
+theta itself (``theta -= lr * d``).  Driven by :class:`drmoo.Balancer` (``direction_mode``), the same
+code computes the same direction d -- and updates eta, w and the method's state with the group's
+``lr`` -- but adds d to the shared parameters' ``.grad`` instead of writing theta, so that any torch
+optimizer takes the theta step (with ``torch.optim.SGD(lr)`` exactly the one ``step`` takes).  Every
+method writes theta through :meth:`MultiObjectiveOptimizer.apply_direction`, the one place where
+the two modes differ (Double-Clip's fused ``gram_step`` has its own branch).
 """
 
 from __future__ import annotations
@@ -35,13 +47,18 @@ from torch import Tensor
 
 from drmoo import distributed
 from drmoo.distributed import all_reduce_max
-from drmoo.jacobian import STRATEGIES, head_leaves, task_jacobian
+from drmoo.jacobian import STRATEGIES, column_views, head_leaves, task_jacobian
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
 
 Closure = Callable[[], Tensor]
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
 STATE_KEY = "drmoo"
+
+# Attributes that only live during one step or cache what the next step rebuilds: left out of a
+# pickled / deep-copied optimizer (torch.optim.Optimizer keeps only defaults, state and
+# param_groups; drmoo keeps its configuration too, see __getstate__) and reset on unpickling.
+_SCRATCH_ATTRIBUTES = ("_head_grads_before", "_found_inf", "_ops", "_buffers", "batch_weight")
 
 
 class NonFiniteStepError(ValueError):
@@ -187,6 +204,14 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # While a capturable step runs: a 0-d bool on the device, "this step met a NaN/Inf" (the
         # checks OR into it instead of raising; every write is masked by it).  None otherwise.
         self._found_inf: Tensor | None = None
+        # Direction mode (drmoo.Balancer): the step adds its direction to the shared parameters'
+        # .grad, times grad_scale (a GradScaler's scale), instead of writing theta.
+        self.direction_mode = False
+        self.grad_scale: float = 1.0
+        # How many more backward passes will run over the graph of the losses being used: a
+        # Balancer given one batch hands the same losses to every draw of a multi-batch method
+        # (MoDo, SDMGrad, Double-Loop), whose Jacobians must then keep the graph for the next one.
+        self.graph_reuses = 0
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
             raise ValueError(f"num_tasks must be a positive int, got {num_tasks!r}")
         defaults = dict(defaults)
@@ -227,6 +252,29 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             # steps skipped on the device by capturable=True (a NaN/Inf met; nothing written)
             "skipped_steps": torch.zeros((), dtype=torch.int64, device=self.device),
         }
+
+    # -------------------------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the per-step scratch (torch's own keeps only defaults/state/param_groups,
+        which left a copy without num_tasks, backend, ... and failing on its first step)."""
+        # Hooks are dropped as torch drops them (they are process-local callables).
+        return {key: value for key, value in self.__dict__.items()
+                if key not in _SCRATCH_ATTRIBUTES and not key.startswith("_optimizer_")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Also called by torch's load_state_dict with only state and param_groups: then no scratch is reset.
+        defaults = state.get("defaults", getattr(self, "defaults", {}))
+        had_differentiable = "differentiable" in defaults
+        super().__setstate__(state)
+        if not had_differentiable:  # torch adds it; it is no drmoo hyperparameter (load_state_dict checks them)
+            self.defaults.pop("differentiable", None)
+        if "defaults" not in state:
+            return
+        self._head_grads_before = None
+        self._found_inf = None
+        self.batch_weight = None
+        self._buffers = {}
+        self._ops = backend_module(self.backend)
 
     # ----------------------------------------------------------------------------------- params
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -551,7 +599,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             self.set_aside_head_grads(head_leaves(losses, self._shared_params()))
         scale = self.loss_scale
         jacobian = task_jacobian(losses, cotangent * scale if scale != 1.0 else cotangent, self._shared_params(),
-                                 self._buffer(slot), strategy=self.jacobian_strategy, feed_heads=feed_heads)
+                                 self._buffer(slot), strategy=self.jacobian_strategy, feed_heads=feed_heads,
+                                 retain_graph=self.take_graph_reuse())
         if scale != 1.0:
             jacobian.div_(scale)
         return distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
@@ -569,12 +618,24 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             cotangent = cotangent / distributed.world_size()
         return objective, z, cotangent
 
-    def apply_direction(self, jacobian: Tensor, w: Tensor, lr: Tensor | float) -> None:
-        """theta -= lr * J^T w through the shared parameters (the ``combine`` op).
+    def take_graph_reuse(self) -> bool:
+        """Whether the backward about to run must keep the losses' graph (see ``graph_reuses``)."""
+        if self.graph_reuses > 0:
+            self.graph_reuses -= 1
+            return True
+        return False
+
+    def apply_direction(self, jacobian: Tensor, w: Tensor, factor: Tensor | float = 1.0) -> None:
+        """The method's theta step along d = factor * J^T w: ``theta -= lr * d`` (lr = the group's
+        ``lr``; the ``combine`` op), or in direction mode ``.grad += grad_scale * d``.
 
         In a capturable step the direction J^T w is formed first and zeroed if the step is
         skipped (0 * NaN would be NaN: scaling lr by 0 is not enough), then written by the same op.
         """
+        if self.direction_mode:
+            self._add_direction_to_grad(jacobian, w, factor)
+            return
+        lr = self.hyper("lr") if isinstance(factor, float) and factor == 1.0 else self.hyper("lr") * factor
         with torch.no_grad():
             if self._found_inf is None:
                 self._ops.combine(jacobian, w, self._shared_params(), lr)
@@ -589,6 +650,23 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             direction.masked_fill_(self._found_inf, 0.0)
             one = torch.ones(1, dtype=acc, device=direction.device)
             self._ops.combine(direction, one, self._shared_params(), lr)
+
+    def _add_direction_to_grad(self, jacobian: Tensor, w: Tensor, factor: Tensor | float) -> None:
+        """Direction mode: every shared parameter's ``.grad`` += grad_scale * factor * (J^T w), as
+        autograd accumulates (the step's contribution is kept apart like the heads' and committed
+        only if the step succeeds; a skipped capturable step adds zeros)."""
+        shared = self._shared_params()
+        acc = torch.float64 if jacobian.dtype == torch.float64 else torch.float32
+        with torch.no_grad():
+            direction = w.to(acc) @ jacobian.to(acc)  # [n], a fresh tensor: the .grad views keep it
+            scale = factor * self.grad_scale if self.grad_scale != 1.0 else factor
+            if not (isinstance(scale, float) and scale == 1.0):
+                direction.mul_(scale)
+            if self._found_inf is not None:
+                direction.masked_fill_(self._found_inf, 0.0)
+            self.set_aside_head_grads(shared)
+            for param, view in zip(shared, column_views(shared, direction)):
+                param.grad = view if view.dtype == param.dtype else view.to(param.dtype)
 
     def _overflow_hint(self) -> str:
         if self.divergence.name == "kl":

@@ -9,7 +9,8 @@ L^i(theta, eta) with theta and eta updated *jointly*.  The per-task gradient of 
 so for rows J (m x n, the theta parts) the joint Gram matrix is ``K_joint = J J^T + diag(z^2)``, the
 cross product of two batches is ``J_1 J_2^T + diag(z_1 (.) z_2)``, and any combined direction
 ``sum_i w^i g_i`` has theta part ``J^T w`` and eta part ``z (.) w``.  Every baseline steps theta and
-eta with the same learning rate along that joint direction (:meth:`JointBaseline.step_joint`).
+eta with the same learning rate along that joint direction (:meth:`JointBaseline.step_joint`; driven
+by :class:`drmoo.Balancer`, the theta part goes into ``.grad`` and eta still takes the ``lr`` step).
 
 This module holds the joint algebra and the parts of a step every baseline needs: a batch turned
 into dual objectives, z and per-task gradients; one batched finiteness check (a single host sync)
@@ -179,14 +180,15 @@ class JointBaseline(MultiObjectiveOptimizer):
         heads = head_leaves(batch.losses, shared)
         scale = self.loss_scale  # fp16 gradient scaling (see MultiObjectiveOptimizer.loss_scale)
         weighted = (batch.cotangent * task_weights.to(batch.cotangent.dtype) * scale).to(batch.losses.dtype)
-        grads = torch.autograd.grad(batch.losses, shared, grad_outputs=weighted, retain_graph=bool(heads),
+        reuse = self.take_graph_reuse()
+        grads = torch.autograd.grad(batch.losses, shared, grad_outputs=weighted, retain_graph=reuse or bool(heads),
                                     allow_unused=True)
         copy_into_row(shared, flat, grads)
         del grads
         if heads:
             self.set_aside_head_grads(heads)
             torch.autograd.backward(batch.losses, grad_tensors=(batch.cotangent * scale).to(batch.losses.dtype),
-                                    inputs=heads)
+                                    inputs=heads, retain_graph=reuse)
         if scale != 1.0:
             flat.div_(scale)
         return distributed.all_reduce_sum_(flat)  # shard gradients -> the global batch's
@@ -220,10 +222,11 @@ class JointBaseline(MultiObjectiveOptimizer):
         self.require_finite(flags, describe)
 
     # ------------------------------------------------------------------------------------ steps
-    def step_joint(self, jacobian: Tensor, z: Tensor, weights: Tensor, lr: Tensor | float) -> None:
-        """theta -= lr * J^T w (the ``combine`` op) and eta -= lr * z (.) w: the joint step."""
-        self.apply_direction(jacobian, weights, lr)
-        self.step_eta(z, weights, lr)
+    def step_joint(self, jacobian: Tensor, z: Tensor, weights: Tensor) -> None:
+        """theta -= lr * J^T w (the ``combine`` op; direction mode: into ``.grad``) and
+        eta -= lr * z (.) w: the joint step, lr = the group's ``lr``."""
+        self.apply_direction(jacobian, weights)
+        self.step_eta(z, weights, self.hyper("lr"))
 
     def step_eta(self, z: Tensor, weights: Tensor, lr: Tensor | float) -> None:
         eta = self.eta

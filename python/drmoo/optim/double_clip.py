@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from drmoo import distributed
-from drmoo_kernels.reference import clip_factor
+from drmoo_kernels.reference import clip_factor, gram_step_small
 
 from ._base import Closure, MultiObjectiveOptimizer, ParamsT, check_flag, check_positive
 
@@ -39,6 +39,10 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
     Samples per iteration: 2 batches (``resample=True``, the paper's independent draws xi and
     xi_bar) or 1 batch reused with its graph (``resample=False``: half the forward cost, at the
     price of z and J being correlated, which the analysis does not cover).
+
+    Driven by :class:`drmoo.Balancer`, the iteration is the same except line 7: the clipped
+    direction alpha * J^T w_t is added to the shared parameters' ``.grad`` (``torch.optim.SGD`` with
+    lr = gamma then takes exactly line 7's step), while eta's step (line 5) still uses gamma = ``lr``.
 
     ``stats`` after a step: ``w``, ``eta`` (new values), ``alpha``, ``mu``, ``dual_objective``
     (L^i at eta_{t+1} on xi_bar), ``balanced_grad_norm`` = ||grad_{theta,eta} L^(theta_t, eta_{t+1}) w_t||
@@ -135,11 +139,23 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
             first = jacobian.view(-1)[:1]
             first.copy_(torch.where(self.found_inf, torch.full_like(first, float("nan")), first))
         w_before = w.clone()
-        with torch.no_grad():
-            gram, d_norm, alpha = ops.gram_step(
-                jacobian, w, self._shared_params(), gamma, h["c1"], h["c2"], h["pref_lr"], h["rho"], mu, z
-            )
-        self.check_jacobian(gram, "X")
+        if self.direction_mode:
+            # drmoo.Balancer: the same Gram, alpha and w update (the m x m part every backend's
+            # gram_step shares), checked before anything is written; the clipped direction
+            # alpha * J^T w_t goes into .grad, so that SGD(lr=gamma) takes line 7's step.
+            with torch.no_grad():
+                gram = ops.gram(jacobian)
+                _, alpha64, d_norm, w_next = gram_step_small(gram, w, h["c1"], h["c2"], h["pref_lr"], h["rho"], mu, z)
+            self.check_jacobian(gram, "X")
+            self.apply_direction(jacobian, w_before, alpha64)
+            self.commit_(w, w_next)
+            alpha = alpha64.float()
+        else:
+            with torch.no_grad():
+                gram, d_norm, alpha = ops.gram_step(
+                    jacobian, w, self._shared_params(), gamma, h["c1"], h["c2"], h["pref_lr"], h["rho"], mu, z
+                )
+            self.check_jacobian(gram, "X")
 
         balanced = torch.sqrt(d_norm.double() ** 2 + torch.sum((z_next.double() * w_before.double()) ** 2))
         self.commit_(eta, eta_next)

@@ -149,7 +149,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         theta_norm = torch.sqrt(torch.clamp(w64 @ (gram.double() @ w64), min=0.0))
 
         # Lines 12-13.  Y_bar (Y_tilde^T w) costs two passes and never forms an n x n or m x m product.
-        self.apply_direction(jac, w, h["lr"])
+        self.apply_direction(jac, w)
         w_next = project_simplex(w64 - h["pref_lr"] * (cross + h["rho"] * w64)).to(w.dtype)
 
         balanced = torch.sqrt(theta_norm**2 + torch.sum((z_main.double() * w64) ** 2))

@@ -12,7 +12,7 @@ from torch import Tensor
 from drmoo.jacobian import column_views, copy_into_row
 
 from ._base import HYPERPARAMETER_CHECKS, STATE_KEY, Closure, ParamsT, check_flag, check_positive
-from ._joint import JointBaseline, all_finite, common_defaults, norm_f64
+from ._joint import JointBaseline, TaskGradients, all_finite, common_defaults, norm_f64
 
 ReevaluateFn = Callable[[], Tensor]
 
@@ -37,11 +37,14 @@ class FAMO(JointBaseline):
         state: theta, eta (0), xi = 0 and its Adam moments, w (the last combination weights)
 
         batch xi_t (closure call 1) at (theta_t, eta_t): dual objectives L^i, z = dL/deta
-        D_i = max(L^i - l*_i, 0) + eps;   p = softmax(xi)
+        D_i = max(L^i - l*_i, 0) + eps
+        [next-batch form: the logit update of step t-1 (below) runs here, with L' = this L]
+        p = softmax(xi)
         c_i = (p_i / D_i) / sum_j (p_j / D_j)                    # a convex combination
         d_theta = grad_theta sum_i c_i L^i                       # ONE backward pass
         theta_{t+1} = theta_t - lr * d_theta;   eta_{t+1} = eta_t - lr * z (.) c
         L'^i = the dual objectives on the SAME batch at (theta_{t+1}, eta_{t+1}), no gradients
+               (same-batch form; see below for the next-batch form)
         D'_i = max(L'^i - l*_i, 0) + eps;  delta = log D - log D'  # per-task log-decrease
         xi.grad = p (.) (delta - p^T delta)                      # = (d softmax / d xi)^T delta
         xi <- Adam step (betas 0.9, 0.999, eps 1e-8) on xi.grad + gamma * xi   (coupled weight decay)
@@ -64,15 +67,25 @@ class FAMO(JointBaseline):
     * The parameter step (the DR setting).  theta and eta take a plain gradient step of size
       ``lr`` here; the official class leaves the step to the caller's optimizer (Adam in its demo).
 
-    The same-batch re-evaluation.  FAMO needs the losses of the batch it just stepped on,
-    recomputed at the new parameters.  Two ways to provide them:
+    The logit update's L': two forms.  FAMO's algorithm (the paper's, and the authors' trainers)
+    takes L' on the batch it just stepped on, recomputed at the new parameters -- the *same-batch
+    form*, used when the re-evaluation can be had:
 
     * the closure takes a keyword ``same_batch``: ``closure()`` draws a fresh batch as for every
       drmoo optimizer, ``closure(same_batch=True)`` recomputes the per-sample losses of the batch
       the previous call drew (FAMO calls it under ``torch.no_grad()``); or
     * ``step(closure, reevaluate=fn)``: ``fn()`` recomputes them.
-    A closure without either is rejected before anything happens.  If the re-evaluated losses are
-    non-finite or misshaped, theta and eta are restored and the step raises.
+    If the re-evaluated losses are non-finite or misshaped, theta and eta are restored and the step
+    raises.
+
+    With a plain closure (the one every drmoo optimizer takes), and always under
+    :class:`drmoo.Balancer` (whose user's optimizer steps theta only after ``backward``), the update
+    is the *next-batch form*: step t+1 first updates the logits with L' = the dual objectives of
+    ITS batch at (theta_{t+1}, eta_{t+1}) -- a fresh batch, not step t's -- and then forms its
+    weights c from them.  It costs no re-evaluation (one forward per step instead of two); delta
+    then also carries the difference between the two batches, a zero-mean noise for i.i.d. batches.
+    This is our choice for the single-closure API, not the paper's algorithm: pass a ``same_batch``
+    closure for the paper's form.  The pending update (D of the last batch) is in ``state_dict``.
 
     The lower bound l* (``loss_floor``).  D_i must stay positive.  By weak duality (take the
     worst-case distribution equal to the nominal one, f(1) = 0), L^i(theta, eta) >= mean_b l^i_b
@@ -84,13 +97,14 @@ class FAMO(JointBaseline):
     Do not schedule a learning rate on, or monitor, the FAMO scalar: :meth:`step` returns the
     per-task dual objectives.
 
-    Cost per step: 1 closure call (one fresh batch, B samples) + 1 re-evaluation of it (a forward
-    without graph), one backward pass (plus a backward through the heads only, which get their raw
-    gradient), O(m) state: the logits and their Adam moments (in ``state_dict``); theta is copied
-    once per step (n entries, freed at its end) so that a failed re-evaluation can restore it.
+    Cost per step: 1 closure call (one fresh batch, B samples) + (same-batch form) 1 re-evaluation
+    of it (a forward without graph), one backward pass (plus a backward through the heads only,
+    which get their raw gradient), O(m) state: the logits and their Adam moments (in
+    ``state_dict``); in the same-batch form theta is copied once per step (n entries, freed at its
+    end) so that a failed re-evaluation can restore it.
 
     ``stats``: ``w`` (= c, on the simplex), ``eta``, ``dual_objective`` (before the step),
-    ``dual_objective_after``, ``balanced_grad_norm`` = ||[d_theta ; z (.) c]||, ``theta_grad_norm``
+    ``dual_objective_after`` (same-batch form), ``balanced_grad_norm`` = ||[d_theta ; z (.) c]||, ``theta_grad_norm``
     = ||d_theta||, ``logits`` (updated), ``below_floor``, ``z``, ``step_weights``, ``batches``.
 
     Presets: ``multimnist`` (defaults: lr 1e-4, pref_lr 2.5e-3, gamma 1e-2), ``celeba``
@@ -143,15 +157,25 @@ class FAMO(JointBaseline):
         zeros = torch.zeros(self.num_tasks, device=self.device, dtype=torch.float64)
         # adam_steps is a 0-d tensor on the device (as torch.optim.Adam's capturable step): a
         # skipped capturable step must not advance Adam's bias correction, decided on the device.
+        # pending / pending_distance: the next-batch form's logit update waiting for the next step
+        # (pending = 1 after such a step; D_i of the batch it stepped on).
         return {"logits": zeros, "adam_exp_avg": zeros.clone(), "adam_exp_avg_sq": zeros.clone(),
-                "adam_steps": torch.zeros((), device=self.device, dtype=torch.float64)}
+                "adam_steps": torch.zeros((), device=self.device, dtype=torch.float64),
+                "pending": torch.zeros((), device=self.device, dtype=torch.float64),
+                "pending_distance": torch.ones(self.num_tasks, device=self.device, dtype=torch.float64)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a FAMO state; one saved when ``adam_steps`` was an int is accepted (made a tensor)."""
+        """Load a FAMO state; one saved when ``adam_steps`` was an int is accepted (made a tensor), one
+        saved before the next-batch form existed gets no pending logit update."""
         saved = state_dict.get("state", {}).get(STATE_KEY) if isinstance(state_dict, dict) else None
-        steps = saved.get("adam_steps") if isinstance(saved, dict) else None
-        if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0:
-            upgraded = {**saved, "adam_steps": torch.tensor(float(steps), dtype=torch.float64)}
+        if isinstance(saved, dict):
+            upgraded = dict(saved)
+            steps = saved.get("adam_steps")
+            if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0:
+                upgraded["adam_steps"] = torch.tensor(float(steps), dtype=torch.float64)
+            if "pending" not in saved and "pending_distance" not in saved:
+                upgraded["pending"] = torch.zeros((), dtype=torch.float64)
+                upgraded["pending_distance"] = torch.ones(self.num_tasks, dtype=torch.float64)
             state_dict = {**state_dict, "state": {**state_dict["state"], STATE_KEY: upgraded}}
         super().load_state_dict(state_dict)
 
@@ -168,41 +192,71 @@ class FAMO(JointBaseline):
     def step(  # type: ignore[override]
         self, closure: Closure | None = None, reevaluate: ReevaluateFn | None = None
     ) -> Tensor:
-        """One FAMO iteration: one fresh batch, one re-evaluation of it.  See the class docstring."""
+        """One FAMO iteration: one fresh batch, and the logit update -- on a re-evaluation of that
+        batch (same-batch form) or deferred to the next step (next-batch form).  See the class docstring."""
         h = self.param_groups[0]
         state = self.state[STATE_KEY]
-        if reevaluate is None:
-            if closure is not None and not _accepts_same_batch(closure):
-                raise ValueError(
-                    "FAMO re-evaluates the losses of the batch it stepped on: give the closure a keyword "
-                    "argument `same_batch` (closure(same_batch=True) recomputes the previous call's batch) "
-                    "or pass step(closure, reevaluate=fn)"
-                )
-            reevaluate = None if closure is None else lambda: closure(same_batch=True)  # type: ignore[call-arg]
+        if reevaluate is None and closure is not None and not self.direction_mode and _accepts_same_batch(closure):
+            reevaluate = lambda: closure(same_batch=True)  # type: ignore[call-arg]  # noqa: E731
         self.begin_step()
         batch = self.draw_batch(closure)
-        assert reevaluate is not None
 
         floor = self._loss_floor()
         eps = h["famo_eps"]
         gap = batch.objective.double() - floor
         below_floor = (gap < 0).any()
         distance = torch.clamp(gap, min=0.0) + eps
-        priorities = torch.softmax(state["logits"], dim=0)
+        logits, deferred_update = state["logits"], None
+        if reevaluate is None:
+            # Next-batch form: the previous step's logit update, its L' being this batch's dual
+            # objectives at (theta_t, eta_t).  Computed now, committed with the rest of the step.
+            previous = torch.softmax(logits, dim=0)
+            decrease = torch.log(state["pending_distance"]) - torch.log(distance)
+            logit_grad = previous * (decrease - previous @ decrease)
+            deferred_update = self._adam_update(logit_grad, active=state["pending"] > 0)
+            logits = deferred_update["logits"]
+        priorities = torch.softmax(logits, dim=0)
         inverse = priorities / distance
         weights = inverse / inverse.sum()
 
         combined = self.combined_gradient(batch, weights, "d")
         self.raise_unless_finite([("sum_i c_i grad L^i", all_finite(combined).expand(self.num_tasks))])
-        capturable = self.found_inf is not None
+        one = torch.ones(1, dtype=torch.float64, device=self.device)
+        extra_stats: dict[str, Tensor] = {}
+        if reevaluate is None:
+            self.apply_direction(combined[None, :], one)
+            self.step_eta(batch.z, weights, h["lr"])
+            self._commit_adam(deferred_update)
+            self.commit_(state["pending_distance"], distance)
+            self.commit_(state["pending"], torch.ones_like(state["pending"]))
+        else:
+            objective_after = self._step_and_reevaluate(batch, combined, weights, reevaluate)
+            distance_after = torch.clamp(objective_after.double() - floor, min=0.0) + eps
+            decrease = torch.log(distance) - torch.log(distance_after)
+            self._commit_adam(self._adam_update(priorities * (decrease - priorities @ decrease)))
+            self.commit_(state["pending"], torch.zeros_like(state["pending"]))
+            extra_stats["dual_objective_after"] = objective_after.detach()
 
+        self.set_w(weights)
+        theta_norm = norm_f64(combined)
+        return self.finish_step(
+            batch, weights, theta_norm, batch.z.double() * weights,
+            logits=state["logits"].clone(), below_floor=below_floor, **extra_stats,
+        )
+
+    def _step_and_reevaluate(self, batch: TaskGradients, combined: Tensor, weights: Tensor,
+                             reevaluate: ReevaluateFn) -> Tensor:
+        """Same-batch form: step theta and eta, re-evaluate the batch there (no graph) and return its
+        dual objectives; theta and eta are restored if the re-evaluation fails or is non-finite."""
+        h = self.param_groups[0]
+        capturable = self.found_inf is not None
         shared = self._shared_params()
         # theta before the step, for its roll-back: one multi-tensor copy into a kept flat buffer
         theta_before = self._vector("theta_before")
         copy_into_row(shared, theta_before, [p.detach() for p in shared])
         backup = column_views(shared, theta_before)
         eta_backup = self.eta.clone()
-        self.apply_direction(combined[None, :], torch.ones(1, dtype=torch.float64, device=self.device), h["lr"])
+        self.apply_direction(combined[None, :], torch.ones(1, dtype=torch.float64, device=self.device))
         self.step_eta(batch.z, weights, h["lr"])
         try:
             with torch.no_grad():
@@ -226,20 +280,11 @@ class FAMO(JointBaseline):
                     p.copy_(torch.where(found_inf, saved, p))
                 self.eta.copy_(torch.where(found_inf, eta_backup, self.eta))
         objective_after, _, _ = self.dual_forward(after, self.eta, h["lam"], 1.0)
-        distance_after = torch.clamp(objective_after.double() - floor, min=0.0) + eps
-        decrease = torch.log(distance) - torch.log(distance_after)
-        logit_grad = priorities * (decrease - priorities @ decrease)
-        self._adam_step(logit_grad)
+        return objective_after
 
-        self.set_w(weights)
-        theta_norm = norm_f64(combined)
-        return self.finish_step(
-            batch, weights, theta_norm, batch.z.double() * weights,
-            dual_objective_after=objective_after.detach(), logits=state["logits"].clone(), below_floor=below_floor,
-        )
-
-    def _adam_step(self, gradient: Tensor) -> None:
-        """Adam with coupled (L2) weight decay on the logits, as ``torch.optim.Adam`` computes it."""
+    def _adam_update(self, gradient: Tensor, active: Tensor | None = None) -> dict[str, Tensor]:
+        """Adam with coupled (L2) weight decay on the logits, as ``torch.optim.Adam`` computes it:
+        the new logits and moments (not written; ``active`` False keeps the current ones)."""
         h, state = self.param_groups[0], self.state[STATE_KEY]
         beta1, beta2 = self.ADAM_BETAS
         logits = state["logits"]
@@ -248,8 +293,15 @@ class FAMO(JointBaseline):
         exp_avg = beta1 * state["adam_exp_avg"] + (1.0 - beta1) * gradient
         exp_avg_sq = beta2 * state["adam_exp_avg_sq"] + (1.0 - beta2) * gradient * gradient
         denominator = torch.sqrt(exp_avg_sq) / torch.sqrt(1.0 - beta2**steps) + self.ADAM_EPS
-        # in place (masked in a capturable step): the state tensors keep their storage
-        self.commit_(logits, logits - (h["pref_lr"] / (1.0 - beta1**steps)) * exp_avg / denominator)
-        self.commit_(state["adam_exp_avg"], exp_avg)
-        self.commit_(state["adam_exp_avg_sq"], exp_avg_sq)
-        self.commit_(state["adam_steps"], steps)
+        values = {"logits": logits - (h["pref_lr"] / (1.0 - beta1**steps)) * exp_avg / denominator,
+                  "adam_exp_avg": exp_avg, "adam_exp_avg_sq": exp_avg_sq, "adam_steps": steps}
+        if active is not None:
+            values = {key: torch.where(active, value, state[key]) for key, value in values.items()}
+        return values
+
+    def _commit_adam(self, values: dict[str, Tensor] | None) -> None:
+        """Write the Adam update in place (masked in a capturable step: the state keeps its storage)."""
+        assert values is not None
+        state = self.state[STATE_KEY]
+        for key, value in values.items():
+            self.commit_(state[key], value)

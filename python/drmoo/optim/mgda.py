@@ -331,6 +331,6 @@ class MGDA(JointBaseline):
                 K, w, max_iter=h["max_iter"], tol=h["tol"], early_exit=not h.get("capturable", False)
             )
 
-        self.step_joint(batch.jacobian, batch.z, w_next, h["lr"])
+        self.step_joint(batch.jacobian, batch.z, w_next)
         self.set_w(w_next)
         return self.finish_step(batch, w_next, joint_norm(gram, w_next), batch.z.double() * w_next)

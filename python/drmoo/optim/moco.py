@@ -124,7 +124,7 @@ class MoCo(JointBaseline):
         tracked_gram = joint_gram(self._ops.gram(tracking), tracking_eta)
         w = self.w.double()
         w_next = simplex_step(w, tracked_gram @ w + h["rho"] * w, h["pref_lr"])
-        self.step_joint(tracking, tracking_eta, w_next, h["lr"])
+        self.step_joint(tracking, tracking_eta, w_next)
         self.set_w(w_next)
         return self.finish_step(
             batch, w_next, joint_norm(gram, w_next), batch.z.double() * w_next,

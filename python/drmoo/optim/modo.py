@@ -104,6 +104,6 @@ class MoDo(JointBaseline):
         ])
 
         w_next = simplex_step(w, cross + h["rho"] * w, h["pref_lr"])
-        self.step_joint(third.jacobian, third.z, w_next, h["lr"])
+        self.step_joint(third.jacobian, third.z, w_next)
         self.set_w(w_next)
         return self.finish_step(third, w_next, joint_norm(gram, w_next), third.z.double() * w_next)

@@ -184,7 +184,7 @@ class NashMTL(JointBaseline):
         eta_part = batch.z.double() * alpha
         joint = torch.sqrt(theta_norm**2 + torch.sum(eta_part**2))
         clip = torch.where(joint > h["max_norm"], h["max_norm"] / torch.where(joint > 0, joint, 1.0), 1.0)
-        self.apply_direction(direction, theta_weights, h["lr"] * clip)
+        self.apply_direction(direction, theta_weights, clip)
         self.step_eta(batch.z, clip * alpha, h["lr"])
 
         total = alpha.sum()

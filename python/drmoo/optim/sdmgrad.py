@@ -157,7 +157,7 @@ class SDMGrad(JointBaseline):
             w = simplex_step(w, velocity, h["pref_lr"])
         step_weights = (w + sdm_lambda / m) / (1.0 + sdm_lambda)
 
-        self.step_joint(step_batch.jacobian, step_batch.z, step_weights, h["lr"])
+        self.step_joint(step_batch.jacobian, step_batch.z, step_weights)
         self.set_w(w)
         self.commit_(state["momentum_buffer"], velocity)
         return self.finish_step(
