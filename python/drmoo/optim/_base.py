@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -192,6 +192,19 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
     are read from the first group, which is where LR schedulers write too.
     """
 
+
+    # Named paper settings of the method: preset name -> constructor keyword arguments.
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    @classmethod
+    def preset(cls, name: str) -> dict[str, Any]:
+        """Constructor keyword arguments of a named paper setting (``cls.PRESETS``), e.g.
+        ``DoubleClipMGDA(params, m, **DoubleClipMGDA.preset("multimnist"))``."""
+        try:
+            return dict(cls.PRESETS[name])
+        except KeyError:
+            known = ", ".join(cls.PRESETS) or "none"
+            raise ValueError(f"{cls.__name__} has no preset {name!r}; known presets: {known}") from None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

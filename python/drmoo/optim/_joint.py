@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -107,11 +107,9 @@ class JointBaseline(MultiObjectiveOptimizer):
     """Base of the baselines: the joint (theta, eta) step, checks, stats, presets, extra state.
 
     Subclasses declare their extra optimizer state in :meth:`extra_state` (created at construction,
-    saved under ``state["drmoo"]``, validated on load) and their paper hyperparameters in
-    ``PRESETS`` (``cls.preset(name)`` -> constructor keyword arguments).
+    saved under ``state["drmoo"]``, validated on load) and, like every drmoo optimizer, their paper
+    hyperparameters in ``PRESETS`` (:meth:`MultiObjectiveOptimizer.preset`).
     """
-
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
 
     def __init__(self, params: Any, num_tasks: int, defaults: dict[str, Any], backend: str | None) -> None:
         super().__init__(params, num_tasks, defaults, backend)
@@ -121,16 +119,7 @@ class JointBaseline(MultiObjectiveOptimizer):
         self._extra_keys = tuple(extra)
         self.state[STATE_KEY].update(extra)
 
-    # --------------------------------------------------------------------------- presets/state
-    @classmethod
-    def preset(cls, name: str) -> dict[str, Any]:
-        """Constructor keyword arguments of a named paper setting (``cls.PRESETS``)."""
-        try:
-            return dict(cls.PRESETS[name])
-        except KeyError:
-            known = ", ".join(cls.PRESETS) or "none"
-            raise ValueError(f"{cls.__name__} has no preset {name!r}; known presets: {known}") from None
-
+    # ---------------------------------------------------------------------------------- state
     def extra_state(self) -> dict[str, Any]:
         """Initial values of the method's own state (beyond w, eta, step); tensors or ints."""
         return {}

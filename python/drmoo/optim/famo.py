@@ -107,6 +107,10 @@ class FAMO(JointBaseline):
     ``dual_objective_after`` (same-batch form), ``balanced_grad_norm`` = ||[d_theta ; z (.) c]||, ``theta_grad_norm``
     = ||d_theta||, ``logits`` (updated), ``below_floor``, ``z``, ``step_weights``, ``batches``.
 
+    Learning-rate scale.  ``lr`` multiplies the gradient of a convex combination of the task
+    objectives, unnormalised, as in SGD on a weighted loss; it does not transfer to Double-Clip's
+    clipped step.
+
     Presets: ``multimnist`` (defaults: lr 1e-4, pref_lr 2.5e-3, gamma 1e-2), ``celeba``
     (pref_lr 5e-6).  The paper gives no synthetic settings for FAMO.
 
@@ -135,7 +139,7 @@ class FAMO(JointBaseline):
         logit_decay: float = 1e-2,
         loss_floor: float | Sequence[float] = 0.0,
         famo_eps: float = 1e-8,
-        lam: float = 0.6,
+        lam: float = 0.8,
         divergence: str = "chi2",
         capturable: bool = False,
         backend: str | None = None,

@@ -269,6 +269,11 @@ class MGDA(JointBaseline):
     ``linear`` (App. E.1: lr = pref_lr = 1e-5, rho = 0), ``wine`` (App. E.2: lr 1e-3, pref_lr 6e-4,
     rho = 0).  The defaults are the Multi-MNIST values.
 
+    Learning-rate scale.  ``lr`` multiplies the unnormalised direction J^T w (w on the simplex, so a
+    weighted mean of the task gradients): the step grows with the gradients, as in SGD on the
+    weighted mean loss.  It does not transfer to Double-Clip's clipped step (see
+    :class:`~drmoo.optim.DoubleClipMGDA`).
+
     Args:
         params: the shared parameters.  num_tasks: m.  lr: step of theta and eta.  pref_lr: beta.
         rho: regularization of the one-step w update.  lam: lambda > 0.  divergence: f.
@@ -294,7 +299,7 @@ class MGDA(JointBaseline):
         lr: float = 1e-4,
         pref_lr: float = 1e-6,
         rho: float = 1e-5,
-        lam: float = 0.6,
+        lam: float = 0.8,
         divergence: str = "chi2",
         solver: str = "one_step",
         max_iter: int = 500,

@@ -54,6 +54,11 @@ class MoCo(JointBaseline):
     methods), ``theta_grad_norm`` = ||J^T w_{t+1}||, ``tracked_grad_norm`` = ||[Y_theta^T w_{t+1} ;
     y_eta (.) w_{t+1}]|| (the direction actually stepped), ``z``, ``step_weights``, ``batches``.
 
+    Learning-rate scale.  ``lr`` multiplies the tracked direction Y_theta^T w, an exponential moving
+    average of the gradients (heavy momentum without bias correction): its size follows the
+    gradients', as in SGD with momentum, and the first steps are (1 - ema) times smaller.  It does
+    not transfer to Double-Clip's clipped step.
+
     Presets: ``multimnist`` (defaults: lr 5e-4, pref_lr 1e-4), ``celeba``, ``linear`` (App. E.1:
     lr = pref_lr = 1e-5, rho = 1e-5), ``wine`` (App. E.2: lr 1e-3, pref_lr 6e-4, rho = 1e-6);
     ema = 0.95 throughout.
@@ -81,7 +86,7 @@ class MoCo(JointBaseline):
         pref_lr: float = 1e-4,
         rho: float = 1e-5,
         ema: float = 0.95,
-        lam: float = 0.6,
+        lam: float = 0.8,
         divergence: str = "chi2",
         capturable: bool = False,
         backend: str | None = None,

@@ -49,6 +49,9 @@ class MoDo(JointBaseline):
     ||[J_3^T w_{t+1} ; z_3 (.) w_{t+1}]||, ``theta_grad_norm`` = ||J_3^T w_{t+1}||, ``z`` (xi_3),
     ``step_weights``, ``batches``.
 
+    Learning-rate scale.  ``lr`` multiplies the unnormalised direction J_3^T w (a weighted mean of
+    the task gradients), as in SGD; it does not transfer to Double-Clip's clipped step.
+
     Presets: ``multimnist`` (defaults), ``celeba``, ``linear`` (App. E.1: lr = pref_lr = 1e-5,
     rho = 1e-5), ``wine`` (App. E.2: lr 1e-3, pref_lr 6e-4, rho = 1e-6).
 
@@ -73,7 +76,7 @@ class MoDo(JointBaseline):
         lr: float = 1e-4,
         pref_lr: float = 1e-6,
         rho: float = 1e-5,
-        lam: float = 0.6,
+        lam: float = 0.8,
         divergence: str = "chi2",
         capturable: bool = False,
         backend: str | None = None,

@@ -116,6 +116,11 @@ class NashMTL(JointBaseline):
     ``balanced_grad_norm`` = ||[J^T w ; z (.) w]|| with the normalized w, ``theta_grad_norm`` =
     ||J^T w||, ``clip``, ``weights_updated``, ``z``, ``step_weights`` (= clip * alpha), ``batches``.
 
+    Learning-rate scale.  On a weight-update step ||d|| = sqrt(m) whatever the gradients' size (the
+    Nash weights alpha scale inversely with them), and ``max_norm`` clips it further: ``lr`` is
+    close to a step length, as with Double-Clip's clipped step, but with another constant; between updates the kept
+    alpha multiplies the new gradients.
+
     Presets: ``multimnist`` (defaults: lr 1e-4), ``celeba`` (lr 1e-4).  The paper gives no
     synthetic settings for Nash-MTL.
 
@@ -141,7 +146,7 @@ class NashMTL(JointBaseline):
         max_norm: float = 1.0,
         update_every: int = 1,
         solver_iters: int = 100,
-        lam: float = 0.6,
+        lam: float = 0.8,
         divergence: str = "chi2",
         capturable: bool = False,
         backend: str | None = None,

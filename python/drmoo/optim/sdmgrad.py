@@ -77,6 +77,9 @@ class SDMGrad(JointBaseline):
     ``balanced_grad_norm`` = ||[J_zeta^T c ; z_zeta (.) c]||, ``theta_grad_norm`` = ||J_zeta^T c||,
     ``step_weights`` (= c), ``gram_scale`` (= s^2), ``z``, ``batches``.
 
+    Learning-rate scale.  ``lr`` multiplies the unnormalised direction J^T c (a convex combination of
+    the task gradients), as in SGD; it does not transfer to Double-Clip's clipped step.
+
     Presets: ``multimnist`` (defaults: lr 1e-4, pref_lr 1e-6, S = 5), ``celeba`` (pref_lr 1e-6),
     ``linear`` (App. E.1: S = 10, lr 1e-4, pref_lr 5e-4, rho 1e-5), ``wine`` (App. E.2: S = 15,
     lr 1e-3, pref_lr 5e-4, rho 1e-4).
@@ -108,7 +111,7 @@ class SDMGrad(JointBaseline):
         inner_steps: int = 5,
         momentum: float = 0.5,
         normalize: bool = True,
-        lam: float = 0.6,
+        lam: float = 0.8,
         divergence: str = "chi2",
         capturable: bool = False,
         backend: str | None = None,
