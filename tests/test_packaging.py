@@ -243,8 +243,9 @@ def test_an_editable_install_works_from_a_folder_that_holds_a_drmoo_clone(tmp_pa
     """
     prefix = tmp_path / "prefix"
     done = subprocess.run(
+        # --ignore-installed: with --prefix alone, pip first uninstalls the drmoo of the running venv
         [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index", "-q",
-         "--prefix", str(prefix), "-e", str(REPO)],
+         "--ignore-installed", "--prefix", str(prefix), "-e", str(REPO)],
         env={**os.environ, "DRMOO_BUILD_KERNELS": "0"}, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr

@@ -11,7 +11,7 @@ from ._compat import check_torch_version
 check_torch_version()
 
 from . import reference  # noqa: E402
-from ._ops import KernelsUnavailableWarning  # noqa: E402
+from ._warnings import KernelsUnavailableWarning  # noqa: E402
 from .dispatch import BACKENDS, available_backends, backend_module, resolve_backend, why_unavailable  # noqa: E402
 from .divergences import DIVERGENCE_NAMES, Divergence, get_divergence  # noqa: E402
 from .reference import project_simplex  # noqa: E402

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ._warnings import KernelsUnavailableWarning
 from .divergences import Divergence, get_divergence
 
 __all__ = ["CompiledBackend", "KernelsUnavailableWarning", "availability", "built_with_torch", "load"]
@@ -41,14 +42,6 @@ REBUILD = (
 
 _load_reason: list[str | None] = []  # empty until the first load attempt; then [reason or None]
 
-
-class KernelsUnavailableWarning(RuntimeWarning):
-    """The compiled kernels (``drmoo_kernels._C``) cannot be used: drmoo runs on the ~2x slower reference backend.
-
-    Issued once per process, at the first use of a compiled backend, with the reason and the fix.
-    Choosing ``DRMOO_BACKEND=reference`` (or ``backend="reference"``) never loads the extension and
-    so never warns; ``warnings.filterwarnings("ignore", category=KernelsUnavailableWarning)`` silences it.
-    """
 
 
 def built_with_torch(path: str) -> str | None:
