@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .jacobian import graph_leaves
 from .optim import NonFiniteStepError, available, create
 from .optim._base import MultiObjectiveOptimizer
 
@@ -68,24 +69,11 @@ _GRAPH_PASSES = {"modo": 3, "sdmgrad": 3, "double-loop": 3}
 
 
 def _reaches(losses: Tensor, params: Iterable[Tensor]) -> bool:
-    """Whether the autograd graph of ``losses`` leads to any of ``params`` (one walk, no backward)."""
+    """Whether the autograd graph of ``losses`` leads to any of ``params`` (one walk, stops at the first)."""
     wanted = {id(p) for p in params}
     if losses.grad_fn is None:
         return id(losses) in wanted
-    visited: dict[int, Any] = {}  # the nodes themselves, not only ids (see jacobian.head_leaves)
-    stack = [losses.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in visited:
-            continue
-        visited[id(node)] = node
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, Tensor):
-            if id(variable) in wanted:
-                return True
-            continue
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return False
+    return any(id(leaf) in wanted for leaf in graph_leaves(losses))
 
 
 class Balancer:

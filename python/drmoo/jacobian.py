@@ -21,29 +21,24 @@ one extra pass (``batched``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["STRATEGIES", "accumulate_into_grad", "column_views", "copy_into_row", "head_leaves", "task_jacobian"]
+__all__ = ["STRATEGIES", "accumulate_into_grad", "column_views", "copy_into_row", "graph_leaves", "head_leaves",
+           "task_jacobian"]
 
 STRATEGIES: tuple[str, ...] = ("loop", "batched")
 
 
-def head_leaves(losses: Tensor, shared: Sequence[Tensor]) -> list[Tensor]:
-    """The trainable leaves the losses depend on, other than the shared parameters (the heads).
-
-    Found by walking the autograd graph: a backward restricted to these leaves runs only the part
-    of the graph between the losses and the heads, which is what makes "the heads get their raw
-    gradient" cheap for the methods whose shared-parameter backward uses task weights.
-    """
-    shared_ids = {id(p) for p in shared}
+def graph_leaves(losses: Tensor) -> Iterator[Tensor]:
+    """Every leaf tensor the autograd graph of ``losses`` reaches (each once, lazily, no backward)."""
     if losses.grad_fn is None:
-        return [losses] if losses.requires_grad and id(losses) not in shared_ids else []
-    leaves: list[Tensor] = []
-    leaf_ids: set[int] = set()
+        if losses.requires_grad:
+            yield losses
+        return
     # The visited nodes are held here, not just their ids.  A graph node's Python object is a
     # wrapper that torch may create on access and free when dropped (torch 2.11 does; 2.14 keeps
     # it alive); once freed, its id is reused by the next wrapper, which would then count as
@@ -57,11 +52,25 @@ def head_leaves(losses: Tensor, shared: Sequence[Tensor]) -> list[Tensor]:
         visited[id(node)] = node
         variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
         if isinstance(variable, Tensor):
-            if id(variable) not in shared_ids and id(variable) not in leaf_ids:
-                leaf_ids.add(id(variable))
-                leaves.append(variable)
+            yield variable
             continue
         stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def head_leaves(losses: Tensor, shared: Sequence[Tensor]) -> list[Tensor]:
+    """The trainable leaves the losses depend on, other than the shared parameters (the heads).
+
+    Found by walking the autograd graph: a backward restricted to these leaves runs only the part
+    of the graph between the losses and the heads, which is what makes "the heads get their raw
+    gradient" cheap for the methods whose shared-parameter backward uses task weights.
+    """
+    shared_ids = {id(p) for p in shared}
+    leaves: list[Tensor] = []
+    leaf_ids: set[int] = set()
+    for variable in graph_leaves(losses):
+        if id(variable) not in shared_ids and id(variable) not in leaf_ids:
+            leaf_ids.add(id(variable))
+            leaves.append(variable)
     return leaves
 
 
