@@ -287,15 +287,19 @@ def _open_regular(path: Path, what: str) -> tuple[int, os.stat_result]:
     return descriptor, info
 
 
-def _read_exactly(descriptor: int, size: int) -> bytes:
-    parts, left = [], size
+def _chunks(descriptor: int, size: int) -> Iterator[bytes]:
+    """Up to ``size`` bytes from the descriptor's position, in pieces of at most ``_CHUNK`` (fewer at EOF)."""
+    left = size
     while left > 0:
         part = os.read(descriptor, min(left, _CHUNK))
         if not part:
-            break
-        parts.append(part)
+            return
+        yield part
         left -= len(part)
-    return b"".join(parts)
+
+
+def _read_exactly(descriptor: int, size: int) -> bytes:
+    return b"".join(_chunks(descriptor, size))
 
 
 def read_bytes(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str = "file") -> bytes:
@@ -413,13 +417,9 @@ def write_checkpoint_file(path: str | Path, state: dict[str, Any], header: dict[
 
 def _hash_range(descriptor: int, offset: int, size: int) -> str:
     os.lseek(descriptor, offset, os.SEEK_SET)
-    digest, left = hashlib.sha256(), size
-    while left > 0:
-        part = os.read(descriptor, min(left, _CHUNK))
-        if not part:
-            break
+    digest = hashlib.sha256()
+    for part in _chunks(descriptor, size):
         digest.update(part)
-        left -= len(part)
     return digest.hexdigest()
 
 
