@@ -53,11 +53,18 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
     Args:
         params: the shared parameters (or parameter groups with identical hyperparameters).
         num_tasks: m, the number of columns of the per-sample losses.
-        lr: gamma, step size of theta and eta.  pref_lr: beta, step size of w.  rho: the
-            regularization of the w update.  c1, c2: theta clip (alpha).  f1, f2: eta clip (mu).
-        lam: lambda > 0, the divergence regularization.  divergence: a name from
-            :data:`drmoo_kernels.DIVERGENCE_NAMES` (``"cvar_smooth(0.2)"`` style for a parameter).
-        dual_scale: s in L^(theta, eta) = L(theta, s*eta).  resample: draw a second batch for step 3.
+        lr: gamma, step size of theta and eta.
+        pref_lr: beta, step size of w.
+        rho: the regularization of the w update.
+        c1: theta clip: alpha = min(c1, c2 / ||d||).
+        c2: theta clip (see c1).
+        f1: eta clip: mu = min(f1, f2 / ||z (.) w||).
+        f2: eta clip (see f1).
+        lam: lambda > 0, the divergence regularization.
+        divergence: a name from :data:`drmoo_kernels.DIVERGENCE_NAMES` (``"cvar_smooth(0.2)"`` style for a
+            parameter).
+        dual_scale: s in L^(theta, eta) = L(theta, s*eta).
+        resample: draw a second batch for step 3.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend for the Gram/update (see :mod:`drmoo_kernels.dispatch`).
 

@@ -52,10 +52,16 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
 
     Args:
         params: the shared parameters (or parameter groups with identical hyperparameters).
-        num_tasks: m.  lr: alpha, theta step.  dual_lr: gamma, inner eta step.  pref_lr: beta.
-        rho: regularization of the w update.  inner_steps: D >= 1.  lam: lambda > 0.
-        divergence: see :func:`drmoo_kernels.get_divergence`.  seed: seed of the index generator
-            (default: drawn from torch's global generator, so ``torch.manual_seed`` fixes it).
+        num_tasks: m.
+        lr: alpha, theta step.
+        dual_lr: gamma, inner eta step.
+        pref_lr: beta.
+        rho: regularization of the w update.
+        inner_steps: D >= 1.
+        lam: lambda > 0.
+        divergence: see :func:`drmoo_kernels.get_divergence`.
+        seed: seed of the index generator (default: drawn from torch's global generator, so
+            ``torch.manual_seed`` fixes it).
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
 

@@ -115,11 +115,17 @@ class FAMO(JointBaseline):
     (pref_lr 5e-6).  The paper gives no synthetic settings for FAMO.
 
     Args:
-        params: the shared parameters.  num_tasks: m.  lr: step of theta and eta.  pref_lr: Adam
-        LR of the logits.  logit_decay: gamma, Adam's weight decay on the logits.  loss_floor: l*
-        (a number or one per task).  famo_eps: eps in D.  lam: lambda > 0.  divergence: f.
-        backend: kernels.
+        params: the shared parameters.
+        num_tasks: m.
+        lr: step of theta and eta.
+        pref_lr: Adam LR of the logits.
+        logit_decay: gamma, Adam's weight decay on the logits.
+        loss_floor: l* (a number or one per task).
+        famo_eps: eps in D.
+        lam: lambda > 0.
+        divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
+        backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {

@@ -275,13 +275,19 @@ class MGDA(JointBaseline):
     :class:`~drmoo.optim.DoubleClipMGDA`).
 
     Args:
-        params: the shared parameters.  num_tasks: m.  lr: step of theta and eta.  pref_lr: beta.
-        rho: regularization of the one-step w update.  lam: lambda > 0.  divergence: f.
-        solver: ``"one_step"`` or ``"min_norm"``.  max_iter: cap on the active-set steps of the
-            min-norm solver for m > 10 (it typically needs fewer than 2m; all are run when
-            ``capturable``, eagerly it stops once exact).  tol: relative tolerance of its KKT tests
-            (m >= 3).  backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        params: the shared parameters.
+        num_tasks: m.
+        lr: step of theta and eta.
+        pref_lr: beta.
+        rho: regularization of the one-step w update.
+        lam: lambda > 0.
+        divergence: f.
+        solver: ``"one_step"`` or ``"min_norm"``.
+        max_iter: cap on the active-set steps of the min-norm solver for m > 10 (it typically needs
+            fewer than 2m; all are run when ``capturable``, eagerly it stops once exact).
+        tol: relative tolerance of its KKT tests (m >= 3).
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
+        backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {

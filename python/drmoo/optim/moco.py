@@ -64,10 +64,16 @@ class MoCo(JointBaseline):
     ema = 0.95 throughout.
 
     Args:
-        params: the shared parameters.  num_tasks: m.  lr: step of theta and eta.  pref_lr: beta.
-        rho: regularization of the w update.  ema: in [0, 1), the weight of the old Y.
-        lam: lambda > 0.  divergence: f.  backend: kernels.
+        params: the shared parameters.
+        num_tasks: m.
+        lr: step of theta and eta.
+        pref_lr: beta.
+        rho: regularization of the w update.
+        ema: in [0, 1), the weight of the old Y.
+        lam: lambda > 0.
+        divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
+        backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {

@@ -56,9 +56,15 @@ class MoDo(JointBaseline):
     rho = 1e-5), ``wine`` (App. E.2: lr 1e-3, pref_lr 6e-4, rho = 1e-6).
 
     Args:
-        params: the shared parameters.  num_tasks: m.  lr: step of theta and eta.  pref_lr: beta.
-        rho: regularization of the w update.  lam: lambda > 0.  divergence: f.  backend: kernels.
+        params: the shared parameters.
+        num_tasks: m.
+        lr: step of theta and eta.
+        pref_lr: beta.
+        rho: regularization of the w update.
+        lam: lambda > 0.
+        divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
+        backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {

@@ -125,11 +125,16 @@ class NashMTL(JointBaseline):
     synthetic settings for Nash-MTL.
 
     Args:
-        params: the shared parameters.  num_tasks: m.  lr: step of theta and eta.  max_norm: bound
-        on the joint direction's norm.  update_every: k >= 1, steps between weight solves.
+        params: the shared parameters.
+        num_tasks: m.
+        lr: step of theta and eta.
+        max_norm: bound on the joint direction's norm.
+        update_every: k >= 1, steps between weight solves.
         solver_iters: Newton iterations (the paper ran 100 solver iterations per step).
-        lam: lambda > 0.  divergence: f.  backend: kernels.
+        lam: lambda > 0.
+        divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
+        backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {

@@ -85,11 +85,19 @@ class SDMGrad(JointBaseline):
     lr 1e-3, pref_lr 5e-4, rho 1e-4).
 
     Args:
-        params: the shared parameters.  num_tasks: m.  lr: step of theta and eta.  pref_lr: beta.
-        rho: regularization of the inner objective.  sdm_lambda: lambda_s >= 0, the pull towards
-        the average direction.  inner_steps: S >= 1.  momentum: in [0, 1).  normalize: scale A.
-        lam: lambda > 0 (the divergence regularization).  divergence: f.  backend: kernels.
+        params: the shared parameters.
+        num_tasks: m.
+        lr: step of theta and eta.
+        pref_lr: beta.
+        rho: regularization of the inner objective.
+        sdm_lambda: lambda_s >= 0, the pull towards the average direction.
+        inner_steps: S >= 1.
+        momentum: in [0, 1).
+        normalize: scale A.
+        lam: lambda > 0 (the divergence regularization).
+        divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
+        backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
