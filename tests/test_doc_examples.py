@@ -96,6 +96,21 @@ def test_the_fence_parser() -> None:
         (2, "python", "a = 1\n"), (6, "bash", "echo x\n"), (9, "text", "```\n")]
 
 
+def test_the_readme_sections_the_docs_include_exist() -> None:
+    """The docs pages include README sections by name (pymdownx.snippets): each must be marked once,
+    start before end, in README.md -- checked here too, for a plain pytest run (mkdocs --strict does
+    it in scripts/test.sh)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    included = {name for page in DOCUMENTS[1:]
+                for name in re.findall(r'^--8<-- "README\.md:([\w-]+)"$', page.read_text(encoding="utf-8"), re.M)}
+    assert included, "the docs pages include no README section: has the include syntax changed?"
+    for name in sorted(included):
+        starts = readme.count(f"<!-- --8<-- [start:{name}] -->")
+        ends = readme.count(f"<!-- --8<-- [end:{name}] -->")
+        assert starts == ends == 1, f"README.md must mark section {name!r} once (start {starts}, end {ends})"
+        assert readme.index(f"[start:{name}]") < readme.index(f"[end:{name}]"), name
+
+
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda block: block.name)
 def test_python_code_block_runs(block: CodeBlock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # a block that writes files writes them here
