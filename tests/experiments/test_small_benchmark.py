@@ -15,7 +15,7 @@ import torch
 from drmoo.cli import main
 from drmoo.data.mnist import DigitSplits
 from drmoo.data.multimnist import VALIDATION_FRACTION, MultiMnistRecipe, _generate, holdout_splits
-from drmoo.experiments.multimnist import PRESETS, SMALL_LR, build_model, method_hparams
+from drmoo.experiments.multimnist import PRESETS, SMALL_LR, SMALL_MOCO_EMA, build_model, method_hparams
 from drmoo.experiments.paired_stats import (
     paired_differences,
     paired_markdown,
@@ -201,9 +201,12 @@ def test_small_preset_uses_the_swept_learning_rates_and_the_papers_dr_settings()
         hparams = method_hparams(method, preset="small")
         assert hparams["lr"] == SMALL_LR[method]
         paper = method_hparams(method)
-        assert {k: v for k, v in hparams.items() if k != "lr"} == {k: v for k, v in paper.items() if k != "lr"}
+        own = {"lr", "ema"} if method == "moco" else {"lr"}  # MoCo's tracking weight was swept too
+        assert {k: v for k, v in hparams.items() if k not in own} == {k: v for k, v in paper.items() if k not in own}
         assert method_hparams(method, {"lr": 0.123}, preset="small")["lr"] == 0.123  # the user's word wins
     assert PRESETS["small"]["multimnist2"]["model"] == "lenet" and PRESETS["small"]["multimnist3"]["input_size"] == 28
+    assert method_hparams("moco", preset="small")["ema"] == SMALL_MOCO_EMA != method_hparams("moco")["ema"]
+    assert method_hparams("moco", {"ema": 0.95}, preset="small")["ema"] == 0.95
 
 
 def test_small_preset_runs_through_compare_with_variants(tmp_path: Path) -> None:
@@ -255,24 +258,42 @@ def test_run_config_checks_model_split_and_label() -> None:
     assert RunConfig(**good).name == "mgda"
 
 
-SWEEP = Path(__file__).resolve().parents[2] / "results" / "multimnist2-small" / "lr-sweep" / "table.csv"
+SMALL_RESULTS = Path(__file__).resolve().parents[2] / "results" / "multimnist2-small"
 
 
-def test_small_preset_learning_rates_are_the_committed_sweeps_winners() -> None:
-    """SMALL_LR is what the rule picks from the committed validation sweep: the highest clean validation
-    accuracy per method, ties to the smaller rate."""
-    if not SWEEP.is_file():
-        pytest.fail(f"{SWEEP} is missing: the small preset's learning rates must come with their sweep")
-    best: dict[str, tuple[float, float]] = {}
-    with SWEEP.open(newline="") as handle:
+def _sweep_winners(table: Path, keys: tuple[str, ...]) -> dict[str, tuple[float, ...]]:
+    """The rule of the small preset's sweeps: per method, the setting (the variant's ``keys``) with the
+    highest mean clean validation accuracy, ties to the smaller setting.  Checks that every run of the
+    sweep was evaluated on the validation split of the small preset."""
+    if not table.is_file():
+        pytest.fail(f"{table} is missing: the small preset's settings must come with their sweep")
+    best: dict[str, tuple[tuple[float, ...], float]] = {}
+    with table.open(newline="") as handle:
         for row in csv.DictReader(handle):
             if float(row["eps"]) != 0.0:
                 continue
             variant = parse_variants(row["method"])[0]
-            lr, accuracy = float(variant.hparams["lr"]), float(row["mean_acc"])
+            setting, accuracy = tuple(float(variant.hparams[key]) for key in keys), float(row["mean_acc"])
             known = best.get(variant.method)
-            if known is None or accuracy > known[1] or (accuracy == known[1] and lr < known[0]):
-                best[variant.method] = (lr, accuracy)
-    assert {method: lr for method, (lr, _) in best.items()} == SMALL_LR
-    configs = [json.loads(path.read_text()) for path in SWEEP.parent.glob("*/config.json")]
+            if known is None or accuracy > known[1] or (accuracy == known[1] and setting < known[0]):
+                best[variant.method] = (setting, accuracy)
+    configs = [json.loads(path.read_text()) for path in table.parent.glob("*/config.json")]
     assert configs and all(c["eval_split"] == "validation" and c["preset"] == "small" for c in configs)
+    return {method: setting for method, (setting, _) in best.items()}
+
+
+def test_small_preset_learning_rates_are_the_committed_sweeps_winners() -> None:
+    """SMALL_LR is what the rule picks from the committed validation sweep (every method but MoCo, whose
+    rate comes from its own sweep below)."""
+    winners = _sweep_winners(SMALL_RESULTS / "lr-sweep" / "table.csv", ("lr",))
+    assert {method: lr for method, (lr,) in winners.items() if method != "moco"} == {
+        method: lr for method, lr in SMALL_LR.items() if method != "moco"}
+    assert set(winners) == set(SMALL_LR)
+
+
+def test_small_preset_moco_setting_is_its_sweeps_winner() -> None:
+    """MoCo's (ema, lr) is the winner of its 3-seed sweep, and that sweep ran every setting on 3 seeds."""
+    table = SMALL_RESULTS / "moco-sweep" / "table.csv"
+    assert _sweep_winners(table, ("ema", "lr")) == {"moco": (SMALL_MOCO_EMA, SMALL_LR["moco"])}
+    with table.open(newline="") as handle:
+        assert {row["seeds"] for row in csv.DictReader(handle)} == {"3"}

@@ -27,7 +27,7 @@ from drmoo.optim import available
 from .training import RunConfig
 
 __all__ = ["COMMON", "EXPERIMENTS", "PAPER_METHOD_HPARAMS", "PRESETS", "PRESET_METHOD_HPARAMS", "PRESET_SHIFT",
-           "SMALL_LR", "build_model", "build_multimnist", "method_hparams", "recipe_of"]
+           "SMALL_LR", "SMALL_MOCO_EMA", "build_model", "build_multimnist", "method_hparams", "recipe_of"]
 
 EXPERIMENTS = {"multimnist2": 2, "multimnist3": 3}
 
@@ -45,13 +45,28 @@ SMALL_HEAD_LR = 0.1
 # looked at.  The paper's rates (App. D.2) are for an ImageNet ResNet18 and do not transfer, and one
 # rate does not transfer between methods either: Double-Clip's clipped step is normalised (its
 # length is at most lr * c2), the others step lr times an unnormalised gradient.
+#
+# MoCo is the exception (see SMALL_MOCO_EMA): its rate and its tracking weight come from a second,
+# 3-seed sweep of its own, results/multimnist2-small/moco-sweep/.
 SMALL_LR: dict[str, float] = {
-    "double-clip": 3.0, "double-loop": 0.3, "mgda": 0.3, "modo": 0.3, "moco": 0.1, "sdmgrad": 0.3,
+    "double-clip": 3.0, "double-loop": 0.3, "mgda": 0.3, "modo": 0.3, "moco": 0.3, "sdmgrad": 0.3,
     "nashmtl": 0.3, "famo": 0.3,
 }
+# MoCo's tracking weight in the small preset (the paper's is 0.95).  With 0.95 MoCo reached no 90 % in
+# this budget at any rate of the first sweep (0.03-3; 81.3 % at best, and 82.4 % mean over the five test
+# seeds at its winner 0.1): its tracked direction averages ~20 steps, so each gradient spike of the DR
+# dual (unclipped per-sample weights) keeps pushing for 20 steps after it, and training collapses and
+# restarts (results/multimnist2-small/README.md).  The paper tunes every baseline's own hyperparameters
+# (Sec. 5), and ema is MoCo's own, not one of the DR problem's (lambda, clips, beta, rho stay the
+# paper's).  The second sweep, on the validation split with seeds 0-2, crossed ema in {0.9, 0.95} with
+# the rates around the first winner; rule: the highest mean clean validation accuracy.  Winner: ema 0.9,
+# lr 0.3 (91.9 +- 0.7 %, against 86.1 +- 9.3 % for the best rate at 0.95).  The comparison keeps the
+# paper's 0.95 as a row of its own, moco[ema=0.95,lr=0.3].
+SMALL_MOCO_EMA = 0.9
 # Hyperparameters a preset sets for one method (on top of the paper's, under the user's overrides).
 PRESET_METHOD_HPARAMS: dict[str, dict[str, dict[str, Any]]] = {
-    "small": {method: {"lr": lr} for method, lr in SMALL_LR.items()},
+    "small": {method: {"lr": lr, **({"ema": SMALL_MOCO_EMA} if method == "moco" else {})}
+              for method, lr in SMALL_LR.items()},
 }
 
 # Each preset maps the experiment to RunConfig fields; every value carries its source.
@@ -78,7 +93,8 @@ PRESET_METHOD_HPARAMS: dict[str, dict[str, dict[str, Any]]] = {
 #         training digit, random partners), 2,000 test composites from the 1,000 held-out test digits,
 #         batch 256, SMALL_EPOCHS epochs.  Every method's trunk learning rate was chosen by the sweep in
 #         results/multimnist2-small/lr-sweep/ on a validation split of the training digits (see
-#         SMALL_LR); the DR hyperparameters stay the paper's.
+#         SMALL_LR; MoCo's rate and tracking weight by its own sweep, see SMALL_MOCO_EMA); the DR
+#         hyperparameters stay the paper's.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "paper": {
         "multimnist2": {
