@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["STRATEGIES", "accumulate_into_grad", "column_views", "copy_into_row", "graph_leaves", "head_leaves",
-           "task_jacobian"]
+           "require_reached", "task_jacobian"]
 
 STRATEGIES: tuple[str, ...] = ("loop", "batched")
 
@@ -109,12 +109,23 @@ def accumulate_into_grad(leaves: Sequence[Tensor], grads: Sequence[Tensor | None
                 leaf.grad.add_(grad)
 
 
+def require_reached(grads: Sequence[Tensor | None]) -> None:
+    """Refuse losses whose graph reaches none of the shared parameters (autograd's None gradients,
+    known from the graph, not the values): they would be taken as zero gradients, a silent no-op."""
+    if all(grad is None for grad in grads):
+        raise ValueError(
+            "the losses do not depend on the shared parameters (their autograd graph reaches none of them): "
+            "compute the losses from the parameters given to the optimizer"
+        )
+
+
 def _backward_into(shared: Sequence[Tensor], row: Tensor, losses: Tensor, cotangent: Tensor, *,
                    retain_graph: bool, heads: Sequence[Tensor]) -> None:
     """One backward pass: the shared parameters' gradient is written into ``row`` (a [n] view, every
     entry), the ``heads``' gradients accumulate into their ``.grad``."""
     grads = torch.autograd.grad(losses, [*shared, *heads], grad_outputs=cotangent, retain_graph=retain_graph,
                                 allow_unused=True)
+    require_reached(grads[: len(shared)])
     copy_into_row(shared, row, grads[: len(shared)])
     accumulate_into_grad(heads, grads[len(shared):])
 
@@ -154,11 +165,16 @@ def task_jacobian(
     batched_cotangent = eye[:, None, :] * cotangent[None, :, :]
     grads = torch.autograd.grad(
         losses, list(shared), grad_outputs=batched_cotangent, is_grads_batched=True,
-        retain_graph=retain_graph or bool(heads), allow_unused=True, materialize_grads=True,
+        retain_graph=retain_graph or bool(heads), allow_unused=True,
     )
+    require_reached(grads)
     offset = 0
     for param, grad in zip(shared, grads):
-        out[:, offset : offset + param.numel()].copy_(grad.reshape(num_tasks, -1))
+        block = out[:, offset : offset + param.numel()]
+        if grad is None:  # a parameter the losses do not reach: a zero gradient
+            block.zero_()
+        else:
+            block.copy_(grad.reshape(num_tasks, -1))
         offset += param.numel()
     if heads:  # one more pass, for the heads only
         grads = torch.autograd.grad(losses, heads, grad_outputs=cotangent, retain_graph=retain_graph,

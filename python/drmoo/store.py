@@ -565,6 +565,14 @@ def run_lock(run_dir: str | Path) -> Iterator[None]:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "?"
+            if holder.isdigit() and not _process_exists(int(holder)):
+                # The lock belongs to an open file, not a pid: a child that inherited the descriptor
+                # (a forked data-loader worker) holds it after the drmoo process that wrote the pid died.
+                raise RunLockedError(
+                    f"{run_dir} is locked ({path}), but pid {holder}, the drmoo process that took the lock, no "
+                    f"longer exists: a leftover child of it still holds the file open (`fuser {path}` names "
+                    "it); stop that process, or pick another --out"
+                ) from None
             raise RunLockedError(
                 f"{run_dir} is in use by another drmoo process (pid {holder}, holding {path}); wait for it to "
                 "finish or pick another --out"

@@ -8,8 +8,10 @@ then registers a fake (meta) kernel per op so that the ops trace under ``torch.c
 
 The wrappers take the reference's arguments (a :class:`~drmoo_kernels.divergences.Divergence`, J as
 one [m, n] tensor or a list of [m, n_k] blocks, ``mu``/``lr`` as a float or a tensor) and translate
-them to the schemas' (``code, param`` for the divergence, 0-d tensors for ``mu``/``lr``).  Shapes,
-dtypes, devices and the empty batch are validated by the kernels themselves (see csrc/checks.h).
+them to the schemas' (``code, param`` for the divergence, 0-d tensors for ``mu``/``lr``).  Every
+argument is validated first, in Python, by :mod:`drmoo_kernels._checks` (the same checks as the
+reference backend's, raising ValueError/TypeError); the kernels check shapes, dtypes and devices
+again (csrc/checks.h) for callers of ``torch.ops.drmoo`` itself.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import _checks
 from ._warnings import KernelsUnavailableWarning
-from .divergences import Divergence, get_divergence
+from .divergences import Divergence
 
 __all__ = ["CompiledBackend", "KernelsUnavailableWarning", "availability", "built_with_torch", "load"]
 
@@ -282,7 +285,7 @@ class CompiledBackend:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Per-task dual objective, its eta-gradient z and the per-sample loss cotangents."""
         _require(self.device_type, "dual_forward", _FORWARD_NAMES, losses, eta, sample_weight)
-        div = get_divergence(divergence)
+        div = _checks.check_dual_forward(losses, eta, lam, scale, divergence, sample_weight)
         return _op("dual_forward")(  # type: ignore[return-value]
             losses, eta, float(lam), float(scale), div.code, float(div.param), sample_weight
         )
@@ -302,7 +305,7 @@ class CompiledBackend:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Alg. 2 steps 1-3: z at eta_t, mu, eta_{t+1} (in place), weights at eta_{t+1}."""
         _require(self.device_type, "dual_step", _STEP_NAMES, losses, eta, w, sample_weight)
-        div = get_divergence(divergence)
+        div = _checks.check_dual_step(losses, eta, w, lam, scale, divergence, gamma, f1, f2, sample_weight)
         return _op("dual_step")(  # type: ignore[return-value]
             losses, eta, w, float(lam), float(scale), div.code, float(div.param), float(gamma), float(f1),
             float(f2), sample_weight,
@@ -310,12 +313,14 @@ class CompiledBackend:
 
     def gram(self, jacobian: JacobianBlocks) -> Tensor:
         """J J^T (float32, float64 for float64 J)."""
+        _checks.check_gram(jacobian)
         flat = _flat_jacobian(jacobian)
         _require(self.device_type, "gram", _GRAM_NAMES, flat)
         return _op("gram")(flat)
 
     def combine(self, jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:
         """params -= lr * J^T w, written in place through each parameter."""
+        _checks.check_combine(jacobian, w, params, lr, params_dtype_of_j=True)
         flat = _flat_jacobian(jacobian)
         _require(self.device_type, "combine", _COMBINE_NAMES, flat, w)
         _op("combine")(flat, w, list(params), _scalar_tensor(lr, flat.device))
@@ -334,6 +339,7 @@ class CompiledBackend:
         z: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Alg. 2 steps 4-5 (Gram, clipped theta step, w update); writes nothing if the Gram is not finite."""
+        _checks.check_gram_step(jacobian, w, params, gamma, c1, c2, beta, rho, mu, z, params_dtype_of_j=True)
         flat = _flat_jacobian(jacobian)
         _require(self.device_type, "gram_step", _GRAM_STEP_NAMES, flat, w, z)
         return _op("gram_step")(  # type: ignore[return-value]

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ._checks import check_combine, check_dual_forward, check_dual_step, check_gram, check_gram_step
 from .divergences import Divergence
 
 __all__ = [
@@ -73,6 +74,13 @@ def dual_forward(
     sample_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-task dual objective, its eta-gradient z and the per-sample loss cotangents."""
+    divergence = check_dual_forward(losses, eta, lam, scale, divergence, sample_weight)
+    return _dual_forward(losses, eta, lam, scale, divergence, sample_weight)
+
+
+def _dual_forward(
+    losses: Tensor, eta: Tensor, lam: float, scale: float, divergence: Divergence, sample_weight: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
     batch = losses.shape[0]
     u, weighted_ratio, omega = _dual_terms(losses, eta, lam, scale, divergence, sample_weight)
     objective = lam * (divergence.conj(u) * omega).mean(dim=0) + scale * eta.to(u.dtype)
@@ -99,7 +107,8 @@ def dual_step(
     sample_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Alg. 2 steps 1-3 on one batch: z at eta_t, mu, eta_{t+1} (in place), weights at eta_{t+1}."""
-    _, z, _ = dual_forward(losses, eta, lam, scale, divergence, sample_weight)
+    divergence = check_dual_step(losses, eta, w, lam, scale, divergence, gamma, f1, f2, sample_weight)
+    _, z, _ = _dual_forward(losses, eta, lam, scale, divergence, sample_weight)
     direction = z * w.to(z.dtype)
     mu = clip_factor(f1, f2, torch.linalg.vector_norm(direction))
     eta.sub_((gamma * mu * direction).to(eta.dtype))
@@ -109,7 +118,11 @@ def dual_step(
 
 def gram(jacobian: JacobianBlocks) -> Tensor:
     """J J^T (float32, or float64 for float64 J), summed over the column blocks."""
-    blocks = _blocks(jacobian)
+    check_gram(jacobian)
+    return _gram(_blocks(jacobian))
+
+
+def _gram(blocks: list[Tensor]) -> Tensor:
     out = None
     for block in blocks:
         flat = _acc(block.reshape(block.shape[0], -1))
@@ -120,7 +133,15 @@ def gram(jacobian: JacobianBlocks) -> Tensor:
 
 
 def combine(jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:
-    """params -= lr * J^T w, written through each parameter (float32 math, rounded on store)."""
+    """params -= lr * J^T w, written through each parameter (float32 math, rounded on store).
+
+    Every argument is checked before the first parameter is written (see :mod:`drmoo_kernels._checks`).
+    """
+    check_combine(jacobian, w, params, lr)
+    _combine(jacobian, w, params, lr)
+
+
+def _combine(jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:
     flat = torch.cat([_acc(b.reshape(b.shape[0], -1)) for b in _blocks(jacobian)], dim=1)
     direction = w.to(flat.dtype) @ flat
     offset = 0
@@ -129,8 +150,6 @@ def combine(jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: f
         update = direction[offset : offset + count].view_as(param)
         param.copy_((_acc(param) - lr * update).to(param.dtype))
         offset += count
-    if offset != flat.shape[1]:
-        raise ValueError(f"J has {flat.shape[1]} columns but the parameters hold {offset} elements")
 
 
 def gram_step(
@@ -152,11 +171,12 @@ def gram_step(
     and ``w`` keep their values, and the caller decides (drmoo's optimizers raise).  This guard
     needs no host synchronisation.
     """
-    gram_matrix = gram(jacobian)
+    check_gram_step(jacobian, w, params, gamma, c1, c2, beta, rho, mu, z)
+    gram_matrix = _gram(_blocks(jacobian))
     finite, alpha, d_norm, w_next = gram_step_small(gram_matrix, w, c1, c2, beta, rho, mu, z)
     blocks = [b.reshape(b.shape[0], -1) for b in _blocks(jacobian)]
     safe_blocks = [torch.where(finite, b, torch.zeros_like(b)) for b in blocks]
-    combine(safe_blocks, w, params, gamma * alpha)
+    _combine(safe_blocks, w, params, gamma * alpha)
     w.copy_(w_next)
     return gram_matrix, d_norm, alpha.float()
 

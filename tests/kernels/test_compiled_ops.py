@@ -260,7 +260,7 @@ def test_bad_inputs_are_clear_errors(backend) -> None:
         module.dual_forward(losses[:, 0], eta, 0.6, 1.0, kl)
     with pytest.raises(TypeError, match="losses must be float32"):
         module.dual_forward(losses.long(), eta, 0.6, 1.0, kl)
-    with pytest.raises(ValueError, match="lam must be > 0"):
+    with pytest.raises(ValueError, match="lam must be finite and > 0"):
         module.dual_forward(losses, eta, 0.0, 1.0, kl)
     with pytest.raises(ValueError, match=r"w must have shape \[3\]"):
         module.dual_step(losses, eta, w[:1], 0.6, 1.0, kl, 0.1, 1.0, 0.5)

@@ -49,11 +49,17 @@ from drmoo import distributed
 from drmoo.distributed import all_reduce_max
 from drmoo.jacobian import STRATEGIES, column_views, head_leaves, task_jacobian
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
+from drmoo_kernels._checks import check_positive, trusted_arguments
 
 Closure = Callable[[], Tensor]
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
 STATE_KEY = "drmoo"
+
+# An upper bound on m: the per-task Jacobian J is m x n in memory (m = 4096 tasks of a 1M-parameter
+# trunk is 16 GiB in float32) and the methods' m x m work grows as m^2 to m^3; a larger count is a
+# mistake (a sample count passed as num_tasks), not a problem to allocate for.
+MAX_TASKS = 4096
 
 # Attributes that only live during one step or cache what the next step rebuilds: left out of a
 # pickled / deep-copied optimizer (torch.optim.Optimizer keeps only defaults, state and
@@ -67,19 +73,6 @@ class NonFiniteStepError(ValueError):
     A ``ValueError``, so callers that treat it as bad input keep working; mixed-precision training
     catches it to skip an overflowing step, as a gradient scaler would.
     """
-
-
-def check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
-    """Reject non-finite, negative (or zero) hyperparameters with a message naming them."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-    bad = not (number >= 0.0 if allow_zero else number > 0.0) or number != number or number == float("inf")
-    if bad:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
-    return number
 
 
 def check_count(name: str, value: int) -> int:
@@ -165,11 +158,15 @@ def _all_or_nothing(step: Callable[..., Any]) -> Callable[..., Any]:
     def all_or_nothing_step(self: MultiObjectiveOptimizer, *args: Any, **kwargs: Any) -> Any:
         if self._head_grads_before is not None:
             return step(self, *args, **kwargs)
+        self.check_hyperparameters_now()
         self._head_grads_before = {}
         if self.capturable:
             self._found_inf = torch.zeros((), dtype=torch.bool, device=self.device)
         try:
-            result = step(self, *args, **kwargs)
+            # The step hands the ops only what it checked itself (weights, parameters): the ops'
+            # own value checks would cost a host read per call and break capturable steps.
+            with trusted_arguments():
+                result = step(self, *args, **kwargs)
         except BaseException:
             self._roll_back_head_grads()
             raise
@@ -225,22 +222,15 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # Balancer given one batch hands the same losses to every draw of a multi-batch method
         # (MoDo, SDMGrad, Double-Loop), whose Jacobians must then keep the graph for the next one.
         self.graph_reuses = 0
-        if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
-            raise ValueError(f"num_tasks must be a positive int, got {num_tasks!r}")
+        if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
+            raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
         defaults = dict(defaults)
         defaults["divergence"] = str(get_divergence(defaults["divergence"]))
         super().__init__(params, defaults)
         self.num_tasks = num_tasks
-        shared = self._shared_params()
+        shared = self._shared_params()  # one device and dtype: checked by add_param_group
         if not shared:
             raise ValueError("the optimizer got no parameters that require grad")
-        devices = {p.device for p in shared}
-        dtypes = {p.dtype for p in shared}
-        if len(devices) > 1 or len(dtypes) > 1:
-            raise ValueError(
-                "all shared parameters must have one device and dtype (they share one flat gradient "
-                f"buffer); got devices {sorted(map(str, devices))} and dtypes {sorted(map(str, dtypes))}"
-            )
         self.device = shared[0].device
         self.backend = resolve_backend(backend, self.device)
         self._ops = backend_module(self.backend)
@@ -295,6 +285,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"a parameter group must be a dict, got {type(param_group).__name__}")
         checked = dict(param_group)
+        checked["params"] = self._check_new_params(param_group.get("params"))
         for key, value in param_group.items():
             if key in BOOKKEEPING_KEYS:
                 continue
@@ -305,18 +296,77 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         super().add_param_group(checked)
         self._check_groups_agree(self.param_groups)
 
+    def check_hyperparameters_now(self) -> None:
+        """Check every group's hyperparameters again, as the constructor did: at each step.
+
+        An LR scheduler (a lambda returning NaN or a negative factor) or a direct ``param_groups``
+        write can change them after construction.  A few float checks per step; a tensor value
+        (a scheduler may write one) is read only in eager steps, never in a capturable one.
+        """
+        capturable = self.capturable
+        for index, group in enumerate(self.param_groups):
+            for key, value in group.items():
+                check = HYPERPARAMETER_CHECKS.get(key)
+                if check is None or (capturable and isinstance(value, Tensor)):
+                    continue
+                try:
+                    check(key, value)
+                except (TypeError, ValueError) as error:
+                    raise ValueError(
+                        f"parameter group {index}: {error} (set after construction -- by an LR scheduler or a "
+                        "param_groups write; checked at every step, nothing was updated)"
+                    ) from None
+        if len(self.param_groups) > 1:
+            self._check_groups_agree(self.param_groups)
+
     @staticmethod
     def check_hyperparameter(key: str, value: Any) -> Any:
         """The validated (normalized) value of hyperparameter ``key``; raises ValueError naming it."""
         check = HYPERPARAMETER_CHECKS.get(key)
         return value if check is None else check(key, value)
 
+    def _check_new_params(self, params: Any) -> list[Tensor]:
+        """The group's parameters as a list: each once, none already in another group, and (those
+        that require grad) on the device and in the dtype of the ones already added -- they share one
+        flat gradient buffer, and a parameter given twice would get twice the update."""
+        if isinstance(params, Tensor):
+            params = [params]
+        elif isinstance(params, (set, frozenset)) or params is None:
+            raise TypeError("a parameter group's params must be a Tensor or an ordered sequence of Tensors "
+                            f"(not {type(params).__name__}: its order would change between runs)")
+        params = list(params)
+        known = {id(p): index for index, group in enumerate(self.param_groups) for p in group["params"]}
+        seen: set[int] = set()
+        for param in params:
+            if not isinstance(param, Tensor):
+                raise TypeError(f"optimizer parameters must be Tensors, got {type(param).__name__}")
+            if id(param) in seen:
+                raise ValueError(
+                    f"a parameter (shape {tuple(param.shape)}) appears twice in one parameter group; each "
+                    "parameter must be given once (twice would apply its update twice)"
+                )
+            if id(param) in known:
+                raise ValueError(
+                    f"a parameter (shape {tuple(param.shape)}) is already in parameter group {known[id(param)]}; "
+                    "each parameter must be given once (twice would apply its update twice)"
+                )
+            seen.add(id(param))
+        shared = [p for p in (*self._shared_params(), *params) if p.requires_grad]
+        devices = {p.device for p in shared}
+        dtypes = {p.dtype for p in shared}
+        if len(devices) > 1 or len(dtypes) > 1:
+            raise ValueError(
+                "all shared parameters must have one device and dtype (they share one flat gradient "
+                f"buffer); got devices {sorted(map(str, devices))} and dtypes {sorted(map(str, dtypes))}"
+            )
+        return params
+
     @staticmethod
     def _check_groups_agree(groups: list[dict[str, Any]]) -> None:
         first = groups[0]
         for group in groups[1:]:
             for key, value in group.items():
-                if key in BOOKKEEPING_KEYS or key not in first:
+                if key in BOOKKEEPING_KEYS or key not in first or isinstance(value, Tensor):
                     continue
                 if first[key] != value:
                     raise ValueError(
@@ -357,6 +407,13 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
     @property
     def steps_taken(self) -> int:
         return int(self.state[STATE_KEY]["step"])
+
+    @property
+    def failing_iteration(self) -> str:
+        """How a failing step's messages name it: the iteration being run, counted from 1 (the
+        completed steps plus one), e.g. "iteration 1199 (counted from 1; 1198 completed before it)"."""
+        done = self.steps_taken
+        return f"iteration {done + 1} (counted from 1; {done} completed before it)"
 
     def hyper(self, key: str) -> Any:
         """A global hyperparameter (read from the first parameter group)."""
@@ -478,6 +535,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             )
         if losses.shape[0] == 0:
             raise ValueError("the closure returned an empty batch (B = 0); the dual objective needs samples")
+        if losses.device != self.device:
+            raise ValueError(
+                f"the closure returned losses on {losses.device}, but the shared parameters are on {self.device}; "
+                "compute the losses on the parameters' device"
+            )
         if not losses.is_floating_point():
             raise TypeError(f"per-sample losses must be floating point, got {losses.dtype}")
         if need_graph and not losses.requires_grad:
@@ -493,6 +555,9 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                     f"the closure returned sample weights of shape {shape}; they must match the losses "
                     f"{tuple(losses.shape)} (one importance weight per sample and task)"
                 )
+            if weights.device != losses.device:
+                raise ValueError(f"the closure returned sample weights on {weights.device}, but the losses are "
+                                 f"on {losses.device}")
             weights = weights.detach()
             valid = (torch.isfinite(weights) & (weights >= 0)).all()
             if self._found_inf is not None:  # capturable: invalid weights skip the step
@@ -506,7 +571,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         if distributed.is_distributed():
             finite = all_reduce_max((~finite).to(torch.int32)) == 0
         self.require_finite(finite, lambda bad: (
-            f"non-finite (NaN or Inf) per-sample losses for task(s) {bad} at step {self.steps_taken}; "
+            f"non-finite (NaN or Inf) per-sample losses for task(s) {bad} in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))
         return losses
 
@@ -690,14 +755,14 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         """The dual step's outputs (z, weights' means) must be finite before anything is written."""
         finite = torch.stack([torch.isfinite(q).all() for q in dual_quantities])
         self.require_finite(finite, lambda bad: (
-            f"non-finite dual quantities (the worst-case weights f*'((loss - eta)/lam) overflowed) at step "
-            f"{self.steps_taken}; the step was abandoned and nothing was updated{self._overflow_hint()}"))
+            f"non-finite dual quantities (the worst-case weights f*'((loss - eta)/lam) overflowed) in "
+            f"{self.failing_iteration}; the step was abandoned and nothing was updated{self._overflow_hint()}"))
 
     def check_jacobian(self, gram: Tensor, role: str) -> None:
         """A non-finite Gram diagonal means a non-finite gradient entry (NaN/Inf propagate into it)."""
         self.require_finite(torch.isfinite(torch.diagonal(gram)), lambda bad: (
-            f"non-finite gradients of the shared parameters for task(s) {bad} ({role}) at step "
-            f"{self.steps_taken}; the step was abandoned and nothing was updated{self._overflow_hint()}"))
+            f"non-finite gradients of the shared parameters for task(s) {bad} ({role}) in "
+            f"{self.failing_iteration}; the step was abandoned and nothing was updated{self._overflow_hint()}"))
 
     def _common_stats(self, objective: Tensor, balanced: Tensor, theta_norm: Tensor) -> dict[str, Tensor]:
         return {

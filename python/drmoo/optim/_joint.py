@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from drmoo import distributed
-from drmoo.jacobian import copy_into_row, head_leaves
+from drmoo.jacobian import copy_into_row, head_leaves, require_reached
 from drmoo_kernels.reference import project_simplex
 
 from ._base import (
@@ -172,6 +172,7 @@ class JointBaseline(MultiObjectiveOptimizer):
         reuse = self.take_graph_reuse()
         grads = torch.autograd.grad(batch.losses, shared, grad_outputs=weighted, retain_graph=reuse or bool(heads),
                                     allow_unused=True)
+        require_reached(grads)
         copy_into_row(shared, flat, grads)
         del grads
         if heads:
@@ -205,7 +206,7 @@ class JointBaseline(MultiObjectiveOptimizer):
             width = flags.shape[1]
             per_role = [(role, [i % width for i in bad if i // width == k]) for k, (role, _) in enumerate(checks)]
             listed = "; ".join(f"{role}: task(s) {tasks}" for role, tasks in per_role if tasks)
-            return (f"non-finite gradients of the shared parameters ({listed}) at step {self.steps_taken}; "
+            return (f"non-finite gradients of the shared parameters ({listed}) in {self.failing_iteration}; "
                     "the step was abandoned and nothing was updated")
 
         self.require_finite(flags, describe)

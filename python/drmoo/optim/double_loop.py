@@ -203,6 +203,6 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         acc = torch.float64 if jac_bar.dtype == torch.float64 else torch.float32
         cross = (jac_bar.to(acc) @ (self.w.to(acc) @ jac_tilde.to(acc))).double()
         self.require_finite(torch.isfinite(cross), lambda bad: (
-            f"non-finite gradients of the shared parameters (Y_bar, Y_tilde) at step {self.steps_taken}; "
+            f"non-finite gradients of the shared parameters (Y_bar, Y_tilde) in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))
         return jac, cross, objective, z_main, gram

@@ -115,6 +115,13 @@ class MoCo(JointBaseline):
         """One MoCo iteration; calls ``closure`` once.  Nothing changes if a check fails."""
         h = self.param_groups[0]
         state = self.state[STATE_KEY]
+        tracked = state["tracking"].shape[1]
+        if tracked != self.num_shared:
+            raise ValueError(
+                f"MoCo tracks the Jacobian of {tracked} shared entries, but the shared parameters that require "
+                f"grad now hold {self.num_shared} (requires_grad was toggled since the optimizer was built); its "
+                "tracked estimate cannot follow a change of the shared set: build a new MoCo for the new set"
+            )
         self.begin_step()
         batch = self.task_gradients(closure, "J", feed_heads=True)
         assert batch.jacobian is not None

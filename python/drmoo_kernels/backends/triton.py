@@ -38,8 +38,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from .. import reference
-from ..divergences import Divergence, get_divergence
+from .. import _checks, reference
+from ..divergences import Divergence
 
 __all__ = ["availability", "combine", "dual_forward", "dual_step", "gram", "gram_step"]
 
@@ -272,34 +272,6 @@ def _bump_version(tensor: Tensor | list[Tensor]) -> None:
     torch.autograd.graph.increment_version(tensor)
 
 
-def _check_dual_inputs(
-    losses: Tensor, eta: Tensor, sample_weight: Tensor | None, divergence: Divergence | str
-) -> tuple[Divergence, Tensor | None]:
-    if losses.dim() != 2:
-        raise ValueError(f"losses must be [B, m], got shape {tuple(losses.shape)}")
-    batch, tasks = losses.shape
-    if batch == 0:
-        raise ValueError("empty batch (B = 0): the dual objective needs at least one sample")
-    if tasks == 0:
-        raise ValueError("losses have no task columns (m = 0)")
-    if not losses.is_floating_point():
-        raise TypeError(f"losses must be floating point, got {losses.dtype}")
-    if eta.shape != (tasks,):
-        raise ValueError(f"eta must have shape ({tasks},) to match losses {tuple(losses.shape)}, "
-                         f"got {tuple(eta.shape)}")
-    if eta.device != losses.device:
-        raise ValueError(f"eta is on {eta.device} but losses are on {losses.device}")
-    if sample_weight is not None:
-        if sample_weight.shape != losses.shape:
-            raise ValueError(
-                f"sample_weight must have the shape of losses {tuple(losses.shape)}, got {tuple(sample_weight.shape)}"
-            )
-        if sample_weight.dtype == torch.bool or not sample_weight.is_floating_point():
-            sample_weight = sample_weight.to(torch.float32)
-        sample_weight = sample_weight.to(losses.device)
-    return get_divergence(divergence), sample_weight
-
-
 def dual_forward(
     losses: Tensor,
     eta: Tensor,
@@ -309,7 +281,7 @@ def dual_forward(
     sample_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-task dual objective, its eta-gradient z and the per-sample loss cotangents (float32)."""
-    divergence, sample_weight = _check_dual_inputs(losses, eta, sample_weight, divergence)
+    divergence = _checks.check_dual_forward(losses, eta, lam, scale, divergence, sample_weight)
     if _float64(losses):
         return reference.dual_forward(losses, eta, lam, scale, divergence, sample_weight)
     device = losses.device
@@ -343,10 +315,8 @@ def dual_step(
     sample_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Alg. 2 steps 1-3: z at eta_t, mu, eta_{t+1} (in place), weights at eta_{t+1}; one launch."""
-    divergence, sample_weight = _check_dual_inputs(losses, eta, sample_weight, divergence)
+    divergence = _checks.check_dual_step(losses, eta, w, lam, scale, divergence, gamma, f1, f2, sample_weight)
     batch, tasks = losses.shape
-    if w.shape != (tasks,):
-        raise ValueError(f"w must have shape ({tasks},), got {tuple(w.shape)}")
     if _float64(losses):
         return reference.dual_step(losses, eta, w, lam, scale, divergence, gamma, f1, f2, sample_weight)
     device = losses.device
@@ -592,6 +562,7 @@ def _gram_blocks(blocks: list[Tensor]) -> Tensor:
 
 def gram(jacobian: JacobianBlocks) -> Tensor:
     """J J^T in float32, summed over the column blocks (split reduction over the columns), one launch."""
+    _checks.check_gram(jacobian)
     blocks = _blocks(jacobian)
     if _float64(*blocks):
         return reference.gram(blocks)
@@ -669,6 +640,7 @@ def _combine_blocks(
 
 def combine(jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:
     """params -= lr * J^T w in one launch for any number of parameters (float32 math, rounded on store)."""
+    _checks.check_combine(jacobian, w, params, lr)
     blocks = _blocks(jacobian)
     layout = _param_layout(blocks, params)
     if layout.has_float64 or _float64(*blocks):
@@ -690,6 +662,7 @@ def gram_step(
     z: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Alg. 2 steps 4-5 (see the reference): nothing is written when the Gram is not finite."""
+    _checks.check_gram_step(jacobian, w, params, gamma, c1, c2, beta, rho, mu, z)
     blocks = _blocks(jacobian)
     layout = _param_layout(blocks, params)  # raises on a size mismatch, before anything is written
     if layout.has_float64 or _float64(*blocks):

@@ -1,0 +1,292 @@
+"""Argument checks of the public drmoo ops, shared by every backend (reference, cpp, cuda, triton).
+
+The ops are public, so they refuse bad arguments as torch's own ops do, before anything is written,
+with a one-line message that starts ``drmoo.<op>:`` and names the argument: ``TypeError`` for
+something that is not a tensor or not floating point, ``ValueError`` for a wrong shape or an
+out-of-range value, ``RuntimeError`` for tensors on different devices and for an in-place write that
+autograd forbids (as torch says it).  These checks live here, in Python, and not only in csrc: a
+kernel built against torch's stable ABI can only raise ``RuntimeError``.
+
+Bounds (DESIGN §1-2): ``lam`` and ``scale`` (lambda, the dual scale s), the clip caps and budgets
+``c1, c2, f1, f2`` are finite and > 0; the step sizes ``gamma``, ``lr``, ``beta`` and ``rho`` and
+the clip factor ``mu`` are finite and >= 0 (0 is a valid "no step"); importance weights are finite
+and >= 0.
+
+Tensor *values* (importance weights, a tensor ``lr`` or ``mu``) are read on the host for their
+check -- except where that would cost a device synchronisation the caller cannot afford: while
+torch.compile traces, while a CUDA graph is being captured, and inside :func:`trusted_arguments`,
+which drmoo's optimizers enter for their steps (they check the weights themselves, skip a bad step
+on the device when ``capturable=True``, and hand the ops only parameters they checked when they
+were added).  The structural checks (shapes, dtypes, devices) read no tensor value and always run.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .divergences import Divergence, get_divergence
+
+__all__ = [
+    "check_combine",
+    "check_dual_forward",
+    "check_dual_step",
+    "check_gram",
+    "check_gram_step",
+    "check_positive",
+    "trusted_arguments",
+]
+
+JacobianBlocks = Tensor | Sequence[Tensor]
+
+_trust = threading.local()
+
+
+def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    """``value`` as a float; ValueError naming ``name`` unless it is finite and > 0 (>= 0 with ``allow_zero``).
+
+    The one rule for every positive scalar drmoo takes: the ops' arguments and the optimizers'
+    hyperparameters (:mod:`drmoo.optim` applies it at construction and at every step).
+    """
+    try:
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor with several values
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if not (number >= 0.0 if allow_zero else number > 0.0) or number == float("inf"):  # NaN fails both
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
+    return number
+
+
+@contextmanager
+def trusted_arguments() -> Iterator[None]:
+    """Within: the ops skip the checks that read tensor values or walk every parameter (see the module doc).
+
+    For callers that checked those themselves once (drmoo's optimizers); per thread, nestable.
+    """
+    _trust.depth = getattr(_trust, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _trust.depth -= 1
+
+
+def _trusted() -> bool:
+    return torch.compiler.is_compiling() or getattr(_trust, "depth", 0) > 0
+
+
+def _values_readable(tensor: Tensor) -> bool:
+    """Whether reading ``tensor``'s values on the host is allowed here (no trace, capture or trust)."""
+    if tensor.device.type == "meta" or _trusted():
+        return False
+    return not (tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _shape(tensor: Tensor) -> str:
+    return "[" + ", ".join(str(size) for size in tensor.shape) + "]"
+
+
+def _tensor(op: str, name: str, value: Any, device: torch.device | None) -> Tensor:
+    """A floating-point tensor on ``device`` (when given), else TypeError / RuntimeError naming it."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"drmoo.{op}: {name} must be a Tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"drmoo.{op}: {name} must be float32, float64, float16 or bfloat16, got {value.dtype}")
+    if device is not None and value.device != device:
+        raise RuntimeError(f"drmoo.{op}: {name} is on {value.device} but the other inputs are on {device}")
+    return value
+
+
+def _vector(op: str, name: str, value: Any, m: int, device: torch.device) -> Tensor:
+    vector = _tensor(op, name, value, device)
+    if vector.dim() != 1 or vector.shape[0] != m:
+        raise ValueError(f"drmoo.{op}: {name} must have shape [{m}] (one entry per task), got {_shape(vector)}")
+    return vector
+
+
+def _scalar(op: str, name: str, value: Any, device: torch.device, *, allow_zero: bool) -> None:
+    """A float, or a one-element floating tensor on ``device`` (its value checked where it may be read)."""
+    if not isinstance(value, Tensor):
+        check_positive(f"drmoo.{op}: {name}", value, allow_zero=allow_zero)
+        return
+    _tensor(op, name, value, None)  # a 0-d tensor on the host is moved by the backends
+    if value.numel() != 1:
+        raise ValueError(f"drmoo.{op}: {name} must hold one value, got shape {_shape(value)}")
+    if value.device != device and value.device.type != "cpu":
+        raise RuntimeError(f"drmoo.{op}: {name} is on {value.device} but the other inputs are on {device}")
+    if _values_readable(value):
+        check_positive(f"drmoo.{op}: {name}", value.detach().reshape(()), allow_zero=allow_zero)
+
+
+def _writable(op: str, name: str, tensor: Tensor) -> None:
+    """``tensor`` may be written in place: its elements do not overlap, and autograd allows it."""
+    if torch._debug_has_internal_overlap(tensor) == 1:  # 1: overlaps for sure (stride 0, as expand gives)
+        raise ValueError(
+            f"drmoo.{op}: {name} is written in place, but several of its elements share memory (an expanded "
+            f"or stride-0 tensor, shape {_shape(tensor)}, strides {list(tensor.stride())}); pass {name}.clone()"
+        )
+    if tensor.requires_grad and torch.is_grad_enabled():
+        leaf = "a leaf Variable that requires grad" if tensor.is_leaf else "a tensor that requires grad"
+        raise RuntimeError(
+            f"drmoo.{op}: {name} is {leaf}; the op writes it in place, which autograd cannot follow: call the op "
+            "under torch.no_grad() (as an optimizer step does)"
+        )
+
+
+def _check_losses(
+    op: str, losses: Any, eta: Any, lam: Any, scale: Any, divergence: Divergence | str, sample_weight: Any
+) -> tuple[int, torch.device, Divergence]:
+    """losses [B, m] (B, m >= 1), eta [m], lam, scale > 0, sample_weight [B, m] >= 0; returns (m, device, f)."""
+    losses = _tensor(op, "losses", losses, None)
+    if losses.dim() != 2:
+        raise ValueError(f"drmoo.{op}: losses must be per-sample losses of shape [B, m], got {_shape(losses)}")
+    batch, m = losses.shape
+    if batch == 0:
+        raise ValueError(f"drmoo.{op}: empty batch (B = 0): the dual objective needs at least one sample")
+    if m == 0:
+        raise ValueError(f"drmoo.{op}: losses have no task columns (m = 0)")
+    device = losses.device
+    _vector(op, "eta", eta, m, device)
+    check_positive(f"drmoo.{op}: lam", lam)
+    check_positive(f"drmoo.{op}: scale", scale)
+    if sample_weight is not None:
+        weights = _tensor(op, "sample_weight", sample_weight, device)
+        if weights.shape != losses.shape:
+            raise ValueError(
+                f"drmoo.{op}: sample_weight must have the shape of losses {_shape(losses)}, got {_shape(weights)}"
+            )
+        if _values_readable(weights):
+            low, high = torch.aminmax(weights.detach())  # NaN propagates into both
+            if not (float(low) >= 0.0 and float(high) < float("inf")):
+                raise ValueError(
+                    f"drmoo.{op}: sample_weight (importance weights) must be finite and >= 0; it has negative, "
+                    "NaN or Inf entries"
+                )
+    try:
+        return m, device, get_divergence(divergence)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"drmoo.{op}: {error}") from None
+
+
+def check_dual_forward(
+    losses: Any, eta: Any, lam: Any, scale: Any, divergence: Divergence | str, sample_weight: Any
+) -> Divergence:
+    """The arguments of ``dual_forward``; returns the divergence object."""
+    return _check_losses("dual_forward", losses, eta, lam, scale, divergence, sample_weight)[2]
+
+
+def check_dual_step(
+    losses: Any, eta: Any, w: Any, lam: Any, scale: Any, divergence: Divergence | str,
+    gamma: Any, f1: Any, f2: Any, sample_weight: Any,
+) -> Divergence:
+    """The arguments of ``dual_step`` (eta is written in place); returns the divergence object."""
+    m, device, div = _check_losses("dual_step", losses, eta, lam, scale, divergence, sample_weight)
+    _vector("dual_step", "w", w, m, device)
+    check_positive("drmoo.dual_step: gamma", gamma, allow_zero=True)
+    check_positive("drmoo.dual_step: f1", f1)
+    check_positive("drmoo.dual_step: f2", f2)
+    if not _trusted():
+        _writable("dual_step", "eta", eta)
+    return div
+
+
+def check_gram(jacobian: Any, op: str = "gram") -> tuple[int, int, torch.device]:
+    """J: one [m, ...] tensor or a non-empty sequence of [m, ...] blocks (trailing dims are columns).
+
+    Returns (m, n, device).  A 1-D or 0-d J is refused: it has no task dimension.
+    """
+    blocks = [jacobian] if isinstance(jacobian, Tensor) else jacobian
+    if not isinstance(blocks, (list, tuple)) or not blocks:
+        raise TypeError(
+            f"drmoo.{op}: J must be an [m, n] tensor or a non-empty list of [m, n_k] blocks, got "
+            f"{type(jacobian).__name__}"
+        )
+    first = _tensor(op, "J", blocks[0], None)
+    device, m, n = first.device, (first.shape[0] if first.dim() else 0), 0
+    for index, block in enumerate(blocks):
+        name = "J" if isinstance(jacobian, Tensor) else f"J[{index}]"
+        block = _tensor(op, name, block, device)
+        if block.dim() < 2:
+            raise ValueError(
+                f"drmoo.{op}: {name} must be the [m, n] per-task gradient matrix (one row per task), got shape "
+                f"{_shape(block)}"
+            )
+        if block.shape[0] != m:
+            raise ValueError(f"drmoo.{op}: every block of J must have {m} rows, but {name} has shape {_shape(block)}")
+        n += block.numel() // m if m else 0
+    if m == 0:
+        raise ValueError(f"drmoo.{op}: J has no rows (m = 0 tasks)")
+    return m, n, device
+
+
+def _check_params(op: str, params: Any, n: int, device: torch.device, dtype: torch.dtype | None) -> None:
+    """Every parameter is checked before any is written: a floating tensor on J's device (in J's
+    ``dtype`` when given), their sizes add up to J's columns, none repeated or aliasing another,
+    each writable in place."""
+    if isinstance(params, Tensor) or not isinstance(params, (list, tuple)):
+        raise TypeError(f"drmoo.{op}: params must be a list of tensors, got {type(params).__name__}")
+    total = 0
+    for index, param in enumerate(params):
+        _tensor(op, f"params[{index}]", param, device)
+        if dtype is not None and param.dtype != dtype:
+            raise TypeError(
+                f"drmoo.{op}: params[{index}] has dtype {param.dtype} but J has {dtype}; the compiled kernels need "
+                "the parameters in J's dtype"
+            )
+        total += param.numel()
+    if total != n:
+        raise ValueError(f"drmoo.{op}: J has {n} columns but the parameters hold {total} elements")
+    if _trusted():
+        return
+    seen: dict[int, int] = {}
+    for index, param in enumerate(params):
+        _writable(op, f"params[{index}]", param)
+        if param.numel() == 0:
+            continue
+        address = param.data_ptr()
+        if address in seen:
+            raise ValueError(
+                f"drmoo.{op}: params[{index}] is params[{seen[address]}] again (the same memory): it would be "
+                "updated twice"
+            )
+        seen[address] = index
+
+
+def check_combine(jacobian: Any, w: Any, params: Any, lr: Any, *, params_dtype_of_j: bool = False) -> None:
+    """The arguments of ``combine`` (params are written in place); ``params_dtype_of_j``: the backend
+    needs the parameters in J's dtype."""
+    m, n, device = check_gram(jacobian, "combine")
+    _vector("combine", "w", w, m, device)
+    _scalar("combine", "lr", lr, device, allow_zero=True)
+    dtype = _first_block(jacobian).dtype if params_dtype_of_j else None
+    _check_params("combine", params, n, device, dtype)
+
+
+def check_gram_step(
+    jacobian: Any, w: Any, params: Any, gamma: Any, c1: Any, c2: Any, beta: Any, rho: Any, mu: Any, z: Any,
+    *, params_dtype_of_j: bool = False,
+) -> None:
+    """The arguments of ``gram_step`` (params and w are written in place)."""
+    op = "gram_step"
+    m, n, device = check_gram(jacobian, op)
+    _vector(op, "w", w, m, device)
+    _vector(op, "z", z, m, device)
+    check_positive(f"drmoo.{op}: gamma", gamma, allow_zero=True)
+    check_positive(f"drmoo.{op}: c1", c1)
+    check_positive(f"drmoo.{op}: c2", c2)
+    check_positive(f"drmoo.{op}: beta", beta, allow_zero=True)
+    check_positive(f"drmoo.{op}: rho", rho, allow_zero=True)
+    _scalar(op, "mu", mu, device, allow_zero=True)
+    dtype = _first_block(jacobian).dtype if params_dtype_of_j else None
+    _check_params(op, params, n, device, dtype)
+    if not _trusted():
+        _writable(op, "w", w)
+
+
+def _first_block(jacobian: JacobianBlocks) -> Tensor:
+    return jacobian if isinstance(jacobian, Tensor) else jacobian[0]
