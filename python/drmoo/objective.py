@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from drmoo_kernels import Divergence, get_divergence
+from drmoo_kernels._checks import check_positive
 from drmoo_kernels.reference import dual_forward
 
 __all__ = ["dual_objective", "worst_case_weights"]
@@ -25,14 +26,8 @@ def _check(losses: Tensor, eta: Tensor, lam: float, scale: float, sample_weight:
     if not isinstance(eta, Tensor) or tuple(eta.shape) != (m,):
         shape = tuple(eta.shape) if isinstance(eta, Tensor) else type(eta).__name__
         raise ValueError(f"eta must have shape [m] = [{m}] to match losses [B, m], got {shape}")
-    for name, value, meaning in (("lam", lam, "the divergence regularization lambda"),
-                                 ("scale", scale, "the dual scale s")):
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} ({meaning}) must be a number, got {value!r}") from None
-        if not (0.0 < number < float("inf")):
-            raise ValueError(f"{name} ({meaning}) must be finite and > 0, got {value!r}")
+    check_positive("lam (the divergence regularization lambda)", lam)
+    check_positive("scale (the dual scale s)", scale)
     if not eta.is_floating_point():
         raise TypeError(f"eta must be floating point, got {eta.dtype}")
     if not bool(torch.isfinite(eta.detach()).all()):

@@ -16,6 +16,9 @@ m x m work always in float64), scalar results as
 0-d tensors on the inputs' device so that no step needs a host synchronisation.  ``J`` is either one
 [m, n] tensor or a sequence of [m, n_k] blocks whose concatenation along dim 1 is J; ``params`` are
 the tensors J's columns belong to, in order.
+
+Every op checks its arguments first (:mod:`drmoo_kernels._checks`, shared by all backends) and
+refuses bad ones before writing anything.
 """
 
 from __future__ import annotations

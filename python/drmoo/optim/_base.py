@@ -18,7 +18,9 @@ All or nothing.  A step that raises (non-finite losses or gradients, a bad closu
 not theta, eta, w or the method's state, and not the heads' ``.grad`` (the step's head gradients
 are kept apart and added only once it succeeds).  Hyperparameters are checked when given -- in the
 constructor, in ``add_param_group`` and in ``load_state_dict``, which also refuses a state saved by
-another method or for another problem.
+another method or for another problem -- and again at every step (an LR scheduler or a
+``param_groups`` write may have changed them).  A parameter given twice, a group of another dtype or
+device, losses on another device and losses that reach none of the shared parameters are refused.
 
 State.  The preference vector ``w`` (on the simplex) and the dual variables ``eta`` live in
 ``optimizer.state["drmoo"]`` so that ``state_dict()`` / ``load_state_dict()`` round-trip them.
@@ -64,7 +66,8 @@ MAX_TASKS = 4096
 # Attributes that only live during one step or cache what the next step rebuilds: left out of a
 # pickled / deep-copied optimizer (torch.optim.Optimizer keeps only defaults, state and
 # param_groups; drmoo keeps its configuration too, see __getstate__) and reset on unpickling.
-_SCRATCH_ATTRIBUTES = ("_head_grads_before", "_found_inf", "_ops", "_buffers", "batch_weight")
+_SCRATCH_ATTRIBUTES = ("_head_grads_before", "_found_inf", "_ops", "_buffers", "batch_weight",
+                       "_hyperparameters_passed")
 
 
 class NonFiniteStepError(ValueError):
@@ -214,6 +217,9 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # While a capturable step runs: a 0-d bool on the device, "this step met a NaN/Inf" (the
         # checks OR into it instead of raising; every write is masked by it).  None otherwise.
         self._found_inf: Tensor | None = None
+        # Per parameter group, the hyperparameter values that passed check_hyperparameters_now last
+        # (by identity: a value a scheduler or user did not replace is not checked again).
+        self._hyperparameters_passed: list[dict[str, Any]] = []
         # Direction mode (drmoo.Balancer): the step adds its direction to the shared parameters'
         # .grad, times grad_scale (a GradScaler's scale), instead of writing theta.
         self.direction_mode = False
@@ -276,6 +282,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         self._head_grads_before = None
         self._found_inf = None
         self.batch_weight = None
+        self._hyperparameters_passed = []
         self._buffers = {}
         self._ops = backend_module(self.backend)
 
@@ -304,8 +311,14 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         (a scheduler may write one) is read only in eager steps, never in a capturable one.
         """
         capturable = self.capturable
+        passed = self._hyperparameters_passed
+        if len(passed) != len(self.param_groups):
+            passed[:] = [{} for _ in self.param_groups]
         for index, group in enumerate(self.param_groups):
+            seen = passed[index]
             for key, value in group.items():
+                if seen.get(key, seen) is value:  # the very object that passed last time (floats are immutable)
+                    continue
                 check = HYPERPARAMETER_CHECKS.get(key)
                 if check is None or (capturable and isinstance(value, Tensor)):
                     continue
@@ -316,6 +329,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                         f"parameter group {index}: {error} (set after construction -- by an LR scheduler or a "
                         "param_groups write; checked at every step, nothing was updated)"
                     ) from None
+                if not isinstance(value, Tensor):  # a tensor can change in place: checked every time
+                    seen[key] = value
         if len(self.param_groups) > 1:
             self._check_groups_agree(self.param_groups)
 
