@@ -85,7 +85,8 @@ def test_second_trainer_on_the_same_directory_is_refused(tmp_path: Path, tiny_ar
     run.mkdir()
     holder = subprocess.Popen(  # another process holding the directory's lock, as a running trainer does
         [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
-         "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'4242'); print('locked', flush=True); time.sleep(120)",
+         "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode()); print('locked', flush=True); "
+         "time.sleep(120)",
          str(run / training.LOCK_FILE)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
@@ -94,7 +95,7 @@ def test_second_trainer_on_the_same_directory_is_refused(tmp_path: Path, tiny_ar
     finally:
         holder.kill()
         holder.wait()
-    assert_one_line_refusal(code, err, "in use by another drmoo process", "pid 4242")
+    assert_one_line_refusal(code, err, "in use by another drmoo process", f"pid {holder.pid}")
     assert sorted(p.name for p in run.iterdir()) == [training.LOCK_FILE]  # nothing of this run was written
 
 
