@@ -44,6 +44,7 @@ __all__ = [
 JacobianBlocks = Tensor | Sequence[Tensor]
 
 _trust = threading.local()
+_INF = float("inf")
 
 
 def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
@@ -116,10 +117,18 @@ def _vector(op: str, name: str, value: Any, m: int, device: torch.device) -> Ten
     return vector
 
 
+def _number(op: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
+    """:func:`check_positive` for an op's scalar argument; a plain float in range returns at once
+    (every optimizer step passes a handful of them)."""
+    if type(value) is float and (0.0 <= value if allow_zero else 0.0 < value) and value != _INF:
+        return
+    check_positive(f"drmoo.{op}: {name}", value, allow_zero=allow_zero)
+
+
 def _scalar(op: str, name: str, value: Any, device: torch.device, *, allow_zero: bool) -> None:
     """A float, or a one-element floating tensor on ``device`` (its value checked where it may be read)."""
     if not isinstance(value, Tensor):
-        check_positive(f"drmoo.{op}: {name}", value, allow_zero=allow_zero)
+        _number(op, name, value, allow_zero=allow_zero)
         return
     _tensor(op, name, value, None)  # a 0-d tensor on the host is moved by the backends
     if value.numel() != 1:
@@ -159,8 +168,8 @@ def _check_losses(
         raise ValueError(f"drmoo.{op}: losses have no task columns (m = 0)")
     device = losses.device
     _vector(op, "eta", eta, m, device)
-    check_positive(f"drmoo.{op}: lam", lam)
-    check_positive(f"drmoo.{op}: scale", scale)
+    _number(op, "lam", lam)
+    _number(op, "scale", scale)
     if sample_weight is not None:
         weights = _tensor(op, "sample_weight", sample_weight, device)
         if weights.shape != losses.shape:
@@ -194,9 +203,9 @@ def check_dual_step(
     """The arguments of ``dual_step`` (eta is written in place); returns the divergence object."""
     m, device, div = _check_losses("dual_step", losses, eta, lam, scale, divergence, sample_weight)
     _vector("dual_step", "w", w, m, device)
-    check_positive("drmoo.dual_step: gamma", gamma, allow_zero=True)
-    check_positive("drmoo.dual_step: f1", f1)
-    check_positive("drmoo.dual_step: f2", f2)
+    _number("dual_step", "gamma", gamma, allow_zero=True)
+    _number("dual_step", "f1", f1)
+    _number("dual_step", "f2", f2)
     if not _trusted():
         _writable("dual_step", "eta", eta)
     return div
@@ -288,11 +297,11 @@ def check_gram_step(
     m, n, device = check_gram(jacobian, op)
     _vector(op, "w", w, m, device)
     _vector(op, "z", z, m, device)
-    check_positive(f"drmoo.{op}: gamma", gamma, allow_zero=True)
-    check_positive(f"drmoo.{op}: c1", c1)
-    check_positive(f"drmoo.{op}: c2", c2)
-    check_positive(f"drmoo.{op}: beta", beta, allow_zero=True)
-    check_positive(f"drmoo.{op}: rho", rho, allow_zero=True)
+    _number(op, "gamma", gamma, allow_zero=True)
+    _number(op, "c1", c1)
+    _number(op, "c2", c2)
+    _number(op, "beta", beta, allow_zero=True)
+    _number(op, "rho", rho, allow_zero=True)
     _scalar(op, "mu", mu, device, allow_zero=True)
     dtype = _first_block(jacobian).dtype if params_dtype_of_j else None
     _check_params(op, params, n, device, dtype)
