@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -320,26 +321,70 @@ def test_sw2_eval_takes_its_budget_from_the_checkpoint_not_metrics_json(trained_
         "samples_drawn"]
 
 
-@pytest.mark.parametrize("damage", ["zeroed labels, plain torch.save", "5x5 images, drmoo format", "labels 42"])
+def _edit_train_images(tensors: dict[str, torch.Tensor]) -> None:
+    tensors["train_images"] = 255 - tensors["train_images"]  # every composite inverted: right shape and dtype
+
+
+def _zero_test_labels(tensors: dict[str, torch.Tensor]) -> None:
+    tensors["test_labels"] = torch.zeros_like(tensors["test_labels"])  # issue 18's 100 % accuracy, labels in 0..9
+
+
+def _swap_two_test_labels(tensors: dict[str, torch.Tensor]) -> None:
+    labels = tensors["test_labels"].clone()
+    labels[0], labels[1] = labels[1].clone(), labels[0].clone()  # the smallest label edit that changes anything
+    tensors["test_labels"] = labels
+
+
+@pytest.mark.parametrize("damage", ["zeroed labels, plain torch.save", "zeroed labels, drmoo format",
+                                    "two labels swapped, drmoo format", "inverted images, drmoo format",
+                                    "5x5 images, drmoo format", "labels 42"])
 def test_sw3_a_damaged_multimnist_cache_is_rebuilt_not_trusted(tmp_path: Path, damage: str) -> None:
+    """Edits written in drmoo's own format (a valid header and SHA-256, labels still in 0..9) are
+    caught too: the labels are recomputed and composites rebuilt from the digits on every read."""
     recipe = MultiMnistRecipe(digits=2, input_size=16, train_size=8, test_size=4)
     fresh = load_multimnist(recipe, cache_dir=tmp_path)
     (path,) = (tmp_path / "multimnist").glob("*.pt")
     cached = store.read_checkpoint_file(path)
     tensors = dict(cached.state)
-    if damage.startswith("zeroed"):
-        tensors["test_labels"] = torch.zeros_like(tensors["test_labels"])
+    if damage == "zeroed labels, plain torch.save":
+        _zero_test_labels(tensors)
         torch.save(tensors, path)
     else:
         if damage.startswith("5x5"):
             tensors["train_images"] = torch.zeros(8, 1, 5, 5, dtype=torch.uint8)
+        elif damage.startswith("zeroed"):
+            _zero_test_labels(tensors)
+        elif damage.startswith("two labels"):
+            _swap_two_test_labels(tensors)
+        elif damage.startswith("inverted"):
+            _edit_train_images(tensors)
         else:
             tensors["test_labels"] = torch.full_like(tensors["test_labels"], 42)
         store.write_checkpoint_file(path, tensors, {k: v for k, v in cached.header.items()
                                                     if k not in ("payload_bytes", "payload_sha256", "format")})
+        assert store.read_checkpoint_file(path).header["key"] == cached.header["key"]  # a well-formed cache
     with pytest.warns(UserWarning, match="regenerating"):
         again = load_multimnist(recipe, cache_dir=tmp_path)
     assert torch.equal(again.test_labels, fresh.test_labels) and torch.equal(again.train_images, fresh.train_images)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rebuilt entry replaced the edited one and is trusted again
+        assert torch.equal(load_multimnist(recipe, cache_dir=tmp_path).test_labels, fresh.test_labels)
+
+
+def test_sw3_an_unedited_cache_is_read_not_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The content check must not reject drmoo's own cache (then every read would rebuild it)."""
+    from drmoo.data import multimnist
+
+    for recipe in (MultiMnistRecipe(digits=3, input_size=20, train_size=300, test_size=70, shift=3),
+                   MultiMnistRecipe(digits=2, input_size=28, holdout="validation")):
+        fresh = load_multimnist(recipe, cache_dir=tmp_path)
+        monkeypatch.setattr(multimnist, "_generate", lambda *_: pytest.fail("a valid cache was regenerated"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = load_multimnist(recipe, cache_dir=tmp_path)
+        monkeypatch.undo()
+        assert torch.equal(again.train_images, fresh.train_images) and torch.equal(again.test_labels,
+                                                                                   fresh.test_labels)
 
 
 @pytest.mark.parametrize("argv", [

@@ -20,7 +20,8 @@ is pasted at its position above plus an independent offset drawn uniformly from
 
 The canvas is resized (bilinear, antialiased) to ``input_size`` and kept as one uint8 channel;
 :meth:`MultiMnist.images` repeats it to 3 channels in [0, 1] for the ResNet.  Generated tensors
-are cached on disk, keyed by the recipe, the seed and the digit source.
+are cached on disk, keyed by the recipe, the seed and the digit source, and checked against the
+digits on every read (see ``_verify_content``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -106,24 +108,41 @@ def compose(
         raise ValueError(f"count must be >= 0, got {count}")
     if not 0 <= shift <= MAX_SHIFT:
         raise ValueError(f"shift must be in [0, {MAX_SHIFT}], got {shift}")
-    side = CANVAS[digits] + 2 * shift
-    canvas = torch.zeros(count, side, side, dtype=torch.uint8)
-    chosen = [torch.arange(count) % images.shape[0]] + [
-        torch.randint(0, images.shape[0], (count,), generator=generator) for _ in range(digits - 1)
+    chosen, offsets = _draw_layout(count, images.shape[0], digits, generator, shift)
+    return _paste(images, chosen, offsets, digits, shift), torch.stack([labels[index] for index in chosen], dim=1)
+
+
+def _draw_layout(
+    count: int, available: int, digits: int, generator: torch.Generator, shift: int
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    """The random part of :func:`compose`: per position, the digit index of every composite and its
+    [count, 2] shift (None for the fixed layout), drawn in compose's order: partners, then shifts."""
+    chosen = [torch.arange(count) % available] + [
+        torch.randint(0, available, (count,), generator=generator) for _ in range(digits - 1)
     ]
-    for (row, col), index in zip(POSITIONS[digits], chosen):
-        if shift == 0:
+    offsets: list[Tensor | None] = [
+        torch.randint(-shift, shift + 1, (count, 2), generator=generator) if shift else None for _ in chosen
+    ]
+    return chosen, offsets
+
+
+def _paste(images: Tensor, chosen: list[Tensor], offsets: list[Tensor | None], digits: int, shift: int) -> Tensor:
+    """The canvases of a layout (any subset of its composites: pasting is per composite)."""
+    side = CANVAS[digits] + 2 * shift
+    count = chosen[0].shape[0]
+    canvas = torch.zeros(count, side, side, dtype=torch.uint8)
+    for (row, col), index, offset_of in zip(POSITIONS[digits], chosen, offsets):
+        if offset_of is None:
             window = canvas[:, row : row + 28, col : col + 28]
             torch.maximum(window, images[index], out=window)
             continue
-        offsets = torch.randint(-shift, shift + 1, (count, 2), generator=generator)
         # Paste the digits that share an offset together: at most (2 shift + 1)^2 groups.
-        for offset in torch.unique(offsets, dim=0).tolist():
-            rows = (offsets == torch.tensor(offset)).all(dim=1).nonzero().squeeze(1)
+        for offset in torch.unique(offset_of, dim=0).tolist():
+            rows = (offset_of == torch.tensor(offset)).all(dim=1).nonzero().squeeze(1)
             top, left = row + shift + offset[0], col + shift + offset[1]
             window = canvas[rows, top : top + 28, left : left + 28]
             canvas[rows, top : top + 28, left : left + 28] = torch.maximum(window, images[index[rows]])
-    return canvas, torch.stack([labels[index] for index in chosen], dim=1)
+    return canvas
 
 
 def _resize(canvas: Tensor, size: int, chunk: int = 2048) -> Tensor:
@@ -209,16 +228,19 @@ def load_multimnist(
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cache / "multimnist" / f"{recipe.digits}digit-{recipe.input_size}px-{key}.pt"
     tensors = None
+    digits = load_mnist(data_root)  # also on a hit: the cached content is checked against the digits
     if os.path.lexists(path):
         try:
             cached = read_checkpoint_file(path, what="Multi-MNIST cache file")  # size and SHA-256 checked
             if cached.header.get("key") != key_text:
                 raise ValueError("it was written for another recipe")
             tensors = _checked(cached.state, recipe)
+            _verify_content(tensors, recipe, digits)
         except (ValueError, KeyError, TypeError) as error:  # a damaged or altered cache is rebuilt, not trusted
-            warnings.warn(f"ignoring the unreadable cache file {path} ({error}); regenerating", stacklevel=2)
+            tensors = None
+            warnings.warn(f"ignoring the cache file {path} ({error}); regenerating", stacklevel=2)
     if tensors is None:
-        tensors = _generate(recipe, load_mnist(data_root))  # the digits are read only on a cache miss
+        tensors = _generate(recipe, digits)
         try:
             make_directory(path.parent, "cache directory")
             write_checkpoint_file(path, tensors, {"kind": "multimnist-cache", "key": key_text})
@@ -248,3 +270,39 @@ def _checked(tensors: dict[str, object], recipe: MultiMnistRecipe) -> dict[str, 
         if labels.numel() and not (0 <= int(labels.min()) and int(labels.max()) <= 9):
             raise ValueError(f"its {split} labels leave 0..9")
     return tensors  # type: ignore[return-value]
+
+
+SPOT_CHECKED_COMPOSITES = 64  # per split, rebuilt from the digits and compared on every cache read
+
+
+def _verify_content(tensors: dict[str, Tensor | str], recipe: MultiMnistRecipe, digits: DigitSplits) -> None:
+    """Raise ValueError unless the cached tensors are what ``recipe`` generates from ``digits``.
+
+    The payload's SHA-256 only detects damage: anyone can write an edited cache in drmoo's format
+    with a matching hash.  So the content is checked against its source.  Every label is
+    recomputed (replaying the recipe's random draws costs a few milliseconds; a label edit, such as
+    zeroing them, is always caught) and ``SPOT_CHECKED_COMPOSITES`` composites per split, chosen
+    afresh at random on each read, are rebuilt from their digits and compared pixel for pixel
+    (rebuilding them all would cost what the cache saves).  An image edit that touches a fraction f
+    of a split's composites escapes one read with probability about (1 - f) ** 64.
+    """
+    generator = torch.Generator().manual_seed(recipe.seed)  # the draws of _generate, in its order
+    pick = torch.Generator().manual_seed(secrets.randbits(63))  # unpredictable: which composites are rebuilt
+    train_images, train_labels, test_images, test_labels, source = holdout_splits(recipe, digits)
+    if tensors["source"] != source:
+        raise ValueError(f"it records the digit source {tensors['source']!r}, not {source!r}")
+    for split, images, labels, size in (
+        ("train", train_images, train_labels, recipe.train_size),
+        ("test", test_images, test_labels, recipe.test_size),
+    ):
+        count = images.shape[0] if size is None else size
+        chosen, offsets = _draw_layout(count, images.shape[0], recipe.digits, generator, recipe.shift)
+        if not torch.equal(tensors[f"{split}_labels"], torch.stack([labels[index] for index in chosen], dim=1)):
+            raise ValueError(f"its {split} labels are not the ones the recipe gives its digits")
+        rows = torch.randperm(count, generator=pick)[:SPOT_CHECKED_COMPOSITES]
+        canvas = _paste(images, [index[rows] for index in chosen],
+                        [None if offset is None else offset[rows] for offset in offsets], recipe.digits, recipe.shift)
+        cached_images = tensors[f"{split}_images"]
+        assert isinstance(cached_images, Tensor)  # _checked made sure
+        if not torch.equal(_resize(canvas, recipe.input_size), cached_images[rows]):
+            raise ValueError(f"its {split} images are not the composites the recipe builds from its digits")
