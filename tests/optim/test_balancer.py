@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import copy
 import io
-import pickle
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -427,42 +425,8 @@ def test_unknown_method_and_bad_scaler_are_refused() -> None:
         balancer.backward(per_sample_losses(model, *batch), scaler=2.0)  # type: ignore[arg-type]
 
 
-# ---------------------------------------------------------------- copies (issue 18, CR-1)
-def copy_by(how: str, pair: tuple[nn.Module, Any], tmp_path: Path) -> tuple[nn.Module, Any]:
-    """The model and its optimizer / balancer copied together (so the copy steps the copied model)."""
-    if how == "deepcopy":
-        return copy.deepcopy(pair)
-    if how == "pickle":
-        return pickle.loads(pickle.dumps(pair))
-    path = tmp_path / "pair.pt"
-    torch.save(pair, path)
-    # weights_only=False unpickles arbitrary objects: acceptable only for this file, written just above
-    return torch.load(path, weights_only=False)
-
-
-@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
-@pytest.mark.parametrize("case", [case for case in CASES if case != "mgda-min-norm"])
-@pytest.mark.parametrize("api", ["step", "balancer"])
-def test_copies_keep_stepping_identically(api: str, case: str, how: str, tmp_path: Path) -> None:
-    if api == "step":
-        model, optimizer = run_step_optimizer(case, 2)
-    else:
-        model, optimizer = run_balancer(case, 2)
-    twin_model, twin = copy_by(how, (model, optimizer), tmp_path)
-    for current_model, current in ((model, optimizer), (twin_model, twin)):
-        stream = batch_stream(seed=4)
-        sgd = torch.optim.SGD(current_model.parameters() if api == "balancer" else current_model.heads.parameters(),
-                              lr=LR)
-        for _ in range(2):
-            sgd.zero_grad()
-            if api == "balancer":
-                current.backward(per_sample_losses(current_model, *next(stream)))
-            else:
-                fixed = next(stream)
-                current.step(lambda fixed=fixed, current_model=current_model: per_sample_losses(current_model, *fixed))
-            sgd.step()
-    assert_models_close(twin_model, model, atol=0.0, rtol=0.0)
-    assert_states_close(twin.state_dict(), optimizer.state_dict())
+# Copies (deepcopy, pickle, torch.save) of every method and the Balancer: issue 18's CR-1 test,
+# tests/reliability/test_optimizer_copies.py.
 
 
 # --------------------------------------------------------------------- FAMO's plain closure
