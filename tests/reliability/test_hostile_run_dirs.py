@@ -157,8 +157,16 @@ def _refuse_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
 def test_cr3_eval_in_a_read_only_run_prints_the_table_then_one_line(trained_run: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture) -> None:
     _refuse_writes(monkeypatch, errno.EROFS)
-    code, err = run_cli(["eval", "--run", str(trained_run), "--eps", "0", "--quiet"], capsys)
-    assert_one_line_refusal(code, err, "eval.json", "read-only file system", "not saved")
+    argv = ["eval", "--run", str(trained_run), "--eps", "0,0.05", "--quiet"]
+    code = main(argv)
+    refused = capsys.readouterr()
+    assert_one_line_refusal(code, refused.err, "eval.json", "read-only file system", "not saved")
+    assert not (trained_run / "eval.json").exists()
+    monkeypatch.undo()  # the same evaluation where it can be saved: its table is what the refused one printed
+    assert main(argv) == 0
+    table = capsys.readouterr().out.replace(f"wrote {trained_run / 'eval.json'}\n", "")
+    assert "| eps | task 1 | task 2 | mean |" in table and "| 0.05 |" in table, table
+    assert refused.out == table
 
 
 def test_cr3_report_into_a_read_only_place_is_one_line(trained_template: Path, tmp_path: Path,
