@@ -231,12 +231,12 @@ def save_result(path: str | Path, result: Any) -> None:
         raise ResultNotSaved(f"{error} (the result above was computed but not saved)", result) from None
 
 
-def open_mapped_file(path: str | Path, size: int) -> tuple[BinaryIO, bool]:
+def open_mapped_file(path: str | Path, size: int, clear: bool = False) -> tuple[BinaryIO, bool]:
     """A cache file of exactly ``size`` bytes to memory-map, opened read-write; (file, whether it starts empty).
 
     Created exclusively (``O_EXCL|O_NOFOLLOW``, sparse), or an existing regular file with one link
-    opened ``O_NOFOLLOW``; one of another size is cleared to ``size`` zero bytes.  A symlink, device or
-    hard link planted at ``path`` is refused, never written through.
+    opened ``O_NOFOLLOW``; one of another size, or any when ``clear``, is cleared to ``size`` zero
+    bytes.  A symlink, device or hard link planted at ``path`` is refused, never written through.
     """
     path = Path(path)
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -254,7 +254,7 @@ def open_mapped_file(path: str | Path, size: int) -> tuple[BinaryIO, bool]:
         if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
             raise UsageError(f"the cache file {path} is not a regular file of its own (a device, FIFO or hard link): "
                              "refused")
-        if not empty and info.st_size != size:
+        if not empty and (clear or info.st_size != size):
             os.ftruncate(descriptor, 0)  # another layout: start over rather than read it as this one
             empty = True
         os.ftruncate(descriptor, size)

@@ -177,11 +177,9 @@ class CelebA:
             shape = (len(self.files), 3, self.input_size, self.input_size)
             make_directory(self.cache_path.parent, "cache directory")
             pixels, new_pixels = open_mapped_file(self.cache_path, math.prod(shape))  # sparse when new
-            flags, _ = open_mapped_file(self.cache_path.with_suffix(".filled"), len(self.files))
+            # flags of another pixel file must not vouch for new (zero) pixels: cleared with them
+            flags, _ = open_mapped_file(self.cache_path.with_suffix(".filled"), len(self.files), clear=new_pixels)
             with pixels, flags:
-                if new_pixels:  # flags of another pixel file must not vouch for these zeros
-                    os.ftruncate(flags.fileno(), 0)
-                    os.ftruncate(flags.fileno(), len(self.files))
                 self._cache = (np.memmap(pixels, np.uint8, "r+", shape=shape),
                                np.memmap(flags, np.uint8, "r+", shape=(len(self.files),)))
         return self._cache
