@@ -49,8 +49,8 @@ __all__ = [
     "CHECKPOINT_MAGIC", "MAX_HEADER_BYTES", "MAX_SIDE_FILE_BYTES", "CheckpointError", "CheckpointFile",
     "ResultNotSaved", "RunLockedError", "UsageError", "atomic_write", "clean_stale_temporaries", "make_directory",
     "open_mapped_file", "parse_json", "read_bytes", "read_checkpoint_file", "read_checkpoint_header", "read_csv",
-    "read_json", "read_text", "remove_file", "run_lock", "save_result", "write_bytes", "write_checkpoint_file",
-    "write_csv", "write_figure", "write_json", "write_text",
+    "read_head", "read_json", "read_text", "remove_file", "run_lock", "save_result", "write_bytes",
+    "write_checkpoint_file", "write_csv", "write_figure", "write_json", "write_text",
 ]
 
 CHECKPOINT_MAGIC = b"DRMOO-CHECKPOINT 1\n"  # then one line of JSON header, then the torch.save payload
@@ -315,6 +315,16 @@ def read_bytes(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str
     if len(data) > max_bytes:
         raise UsageError(f"the {what} {path} holds more than the {max_bytes} bytes it may: refused")
     return data
+
+
+def read_head(path: str | Path, size: int, what: str = "file") -> bytes:
+    """The first ``size`` bytes of the regular file ``path`` (fewer when it is shorter); never reads more."""
+    path = Path(path)
+    descriptor, _ = _open_regular(path, what)
+    try:
+        return _read_exactly(descriptor, size)
+    finally:
+        os.close(descriptor)
 
 
 def read_text(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str = "file",

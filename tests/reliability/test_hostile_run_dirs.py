@@ -131,6 +131,28 @@ def test_dl2_report_replaces_its_own_earlier_report(trained_template: Path, tmp_
     assert main(["report", "--runs", str(trained_template), "--out", str(out)]) == 0
 
 
+def test_dl2_only_the_head_of_an_existing_out_file_is_read(trained_template: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether --out is an earlier report is decided from its first 4 KiB; a 256 MiB sparse file (a few
+    KB on disk) must not be read further (it used to be read up to 1 GiB)."""
+    from drmoo.experiments import report
+
+    out = tmp_path / "report.md"
+    assert main(["report", "--runs", str(trained_template), "--out", str(out)]) == 0
+    with out.open("r+b") as handle:
+        handle.truncate(256 << 20)
+    real_read, read = os.read, [0]
+
+    def counting_read(descriptor: int, size: int) -> bytes:
+        data = real_read(descriptor, size)
+        read[0] += len(data)
+        return data
+
+    monkeypatch.setattr(os, "read", counting_read)
+    report._check_output(out, [str(trained_template)])  # an earlier report: may be replaced
+    assert 0 < read[0] <= report.REPORT_HEAD_BYTES
+
+
 # ------------------------------------------------------------------------------- crashes
 
 

@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from drmoo.store import UsageError, make_directory, read_bytes, read_csv, read_json, read_text, write_text
+from drmoo.store import UsageError, make_directory, read_csv, read_head, read_json, read_text, write_text
 
 __all__ = ["Section", "collect", "render", "write_report"]
 
@@ -415,6 +415,7 @@ def render(sections: list[Section], skipped: list[tuple[Path, str]], base: Path,
 
 
 REPORT_MARK = "by `drmoo report` from:"  # in the second paragraph of every report: a file drmoo may replace
+REPORT_HEAD_BYTES = 4096  # where REPORT_MARK is looked for: only this much of an existing --out file is read
 
 
 def _check_output(out: Path, paths: Sequence[str | Path]) -> None:
@@ -429,7 +430,7 @@ def _check_output(out: Path, paths: Sequence[str | Path]) -> None:
         raise UsageError(f"--out {out} is inside a run directory; write the report elsewhere")
     if os.path.lexists(out):
         try:
-            head = read_bytes(out, max_bytes=1 << 30, what="existing --out file")[:4096].decode(errors="replace")
+            head = read_head(out, REPORT_HEAD_BYTES, what="existing --out file").decode(errors="replace")
         except (UsageError, FileNotFoundError):
             head = ""
         if REPORT_MARK not in head:
