@@ -73,10 +73,15 @@ def test_compare_refuses_to_shorten_a_finished_run(trained_template: Path, tmp_p
     out = _compare_dir_from(trained_template, tmp_path)
     assert main(["compare", "--methods", "double-clip", "--seeds", "0", "--eps", "0", "--max-steps", "2",
                  "--out", str(out), *tiny_args()]) == 0
+    run = out / "double-clip-seed0"
+    assert (run / "done").is_file()
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     code, err = run_cli(["compare", "--methods", "double-clip", "--seeds", "0", "--eps", "0", "--max-steps", "1",
                          "--out", str(out), *tiny_args()], capsys)
     assert_one_line_refusal(code, err, "trained 2 already", "only extend")
-    assert read_checkpoint(out / "double-clip-seed0")["step"] == 2
+    assert read_checkpoint(run)["step"] == 2
+    after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert after == before  # config.json (max_steps 2) and the done marker included: nothing rewritten or deleted
 
 
 def test_second_trainer_on_the_same_directory_is_refused(tmp_path: Path, tiny_args: Callable[..., list[str]],
