@@ -5,7 +5,8 @@ A fenced block's info string says what it is:
 * ``python`` -- a complete program: executed here, each block on its own (a fresh namespace, a
   temporary working folder), so a block must define or import everything it uses;
 * ``bash`` -- shell commands (installs, the CLI, scripts): not executed here (the CLI and the
-  scripts have their own tests), but counted;
+  scripts have their own tests), but every ``drmoo ...`` command in them is parsed by the CLI's own
+  argparse parser (never run), so a renamed or removed option fails here;
 * ``text`` -- output or a fragment shown for reading: not executed, counted.
 
 Any other info string, or none, fails :func:`test_every_code_block_is_declared`: a block cannot be
@@ -15,7 +16,11 @@ skipped without saying so.  The docs pages that include README sections (pymdown
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,3 +122,92 @@ def test_python_code_block_runs(block: CodeBlock, tmp_path: Path, monkeypatch: p
     # Padded so that a traceback's line numbers are the markdown file's.
     source = "\n" * block.line + block.code
     exec(compile(source, str(block.path), "exec"), {"__name__": "__doc_example__"})
+
+
+# ------------------------------------------------------------------ the CLI lines of bash blocks
+BASH_BLOCKS = [block for block in ALL_BLOCKS if block.language == "bash"]
+
+
+def drmoo_commands(block: CodeBlock) -> list[tuple[int, list[str]]]:
+    """(line, drmoo's arguments) of every ``drmoo ...`` command of a bash block.
+
+    Backslash continuations are joined first and ``#`` comments dropped (shlex); a command is
+    ``drmoo ARGS``, ``python -m drmoo ARGS`` or a launcher's ``... -m drmoo ARGS`` (torchrun).  A
+    placeholder such as ``DIR`` or ``/path/to/x.csv`` is an ordinary value: options are parsed,
+    never run, so it needs to exist nowhere.
+    """
+    commands: list[tuple[int, list[str]]] = []
+    lines = block.code.splitlines()
+    index = 0
+    while index < len(lines):
+        first, logical = index, lines[index]
+        while logical.rstrip().endswith("\\") and index + 1 < len(lines):
+            index += 1
+            logical = logical.rstrip()[:-1] + " " + lines[index]
+        index += 1
+        words = shlex.split(logical, comments=True)
+        for position, word in enumerate(words):
+            module_form = word == "drmoo" and position > 0 and words[position - 1] == "-m"
+            if (position == 0 and word == "drmoo") or module_form:
+                commands.append((block.line + 1 + first, words[position + 1:]))
+                break
+    return commands
+
+
+def _strict(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The CLI's parser with abbreviations off in every subcommand: the docs must spell an option
+    in full, so that a renamed option (``--max-steps`` -> ``--max-steps-total``) is not accepted as
+    a prefix of its new name."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                _strict(subparser)
+    return parser
+
+
+def parse_drmoo(arguments: list[str]) -> str | None:
+    """None when the CLI's own parser accepts ``arguments``, else argparse's error message."""
+    from drmoo import cli
+
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            _strict(cli.build_parser()).parse_args(cli._attach_negative_values(list(arguments)))
+    except SystemExit as exit_:
+        return errors.getvalue().strip().splitlines()[-1] if exit_.code else "exited (--help or --version?)"
+    return None
+
+
+def test_the_bash_blocks_hold_drmoo_commands() -> None:
+    """The parser below must find the README's CLI examples (a finder that found none would pass)."""
+    commands = [command for block in BASH_BLOCKS for command in drmoo_commands(block)]
+    subcommands = {arguments[0] for _, arguments in commands if arguments}
+    assert {"train", "eval", "compare", "bench-iter", "synthetic", "ablate", "report"} <= subcommands, subcommands
+
+
+@pytest.mark.parametrize("block", [block for block in BASH_BLOCKS if drmoo_commands(block)], ids=lambda b: b.name)
+def test_every_drmoo_command_of_a_bash_block_parses(block: CodeBlock) -> None:
+    refused = [f"{block.path.relative_to(ROOT)}:{line}: drmoo {shlex.join(arguments)}: {error}"
+               for line, arguments in drmoo_commands(block) if (error := parse_drmoo(arguments)) is not None]
+    assert not refused, "\n".join(refused)
+
+
+def test_the_command_finder_and_a_renamed_option() -> None:
+    block = CodeBlock(ROOT / "docs" / "fixture.md", 10, "bash", "\n".join([
+        "pip install drmoo  # not drmoo's CLI",
+        "drmoo train --experiment multimnist2 \\",
+        "    --max-steps 3 --out DIR   # a comment: --no-such-option",
+        "torchrun --nproc_per_node=2 -m drmoo eval --run runs/dc",
+        "drmoo train --max-step 3 --out DIR",
+        "drmoo train --no-such-option 1",
+    ]) + "\n")
+    found = drmoo_commands(block)
+    assert found == [
+        (12, ["train", "--experiment", "multimnist2", "--max-steps", "3", "--out", "DIR"]),
+        (14, ["eval", "--run", "runs/dc"]),
+        (15, ["train", "--max-step", "3", "--out", "DIR"]),
+        (16, ["train", "--no-such-option", "1"]),
+    ]
+    assert [parse_drmoo(arguments) is None for _, arguments in found] == [True, True, False, False]
+    assert "--no-such-option" in str(parse_drmoo(found[3][1]))
