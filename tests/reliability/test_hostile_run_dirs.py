@@ -506,17 +506,21 @@ def test_library_train_refuses_an_empty_run_dir() -> None:
         training.train(config, "", lambda c: (None, None))  # type: ignore[arg-type]
 
 
-def test_sw4_a_replaced_celeba_jpeg_is_not_served_stale_from_the_cache(tmp_path: Path) -> None:
+def _fabricated_celeba_tree(folder: Path) -> Path:
     import sys
-
-    from PIL import Image
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
     from test_celeba import make_celeba_tree  # the tests' fabricated CelebA tree
 
+    return make_celeba_tree(folder)
+
+
+def test_sw4_a_replaced_celeba_jpeg_is_not_served_stale_from_the_cache(tmp_path: Path) -> None:
+    from PIL import Image
+
     from drmoo.data.celeba import load_celeba
 
-    tree = make_celeba_tree(tmp_path / "data")
+    tree = _fabricated_celeba_tree(tmp_path / "data")
     cache = tmp_path / "cache"
     first = load_celeba(tree, input_size=16, cache_dir=cache).images(torch.tensor([0]))
     replaced = tree / "img_align_celeba" / "000001.jpg"
@@ -524,6 +528,30 @@ def test_sw4_a_replaced_celeba_jpeg_is_not_served_stale_from_the_cache(tmp_path:
     os.utime(replaced, ns=(replaced.stat().st_atime_ns, replaced.stat().st_mtime_ns + 10**9))
     again = load_celeba(tree, input_size=16, cache_dir=cache).images(torch.tensor([0]))
     assert not torch.equal(first, again) and float(again.max()) < 0.1  # the new, dark image
+
+
+def test_sw4_an_edited_celeba_image_cache_is_decoded_again_not_served(tmp_path: Path) -> None:
+    """The cache file itself edited (its key only notices replaced JPEGs): cached images are decoded
+    again and compared on every open, so the edit is caught and the true images are served."""
+    import numpy as np
+
+    from drmoo.data.celeba import load_celeba
+
+    tree = _fabricated_celeba_tree(tmp_path / "data")
+    cache = tmp_path / "cache"
+    rows = torch.arange(10)
+    want = load_celeba(tree, input_size=16, cache_dir=cache).images(rows)
+    (pixels,) = (cache / "celeba").glob("16px-*.u8")
+    edited = np.memmap(pixels, np.uint8, "r+")
+    edited[:] = 255 - edited  # every cached image inverted; the fill flags still vouch for them
+    edited.flush()
+    del edited
+    again = load_celeba(tree, input_size=16, cache_dir=cache)
+    with pytest.warns(UserWarning, match="edited or damaged"):
+        assert torch.equal(again.images(rows), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # re-decoded and cached again: the next open trusts it
+        assert torch.equal(load_celeba(tree, input_size=16, cache_dir=cache).images(rows), want)
 
 
 def test_u5_a_negative_grid_value_is_refused_by_its_check(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
