@@ -100,7 +100,9 @@ def test_the_three_digit_small_preset_runs_through_compare(three_digit_compariso
     assert (config["experiment"], config["preset"], config["model"], config["input_size"]) == (
         "multimnist3", "small", "lenet", 28)
     report = json.loads((three_digit_comparison / "double-clip-seed0" / "eval.json").read_text())
-    assert report["iterations"] == 1 and "3" in json.dumps(report)  # evaluated: three tasks' accuracies
+    assert report["iterations"] == 1 and report["experiment"] == "multimnist3"
+    assert [result["eps"] for result in report["results"]] == [0.0, 0.1]
+    assert all(len(result["task_acc"]) == 3 for result in report["results"])  # one accuracy per digit
 
 
 def test_drmoo_report_of_a_small_comparison_has_the_paired_differences(three_digit_comparison: Path,
