@@ -5,8 +5,8 @@
 ``defaults``, ``state`` and ``param_groups``, and drmoo's methods keep per-step bookkeeping in
 attributes beside them.  Every registered method (and MGDA with its exact min-norm solver, another
 code path; no case is left out) is copied after two steps, through the method's own ``step`` and
-through the Balancer, together with its model, and both go on for two more steps on the same batches: parameters and drmoo state must
-agree bit for bit.
+through the Balancer, together with its model, and both go on for two more steps on the same
+batches: parameters and drmoo state must agree bit for bit.
 """
 
 from __future__ import annotations
