@@ -31,7 +31,9 @@ architectures, "+PTX").
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -118,6 +120,45 @@ def cuda_wanted(environ: Mapping[str, str], has_gpu: Callable[[], bool] = gpu_vi
     return False, False, "no GPU is visible (DRMOO_BUILD_CUDA=1 or TORCH_CUDA_ARCH_LIST builds them anyway)"
 
 
+def _is_cuda_source(path: str) -> bool:
+    return os.path.normpath(path).split(os.sep)[:2] == ["csrc", "cuda"]
+
+
+def _min_torch() -> tuple[int, int]:
+    """drmoo_kernels._compat.MIN_TORCH, read without importing the package (its __init__ imports torch)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python", "drmoo_kernels", "_compat.py")
+    spec = importlib.util.spec_from_file_location("_drmoo_compat", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.MIN_TORCH
+
+
+# The stable-ABI extension targets the oldest supported torch: it may use only the stable API that
+# torch already had, and then loads under that torch and every later one.
+STABLE_ABI_TARGET = ".".join(str(part) for part in _min_torch())
+# The oldest Python whose limited API (abi3) the extensions are built for: pyproject's requires-python.
+PY_LIMITED_API_FLAG = "-DPy_LIMITED_API=0x030A0000"
+LIMITED_API_TAG = "cp310"
+
+
+def stable_abi_flags(target: str = STABLE_ABI_TARGET) -> list[str]:
+    """The compiler flags of the stable-ABI build for torch ``target`` ("2.11")."""
+    major, minor = (int(part) for part in target.split("."))
+    # TORCH_TARGET_VERSION: [major][minor][patch][5 bytes of ABI tag], as torch/headeronly/version.h packs it.
+    version = f"0x{major:02x}{minor:02x}000000000000"
+    return [f"-DTORCH_TARGET_VERSION={version}", f'-DDRMOO_STABLE_TARGET="{target}"', PY_LIMITED_API_FLAG]
+
+
+def stable_abi_problem(torch_version: str) -> str | None:
+    """Why the stable-ABI kernels cannot be compiled against ``torch_version``'s headers, or None."""
+    release = tuple(int(part) for part in re.findall(r"\d+", torch_version)[:2])
+    target = tuple(int(part) for part in STABLE_ABI_TARGET.split("."))
+    if release >= target:
+        return None
+    return f"torch {torch_version} is older than {STABLE_ABI_TARGET}, whose stable ABI the kernels target"
+
+
 def compiler_problem(environ: Mapping[str, str]) -> str | None:
     """Why the C/C++ compilers the build would use cannot run, or None when they answer ``--version``.
 
@@ -187,7 +228,9 @@ def _extensions(environ: Mapping[str, str]) -> tuple[list[Any], dict[str, Any]]:
     if mode == "off":
         _say(skipped_line("DRMOO_BUILD_KERNELS=0", "unset DRMOO_BUILD_KERNELS and " + HOW_TO_BUILD))
         return [], {}
-    cpp_sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+    # csrc/ops.cpp and csrc/cpu/ make the stable-ABI extension; csrc/cuda/ (module.cpp and the .cu
+    # files) the CUDA one.
+    cpp_sources = sorted(p for p in glob.glob("csrc/**/*.cpp", recursive=True) if not _is_cuda_source(p))
     if not cpp_sources:  # an sdist without csrc/ cannot happen (MANIFEST), but a trimmed copy can
         return _skip_or_fail(mode, "csrc/ holds no C++ sources")
     try:
@@ -202,7 +245,7 @@ def _extensions(environ: Mapping[str, str]) -> tuple[list[Any], dict[str, Any]]:
         return _skip_or_fail(mode, problem, "install g++ (or clang++), then: pip install --no-build-isolation .")
 
     want_cuda, insisted, why_cuda = cuda_wanted(environ)
-    cuda_sources = sorted(glob.glob("csrc/**/*.cu", recursive=True))
+    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     _locate_cuda_home()  # also keeps torch from warning that it guessed CUDA_HOME
     from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
 
@@ -217,24 +260,38 @@ def _extensions(environ: Mapping[str, str]) -> tuple[list[Any], dict[str, Any]]:
         _say(f"drmoo: CPU kernels only: {why_cuda}, but {missing_cuda}")
         want_cuda = False
 
-    # torch >= 2.10 headers need C++20.  -fopenmp: at::parallel_for is an inline OpenMP region,
-    # serial without it; libgomp is the runtime torch itself loads (same soname).
-    extra: dict[str, list[str]] = {"cxx": ["-O3", "-std=c++20", "-fopenmp"]}
-    libraries = ["gomp"]
-    if want_cuda and cuda_sources:
-        arch_flags, arch_choice = cuda_arch_flags(environ)
-        _say(f"drmoo: building the CPU and CUDA kernels ({why_cuda}) for {arch_choice}")
-        # No --use_fast_math: the kernels are memory bound, and approximate exp/log/pow would only
-        # widen the gap to the reference the CUDA backend is tested against.
-        extra["nvcc"] = ["-O3", "-std=c++20", "-lineinfo", *arch_flags]
-        ext = CUDAExtension(
-            "drmoo_kernels._C", cpp_sources + cuda_sources, extra_compile_args=extra,
-            define_macros=[("DRMOO_WITH_CUDA", "1")], libraries=libraries,
-        )
-    else:
-        _say(f"drmoo: building the CPU kernels (not the CUDA ones: {why_cuda})")
-        ext = CppExtension("drmoo_kernels._C", cpp_sources, extra_compile_args=extra, libraries=libraries)
-    return [ext], {"build_ext": _optional_build_command(mode)}
+    problem = stable_abi_problem(str(torch.__version__))
+    if problem is not None:
+        return _skip_or_fail(mode, problem, "install torch >= " + STABLE_ABI_TARGET + ", then: " + HOW_TO_BUILD)
+
+    # drmoo_kernels._C: the schemas and the CPU kernels on torch's stable ABI -- one build for torch
+    # >= STABLE_ABI_TARGET (README, "One build for every supported torch").  torch >= 2.10 headers
+    # need C++20.  No OpenMP flags: torch::stable::parallel_for runs in libtorch's own thread pool.
+    stable = CppExtension(
+        "drmoo_kernels._C", cpp_sources, extra_compile_args={"cxx": ["-O3", "-std=c++20", *stable_abi_flags()]},
+        py_limited_api=True,
+    )
+    if not (want_cuda and cuda_sources):
+        _say(f"drmoo: building the CPU kernels (stable ABI, torch >= {STABLE_ABI_TARGET}; not the CUDA ones: "
+             f"{why_cuda})")
+        return [stable], {"build_ext": _optional_build_command(mode)}
+    arch_flags, arch_choice = cuda_arch_flags(environ)
+    _say(f"drmoo: building the CPU kernels (stable ABI, torch >= {STABLE_ABI_TARGET}) and the CUDA kernels "
+         f"({why_cuda}; regular ABI, torch {torch.__version__} only) for {arch_choice}")
+    # drmoo_kernels._C_cuda: the CUDA kernels on torch's regular C++ API, loadable only under the
+    # torch they were built with.  Only Python's limited API (its module init), so the wheel's
+    # abi3 tag holds for both shared objects.  No --use_fast_math: the kernels are memory bound, and
+    # approximate exp/log/pow would only widen the gap to the reference the CUDA backend is tested
+    # against.
+    cuda = CUDAExtension(
+        "drmoo_kernels._C_cuda", ["csrc/cuda/module.cpp", *cuda_sources],
+        extra_compile_args={
+            "cxx": ["-O3", "-std=c++20", PY_LIMITED_API_FLAG],
+            "nvcc": ["-O3", "-std=c++20", "-lineinfo", *arch_flags],
+        },
+        py_limited_api=True,
+    )
+    return [stable, cuda], {"build_ext": _optional_build_command(mode)}
 
 
 def _skip_or_fail(mode: str, reason: str, how: str = HOW_TO_BUILD) -> tuple[list[Any], dict[str, Any]]:
@@ -280,4 +337,6 @@ if __name__ == "__main__":
         packages=find_packages("python"),
         ext_modules=ext_modules,
         cmdclass=cmdclass,
+        # Both shared objects use only Python's limited API: one wheel serves every CPython >= 3.10.
+        options={"bdist_wheel": {"py_limited_api": LIMITED_API_TAG}} if ext_modules else {},
     )
