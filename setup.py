@@ -1,18 +1,22 @@
 """Build script: the packages and metadata come from pyproject.toml; this file adds the compiled kernels.
 
-What gets compiled (README, "Install"):
+What gets compiled (README, "Install" and "One build for every supported torch"):
 
-* The fused kernels, ``drmoo_kernels._C``, are built only when torch is importable *in the build
-  environment*: ``pip install --no-build-isolation .`` (or ``python setup.py build_ext --inplace``)
-  with torch installed.  pip's default build isolation has no torch (pyproject.toml does not ask
+* ``drmoo_kernels._C``: the op schemas and the CPU kernels (csrc/ops.cpp, csrc/cpu/), on torch's
+  LibTorch stable ABI with ``TORCH_TARGET_VERSION`` = the oldest supported torch (``MIN_TORCH`` of
+  drmoo_kernels/_compat.py, 2.11) and Python's limited API: built once, it loads under torch 2.11
+  and every later torch, on any CPython >= 3.10 (an abi3 wheel).
+* ``drmoo_kernels._C_cuda``: the CUDA kernels (csrc/cuda/), on torch's regular C++ API: it loads only
+  under the torch it was built with.
+* The kernels are built only when torch is importable *in the build environment*: ``pip install
+  --no-build-isolation .`` (or ``python setup.py build_ext --inplace``) with torch installed.  pip's default build isolation has no torch (pyproject.toml does not ask
   for one: that used to download a second torch with its CUDA wheels), so a plain ``pip install .``
   installs the pure-Python packages, whose ``reference`` backend is complete, and prints one line
   saying how to get the kernels.
 * ``DRMOO_BUILD_KERNELS``: unset = build them if possible, else one line and the pure-Python install
   (no compiler, a compiler error); ``1`` = required (any failure fails the install: the project's
   scripts set it, so CI never silently loses the kernels); ``0`` = skip them.
-* CUDA sources (csrc/**/*.cu) join the extension when ``DRMOO_BUILD_CUDA=1``, or, with
-  ``DRMOO_BUILD_CUDA`` unset, when a GPU is visible (torch.cuda or ``nvidia-smi -L``) or
+* The CUDA extension is built when ``DRMOO_BUILD_CUDA=1``, or, with ``DRMOO_BUILD_CUDA`` unset, when a GPU is visible (torch.cuda or ``nvidia-smi -L``) or
   ``TORCH_CUDA_ARCH_LIST`` is set to a non-empty value; ``DRMOO_BUILD_CUDA=0`` never.  A toolkit on
   PATH alone does not trigger them (minutes of nvcc for kernels nothing can run).  CI has nvcc but
   no GPU, so .ci/run asks with ``DRMOO_BUILD_CUDA=1`` to prove the CUDA sources compile.
@@ -137,8 +141,8 @@ def _min_torch() -> tuple[int, int]:
 # The stable-ABI extension targets the oldest supported torch: it may use only the stable API that
 # torch already had, and then loads under that torch and every later one.
 STABLE_ABI_TARGET = ".".join(str(part) for part in _min_torch())
-# The oldest Python whose limited API (abi3) the extensions are built for: pyproject's requires-python.
-PY_LIMITED_API_FLAG = "-DPy_LIMITED_API=0x030A0000"
+# The wheel tag of Python's limited API (abi3) for the oldest Python that pyproject.toml allows; torch's
+# BuildExtension compiles py_limited_api extensions with -DPy_LIMITED_API for that same Python 3.10.
 LIMITED_API_TAG = "cp310"
 
 
@@ -147,7 +151,8 @@ def stable_abi_flags(target: str = STABLE_ABI_TARGET) -> list[str]:
     major, minor = (int(part) for part in target.split("."))
     # TORCH_TARGET_VERSION: [major][minor][patch][5 bytes of ABI tag], as torch/headeronly/version.h packs it.
     version = f"0x{major:02x}{minor:02x}000000000000"
-    return [f"-DTORCH_TARGET_VERSION={version}", f'-DDRMOO_STABLE_TARGET="{target}"', PY_LIMITED_API_FLAG]
+    # (-DPy_LIMITED_API comes from torch's BuildExtension for every py_limited_api extension.)
+    return [f"-DTORCH_TARGET_VERSION={version}", f'-DDRMOO_STABLE_TARGET="{target}"']
 
 
 def stable_abi_problem(torch_version: str) -> str | None:
@@ -286,7 +291,7 @@ def _extensions(environ: Mapping[str, str]) -> tuple[list[Any], dict[str, Any]]:
     cuda = CUDAExtension(
         "drmoo_kernels._C_cuda", ["csrc/cuda/module.cpp", *cuda_sources],
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++20", PY_LIMITED_API_FLAG],
+            "cxx": ["-O3", "-std=c++20"],
             "nvcc": ["-O3", "-std=c++20", "-lineinfo", *arch_flags],
         },
         py_limited_api=True,

@@ -36,7 +36,7 @@ echo "[oldest] installing $(basename "$wheel") (built against the pinned torch; 
 backends=$(cd / && "$venv_python" -c '
 import drmoo_kernels as k
 available = k.available_backends()
-assert "cpp" in available, f"the cpp backend is not available here: {k.why_unavailable(\"cpp\")}"
+assert "cpp" in available, "the cpp backend is not available here: " + str(k.why_unavailable("cpp"))
 print(", ".join(available))')
 echo "[oldest] drmoo installed; backends available here: $backends"
 

@@ -148,6 +148,39 @@ def test_a_compile_error_is_one_line_and_nothing_is_installed(tmp_path: Path) ->
     assert failed.returncode != 0
 
 
+def test_the_stable_abi_build_targets_the_oldest_supported_torch() -> None:
+    """drmoo_kernels._C is compiled for the stable ABI of torch MIN_TORCH (README, "One build for every
+    supported torch"): the same number in setup.py's compiler flags, its marker and drmoo_kernels._compat."""
+    from drmoo_kernels._compat import MIN_TORCH
+
+    assert SETUP.STABLE_ABI_TARGET == ".".join(map(str, MIN_TORCH)) == "2.11"
+    flags = SETUP.stable_abi_flags()
+    assert "-DTORCH_TARGET_VERSION=0x020b000000000000" in flags  # torch/headeronly/version.h's packing of 2.11.0
+    assert '-DDRMOO_STABLE_TARGET="2.11"' in flags
+    assert SETUP.stable_abi_flags("2.13") == ["-DTORCH_TARGET_VERSION=0x020d000000000000",
+                                              '-DDRMOO_STABLE_TARGET="2.13"']
+    assert SETUP.stable_abi_problem("2.14.1+cu130") is None and SETUP.stable_abi_problem("2.11.0") is None
+    assert "older than 2.11" in SETUP.stable_abi_problem("2.10.2")
+
+
+def test_the_oldest_torch_leg_installs_the_first_legs_wheel_instead_of_rebuilding() -> None:
+    """The CI proof of "one build for every supported torch" (.ci/run): leg 1 builds the wheel against the
+    pinned torch, leg 2 installs that file beside torch 2.11 -- no compile -- and requires the cpp backend."""
+    setup_env = (REPO / "scripts" / "setup_env.sh").read_text()
+    assert '"$venv/bin/pip" wheel --quiet --no-build-isolation --no-deps --wheel-dir "$wheels" .' in setup_env
+    oldest = (REPO / "scripts" / "test_oldest.sh").read_text()
+    assert 'install --quiet --no-deps --force-reinstall "$wheel"' in oldest
+    assert "--no-build-isolation" not in oldest and "setup.py" not in oldest  # nothing is built there
+    assert 'assert "cpp" in available' in oldest
+    ci = (REPO / ".ci" / "run").read_text()
+    assert ci.index("bash scripts/test.sh") < ci.index("bash scripts/test_oldest.sh")
+
+
+def test_only_csrc_cuda_goes_into_the_cuda_extension() -> None:
+    assert SETUP._is_cuda_source("csrc/cuda/module.cpp") and not SETUP._is_cuda_source("csrc/cpu/gram_cpu.cpp")
+    assert not SETUP._is_cuda_source("csrc/ops.cpp")
+
+
 # ------------------------------------------------------------------------------------------- metadata
 def _pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())
