@@ -9,17 +9,20 @@ What gets compiled (README, "Install" and "One build for every supported torch")
 * ``drmoo_kernels._C_cuda``: the CUDA kernels (csrc/cuda/), on torch's regular C++ API: it loads only
   under the torch it was built with.
 * The kernels are built only when torch is importable *in the build environment*: ``pip install
-  --no-build-isolation .`` (or ``python setup.py build_ext --inplace``) with torch installed.  pip's default build isolation has no torch (pyproject.toml does not ask
-  for one: that used to download a second torch with its CUDA wheels), so a plain ``pip install .``
-  installs the pure-Python packages, whose ``reference`` backend is complete, and prints one line
-  saying how to get the kernels.
+  --no-build-isolation .`` (or ``python setup.py build_ext --inplace``) with torch installed.  pip's
+  default build isolation has no torch (pyproject.toml does not ask for one: that used to download
+  a second torch with its CUDA wheels), so a plain ``pip install .`` installs the pure-Python
+  packages, whose ``reference`` backend is complete, and prints one line saying how to get the
+  kernels.
 * ``DRMOO_BUILD_KERNELS``: unset = build them if possible, else one line and the pure-Python install
   (no compiler, a compiler error); ``1`` = required (any failure fails the install: the project's
   scripts set it, so CI never silently loses the kernels); ``0`` = skip them.
-* The CUDA extension is built when ``DRMOO_BUILD_CUDA=1``, or, with ``DRMOO_BUILD_CUDA`` unset, when a GPU is visible (torch.cuda or ``nvidia-smi -L``) or
-  ``TORCH_CUDA_ARCH_LIST`` is set to a non-empty value; ``DRMOO_BUILD_CUDA=0`` never.  A toolkit on
-  PATH alone does not trigger them (minutes of nvcc for kernels nothing can run).  CI has nvcc but
-  no GPU, so .ci/run asks with ``DRMOO_BUILD_CUDA=1`` to prove the CUDA sources compile.
+* The CUDA extension is built when ``DRMOO_BUILD_CUDA=1``, or, with ``DRMOO_BUILD_CUDA`` unset, when
+  a GPU is visible (torch.cuda or ``nvidia-smi -L``) or ``TORCH_CUDA_ARCH_LIST`` is set to a
+  non-empty value; ``DRMOO_BUILD_CUDA=0`` never.  A toolkit on PATH alone does not trigger it
+  (minutes of nvcc for kernels nothing can run).  CI has nvcc but no GPU, so .ci/run asks with
+  ``DRMOO_BUILD_CUDA=1`` to prove the CUDA sources compile.  Unless the kernels are required, a
+  CUDA compile error skips the CUDA kernels only (one line), not the CPU ones.
 
 GPU architectures: unless ``TORCH_CUDA_ARCH_LIST`` is set (to anything but an empty string), the
 CUDA kernels are built for a fixed list, ``DEFAULT_CUDA_ARCHS`` = "8.0;9.0+PTX": machine code for
@@ -48,6 +51,7 @@ from typing import Any
 from setuptools import find_packages, setup
 
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+CUDA_EXTENSION = "drmoo_kernels._C_cuda"  # the regular-ABI CUDA kernels (README, "Supported versions")
 HOW_TO_BUILD = "with torch and a C++ compiler installed: pip install --no-build-isolation ."
 
 
@@ -289,7 +293,7 @@ def _extensions(environ: Mapping[str, str]) -> tuple[list[Any], dict[str, Any]]:
     # approximate exp/log/pow would only widen the gap to the reference the CUDA backend is tested
     # against.
     cuda = CUDAExtension(
-        "drmoo_kernels._C_cuda", ["csrc/cuda/module.cpp", *cuda_sources],
+        CUDA_EXTENSION, ["csrc/cuda/module.cpp", *cuda_sources],
         extra_compile_args={
             "cxx": ["-O3", "-std=c++20"],
             "nvcc": ["-O3", "-std=c++20", "-lineinfo", *arch_flags],
@@ -307,28 +311,55 @@ def _skip_or_fail(mode: str, reason: str, how: str = HOW_TO_BUILD) -> tuple[list
 
 
 def _optional_build_command(mode: str) -> type:
-    """torch's BuildExtension (ninja), which in 'auto' mode turns a failed compile into one line."""
+    """torch's BuildExtension (ninja), which in 'auto' mode turns a failed compile into one line.
+
+    A failure in the CUDA extension costs only the CUDA kernels: the stable-ABI CPU extension is then
+    built alone (a GPU machine whose nvcc cannot compile still gets the fused CPU kernels).
+    """
     from torch.utils.cpp_extension import BuildExtension
 
     base = BuildExtension.with_options(use_ninja=True)
 
     class OptionalKernelsBuild(base):  # type: ignore[misc, valid-type]
+        building: str | None = None  # the extension being compiled, to tell which one failed
+
+        def build_extension(self, ext: Any) -> None:
+            self.building = ext.name
+            super().build_extension(ext)
+
         def run(self) -> None:
             try:
                 super().run()
+                return
             except Exception as error:  # compiler, linker, ninja: whatever stops the build
                 if mode == "required":
                     raise
-                first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-                _say(skipped_line(
-                    f"compiling csrc/ failed ({type(error).__name__}: {first_line})",
-                    "rerun with DRMOO_BUILD_KERNELS=1 and pip's -v to see the compiler's error",
-                ))
-                # Nothing of the failed extension may be installed: no outputs, no in-place copy.
-                self.extensions = []
-                self.distribution.ext_modules = []
+                failure = error
+            if self.building == CUDA_EXTENSION:
+                _say(f"drmoo: the CUDA kernels ({CUDA_EXTENSION}) were skipped: compiling csrc/cuda failed "
+                     f"({_first_line(failure)}); building the CPU kernels alone (rerun with DRMOO_BUILD_KERNELS=1 "
+                     f"and pip's -v to see the compiler's error)")
+                self.extensions = [ext for ext in self.extensions if ext.name != CUDA_EXTENSION]
+                self.distribution.ext_modules = list(self.extensions)
+                self.compiler = None  # run() replaced the option by the compiler object it made; make a new one
+                try:
+                    super().run()
+                    return
+                except Exception as error:
+                    failure = error
+            _say(skipped_line(
+                f"compiling csrc/ failed ({_first_line(failure)})",
+                "rerun with DRMOO_BUILD_KERNELS=1 and pip's -v to see the compiler's error",
+            ))
+            # Nothing of the failed extensions may be installed: no outputs, no in-place copy.
+            self.extensions = []
+            self.distribution.ext_modules = []
 
     return OptionalKernelsBuild
+
+
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[0]
 
 
 # Guarded so that the tests can import this file for its helpers; pip's build backend and

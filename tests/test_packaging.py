@@ -181,6 +181,49 @@ def test_only_csrc_cuda_goes_into_the_cuda_extension() -> None:
     assert not SETUP._is_cuda_source("csrc/ops.cpp")
 
 
+def test_a_cuda_compile_error_costs_only_the_cuda_kernels(tmp_path: Path) -> None:
+    """A GPU machine whose nvcc cannot compile: one line, and the stable CPU extension is still built.
+
+    The compilers are stand-ins (nothing real is compiled): a C++ "compiler" that reports a gcc version
+    (torch checks it, and its name) and writes the object, depfile or library it is asked for, and an nvcc that
+    answers --version and fails everything else.
+    """
+    fake_cxx = tmp_path / "fake-g++"  # "g++" in the name: torch accepts it as gcc
+    fake_cxx.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *--version*) echo "fake 1.0"; exit 0;; *-dumpfullversion*|*-dumpversion*) echo 12.2.0; exit 0;; '
+        "esac\n"
+        'out=""; dep=""; prev=""\n'
+        'for a in "$@"; do [ "$prev" = -o ] && out="$a"; [ "$prev" = -MF ] && dep="$a"; prev="$a"; done\n'
+        '[ -n "$out" ] && : > "$out"; [ -n "$dep" ] && echo "$out:" > "$dep"\n'
+        "exit 0\n")
+    cuda_home = tmp_path / "cuda"
+    (cuda_home / "bin").mkdir(parents=True)
+    (cuda_home / "include").mkdir()
+    (cuda_home / "lib64").mkdir()
+    (cuda_home / "lib64" / "libcudart.so").write_bytes(b"")
+    fake_nvcc = cuda_home / "bin" / "nvcc"
+    import torch
+
+    release = torch.version.cuda or "13.0"
+    fake_nvcc.write_text(f'#!/bin/sh\ncase "$*" in *--version*) echo "Cuda compilation tools, release {release}, '
+                         f'V{release}.0"; exit 0;; esac\necho "nvcc: cannot compile" >&2\nexit 1\n')
+    for tool in (fake_cxx, fake_nvcc):
+        tool.chmod(0o755)
+    if torch.version.cuda is None:
+        pytest.skip("a CPU-only torch builds no CUDA extension")
+    out = tmp_path / "out"
+    env = {"DRMOO_BUILD_KERNELS": "", "DRMOO_BUILD_CUDA": "1", "CUDA_HOME": str(cuda_home), "CC": str(fake_cxx),
+           "CXX": str(fake_cxx), "MAX_JOBS": "1"}
+    done = _run_setup(["build_ext", "--build-lib", str(out), "--build-temp", str(tmp_path / "tmp")], env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = _drmoo_lines(done.stderr)
+    assert any(line.startswith("drmoo: the CUDA kernels (drmoo_kernels._C_cuda) were skipped: compiling csrc/cuda "
+                               "failed (") for line in lines), done.stderr[-3000:]
+    assert not any("the fused kernels" in line for line in lines)
+    assert [p.name for p in out.rglob("_C*.so")] == ["_C.abi3.so"]
+
+
 # ------------------------------------------------------------------------------------------- metadata
 def _pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())
