@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import importlib.util
+import shutil
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -210,6 +212,25 @@ def test_the_real_extension_is_a_stable_abi_build_for_the_oldest_supported_torch
     built = _ops.built_with_torch(spec.origin)
     assert built is not None and release(built)[:2] >= MIN_TORCH
     assert _ops.load() is None
+
+
+def test_the_stable_abi_build_imports_no_torch_cxx_symbol() -> None:
+    """What makes _C loadable under another torch: besides Python's and the C++ runtime's, its only
+    imports are the C shim's functions (aoti_torch_*, torch_*), never a mangled c10::/at::/torch:: C++
+    symbol, whose ABI changes between torch releases.  (scripts/test_oldest.sh runs this under torch 2.11,
+    where each of those functions must also resolve: the import above would fail otherwise.)"""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("binutils' nm is not installed")
+    spec = importlib.util.find_spec(_ops.EXTENSION)
+    assert spec is not None and spec.origin is not None
+    listed = subprocess.run([nm, "-D", "--undefined-only", spec.origin], capture_output=True, text=True, check=True)
+    imported = [line.split()[-1] for line in listed.stdout.splitlines() if line.strip()]
+    torch_cxx = [name for name in imported if name.startswith(("_ZN3c10", "_ZN2at", "_ZN5torch", "_ZNK3c10",
+                                                               "_ZNK2at", "_ZNK5torch"))]
+    assert torch_cxx == []
+    assert any(name.startswith("aoti_torch_") for name in imported)
+    assert not any(name.startswith("_ZN") and "torch" in name for name in imported)
 
 
 def test_choosing_the_reference_backend_never_loads_the_extension(fresh_loader: None,
