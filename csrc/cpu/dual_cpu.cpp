@@ -94,8 +94,8 @@ const acc_t* weights_ptr(const DualInputs& in) {
   return in.sample_weight.has_value() ? in.sample_weight->const_data_ptr<acc_t>() : nullptr;
 }
 
-std::tuple<Tensor, Tensor, Tensor> dual_forward_cpu(const Tensor& losses_in, const Tensor& eta, double lam, double scale,
-                                                    int64_t code, double param,
+std::tuple<Tensor, Tensor, Tensor> dual_forward_cpu(const Tensor& losses_in, const Tensor& eta, double lam,
+                                                    double scale, int64_t code, double param,
                                                     const std::optional<Tensor>& sample_weight) {
   DualInputs in = prepare("dual_forward", losses_in, eta, sample_weight, code, param, lam);
   const int64_t batch = in.losses.size(0), m = in.losses.size(1);
@@ -112,7 +112,8 @@ std::tuple<Tensor, Tensor, Tensor> dual_forward_cpu(const Tensor& losses_in, con
     // eta in the math dtype, rounded once as the reference's eta.to(acc) rounds it
     std::vector<acc_t> eta_acc(eta64.begin(), eta64.end());
     const acc_t* eta_ptr = eta_acc.data();
-    dual_pass<scalar_t, acc_t>(in.losses.const_data_ptr<scalar_t>(), weights_ptr<acc_t>(in), batch, m, eta_ptr, static_cast<acc_t>(lam), static_cast<acc_t>(scale), div, sum_grad.data(),
+    dual_pass<scalar_t, acc_t>(in.losses.const_data_ptr<scalar_t>(), weights_ptr<acc_t>(in), batch, m, eta_ptr,
+                               static_cast<acc_t>(lam), static_cast<acc_t>(scale), div, sum_grad.data(),
                                sum_conj.data(), weights.mutable_data_ptr<acc_t>());
     acc_t* obj = objective.mutable_data_ptr<acc_t>();
     acc_t* z = grad_eta.mutable_data_ptr<acc_t>();
