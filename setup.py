@@ -327,9 +327,16 @@ def _optional_build_command(mode: str) -> type:
             self.building = ext.name
             super().build_extension(ext)
 
+        def _remove_shadowing_builds(self) -> None:
+            if self.inplace:
+                for path in shadowing_builds(os.path.join("python", "drmoo_kernels")):
+                    os.remove(path)
+                    _say(f"drmoo: removed {path}, an older in-place build that would shadow the new abi3 one")
+
         def run(self) -> None:
             try:
                 super().run()
+                self._remove_shadowing_builds()
                 return
             except Exception as error:  # compiler, linker, ninja: whatever stops the build
                 if mode == "required":
@@ -344,6 +351,7 @@ def _optional_build_command(mode: str) -> type:
                 self.compiler = None  # run() replaced the option by the compiler object it made; make a new one
                 try:
                     super().run()
+                    self._remove_shadowing_builds()
                     return
                 except Exception as error:
                     failure = error
@@ -356,6 +364,16 @@ def _optional_build_command(mode: str) -> type:
             self.distribution.ext_modules = []
 
     return OptionalKernelsBuild
+
+
+def shadowing_builds(package_dir: str) -> list[str]:
+    """In-place builds of the extensions under a per-Python name (``_C.cpython-311-x86_64-linux-gnu.so``, as
+    drmoo built them before the stable-ABI port): Python imports those before ``_C.abi3.so``, so a stale
+    one would keep being loaded after a rebuild."""
+    found = []
+    for name in ("_C", "_C_cuda"):
+        found += sorted(glob.glob(os.path.join(package_dir, f"{name}.cpython-*.so")))
+    return found
 
 
 def _first_line(error: Exception) -> str:

@@ -176,6 +176,16 @@ def test_the_oldest_torch_leg_installs_the_first_legs_wheel_instead_of_rebuildin
     assert ci.index("bash scripts/test.sh") < ci.index("bash scripts/test_oldest.sh")
 
 
+def test_stale_per_python_builds_are_found_for_removal(tmp_path: Path) -> None:
+    """Python imports _C.cpython-311-*.so before _C.abi3.so: an in-place build from before the stable-ABI
+    port would shadow the new one, so build_ext --inplace removes it (and only it)."""
+    for name in ("_C.cpython-311-x86_64-linux-gnu.so", "_C_cuda.cpython-312-x86_64-linux-gnu.so", "_C.abi3.so",
+                 "_C_cuda.abi3.so", "other.cpython-311-x86_64-linux-gnu.so"):
+        (tmp_path / name).write_bytes(b"")
+    found = [Path(path).name for path in SETUP.shadowing_builds(str(tmp_path))]
+    assert found == ["_C.cpython-311-x86_64-linux-gnu.so", "_C_cuda.cpython-312-x86_64-linux-gnu.so"]
+
+
 def test_only_csrc_cuda_goes_into_the_cuda_extension() -> None:
     assert SETUP._is_cuda_source("csrc/cuda/module.cpp") and not SETUP._is_cuda_source("csrc/cpu/gram_cpu.cpp")
     assert not SETUP._is_cuda_source("csrc/ops.cpp")
