@@ -18,7 +18,8 @@ one [m, n] tensor or a list of [m, n_k] blocks, ``mu``/``lr`` as a float or a te
 them to the schemas' (``code, param`` for the divergence, 0-d tensors for ``mu``/``lr``).  Every
 argument is validated first, in Python, by :mod:`drmoo_kernels._checks` (the same checks as the
 reference backend's, raising ValueError/TypeError); the kernels check shapes, dtypes and devices
-again (csrc/checks.h) for callers of ``torch.ops.drmoo`` itself.
+again (csrc/checks.h; a RuntimeError, the one exception type of the stable ABI) for callers of
+``torch.ops.drmoo`` itself.
 """
 
 from __future__ import annotations
