@@ -1,21 +1,28 @@
 """Build script: the packages and metadata come from pyproject.toml; this file adds the compiled kernels.
 
-What gets compiled (README, "Install"):
+What gets compiled (README, "Install" and "One build for every supported torch"):
 
-* The fused kernels, ``drmoo_kernels._C``, are built only when torch is importable *in the build
-  environment*: ``pip install --no-build-isolation .`` (or ``python setup.py build_ext --inplace``)
-  with torch installed.  pip's default build isolation has no torch (pyproject.toml does not ask
-  for one: that used to download a second torch with its CUDA wheels), so a plain ``pip install .``
-  installs the pure-Python packages, whose ``reference`` backend is complete, and prints one line
-  saying how to get the kernels.
+* ``drmoo_kernels._C``: the op schemas and the CPU kernels (csrc/ops.cpp, csrc/cpu/), on torch's
+  LibTorch stable ABI with ``TORCH_TARGET_VERSION`` = the oldest supported torch (``MIN_TORCH`` of
+  drmoo_kernels/_compat.py, 2.11) and Python's limited API: built once, it loads under torch 2.11
+  and every later torch, on any CPython >= 3.10 (an abi3 wheel).
+* ``drmoo_kernels._C_cuda``: the CUDA kernels (csrc/cuda/), on torch's regular C++ API: it loads only
+  under the torch it was built with.
+* The kernels are built only when torch is importable *in the build environment*: ``pip install
+  --no-build-isolation .`` (or ``python setup.py build_ext --inplace``) with torch installed.  pip's
+  default build isolation has no torch (pyproject.toml does not ask for one: that used to download
+  a second torch with its CUDA wheels), so a plain ``pip install .`` installs the pure-Python
+  packages, whose ``reference`` backend is complete, and prints one line saying how to get the
+  kernels.
 * ``DRMOO_BUILD_KERNELS``: unset = build them if possible, else one line and the pure-Python install
   (no compiler, a compiler error); ``1`` = required (any failure fails the install: the project's
   scripts set it, so CI never silently loses the kernels); ``0`` = skip them.
-* CUDA sources (csrc/**/*.cu) join the extension when ``DRMOO_BUILD_CUDA=1``, or, with
-  ``DRMOO_BUILD_CUDA`` unset, when a GPU is visible (torch.cuda or ``nvidia-smi -L``) or
-  ``TORCH_CUDA_ARCH_LIST`` is set to a non-empty value; ``DRMOO_BUILD_CUDA=0`` never.  A toolkit on
-  PATH alone does not trigger them (minutes of nvcc for kernels nothing can run).  CI has nvcc but
-  no GPU, so .ci/run asks with ``DRMOO_BUILD_CUDA=1`` to prove the CUDA sources compile.
+* The CUDA extension is built when ``DRMOO_BUILD_CUDA=1``, or, with ``DRMOO_BUILD_CUDA`` unset, when
+  a GPU is visible (torch.cuda or ``nvidia-smi -L``) or ``TORCH_CUDA_ARCH_LIST`` is set to a
+  non-empty value; ``DRMOO_BUILD_CUDA=0`` never.  A toolkit on PATH alone does not trigger it
+  (minutes of nvcc for kernels nothing can run).  CI has nvcc but no GPU, so .ci/run asks with
+  ``DRMOO_BUILD_CUDA=1`` to prove the CUDA sources compile.  Unless the kernels are required, a
+  CUDA compile error skips the CUDA kernels only (one line), not the CPU ones.
 
 GPU architectures: unless ``TORCH_CUDA_ARCH_LIST`` is set (to anything but an empty string), the
 CUDA kernels are built for a fixed list, ``DEFAULT_CUDA_ARCHS`` = "8.0;9.0+PTX": machine code for
@@ -31,7 +38,9 @@ architectures, "+PTX").
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -42,6 +51,7 @@ from typing import Any
 from setuptools import find_packages, setup
 
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+CUDA_EXTENSION = "drmoo_kernels._C_cuda"  # the regular-ABI CUDA kernels (README, "Supported versions")
 HOW_TO_BUILD = "with torch and a C++ compiler installed: pip install --no-build-isolation ."
 
 
@@ -118,6 +128,46 @@ def cuda_wanted(environ: Mapping[str, str], has_gpu: Callable[[], bool] = gpu_vi
     return False, False, "no GPU is visible (DRMOO_BUILD_CUDA=1 or TORCH_CUDA_ARCH_LIST builds them anyway)"
 
 
+def _is_cuda_source(path: str) -> bool:
+    return os.path.normpath(path).split(os.sep)[:2] == ["csrc", "cuda"]
+
+
+def _min_torch() -> tuple[int, int]:
+    """drmoo_kernels._compat.MIN_TORCH, read without importing the package (its __init__ imports torch)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python", "drmoo_kernels", "_compat.py")
+    spec = importlib.util.spec_from_file_location("_drmoo_compat", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.MIN_TORCH
+
+
+# The stable-ABI extension targets the oldest supported torch: it may use only the stable API that
+# torch already had, and then loads under that torch and every later one.
+STABLE_ABI_TARGET = ".".join(str(part) for part in _min_torch())
+# The wheel tag of Python's limited API (abi3) for the oldest Python that pyproject.toml allows; torch's
+# BuildExtension compiles py_limited_api extensions with -DPy_LIMITED_API for that same Python 3.10.
+LIMITED_API_TAG = "cp310"
+
+
+def stable_abi_flags(target: str = STABLE_ABI_TARGET) -> list[str]:
+    """The compiler flags of the stable-ABI build for torch ``target`` ("2.11")."""
+    major, minor = (int(part) for part in target.split("."))
+    # TORCH_TARGET_VERSION: [major][minor][patch][5 bytes of ABI tag], as torch/headeronly/version.h packs it.
+    version = f"0x{major:02x}{minor:02x}000000000000"
+    # (-DPy_LIMITED_API comes from torch's BuildExtension for every py_limited_api extension.)
+    return [f"-DTORCH_TARGET_VERSION={version}", f'-DDRMOO_STABLE_TARGET="{target}"']
+
+
+def stable_abi_problem(torch_version: str) -> str | None:
+    """Why the stable-ABI kernels cannot be compiled against ``torch_version``'s headers, or None."""
+    release = tuple(int(part) for part in re.findall(r"\d+", torch_version)[:2])
+    target = tuple(int(part) for part in STABLE_ABI_TARGET.split("."))
+    if release >= target:
+        return None
+    return f"torch {torch_version} is older than {STABLE_ABI_TARGET}, whose stable ABI the kernels target"
+
+
 def compiler_problem(environ: Mapping[str, str]) -> str | None:
     """Why the C/C++ compilers the build would use cannot run, or None when they answer ``--version``.
 
@@ -187,7 +237,9 @@ def _extensions(environ: Mapping[str, str]) -> tuple[list[Any], dict[str, Any]]:
     if mode == "off":
         _say(skipped_line("DRMOO_BUILD_KERNELS=0", "unset DRMOO_BUILD_KERNELS and " + HOW_TO_BUILD))
         return [], {}
-    cpp_sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+    # csrc/ops.cpp and csrc/cpu/ make the stable-ABI extension; csrc/cuda/ (module.cpp and the .cu
+    # files) the CUDA one.
+    cpp_sources = sorted(p for p in glob.glob("csrc/**/*.cpp", recursive=True) if not _is_cuda_source(p))
     if not cpp_sources:  # an sdist without csrc/ cannot happen (MANIFEST), but a trimmed copy can
         return _skip_or_fail(mode, "csrc/ holds no C++ sources")
     try:
@@ -202,7 +254,7 @@ def _extensions(environ: Mapping[str, str]) -> tuple[list[Any], dict[str, Any]]:
         return _skip_or_fail(mode, problem, "install g++ (or clang++), then: pip install --no-build-isolation .")
 
     want_cuda, insisted, why_cuda = cuda_wanted(environ)
-    cuda_sources = sorted(glob.glob("csrc/**/*.cu", recursive=True))
+    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     _locate_cuda_home()  # also keeps torch from warning that it guessed CUDA_HOME
     from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
 
@@ -217,24 +269,38 @@ def _extensions(environ: Mapping[str, str]) -> tuple[list[Any], dict[str, Any]]:
         _say(f"drmoo: CPU kernels only: {why_cuda}, but {missing_cuda}")
         want_cuda = False
 
-    # torch >= 2.10 headers need C++20.  -fopenmp: at::parallel_for is an inline OpenMP region,
-    # serial without it; libgomp is the runtime torch itself loads (same soname).
-    extra: dict[str, list[str]] = {"cxx": ["-O3", "-std=c++20", "-fopenmp"]}
-    libraries = ["gomp"]
-    if want_cuda and cuda_sources:
-        arch_flags, arch_choice = cuda_arch_flags(environ)
-        _say(f"drmoo: building the CPU and CUDA kernels ({why_cuda}) for {arch_choice}")
-        # No --use_fast_math: the kernels are memory bound, and approximate exp/log/pow would only
-        # widen the gap to the reference the CUDA backend is tested against.
-        extra["nvcc"] = ["-O3", "-std=c++20", "-lineinfo", *arch_flags]
-        ext = CUDAExtension(
-            "drmoo_kernels._C", cpp_sources + cuda_sources, extra_compile_args=extra,
-            define_macros=[("DRMOO_WITH_CUDA", "1")], libraries=libraries,
-        )
-    else:
-        _say(f"drmoo: building the CPU kernels (not the CUDA ones: {why_cuda})")
-        ext = CppExtension("drmoo_kernels._C", cpp_sources, extra_compile_args=extra, libraries=libraries)
-    return [ext], {"build_ext": _optional_build_command(mode)}
+    problem = stable_abi_problem(str(torch.__version__))
+    if problem is not None:
+        return _skip_or_fail(mode, problem, "install torch >= " + STABLE_ABI_TARGET + ", then: " + HOW_TO_BUILD)
+
+    # drmoo_kernels._C: the schemas and the CPU kernels on torch's stable ABI -- one build for torch
+    # >= STABLE_ABI_TARGET (README, "One build for every supported torch").  torch >= 2.10 headers
+    # need C++20.  No OpenMP flags: torch::stable::parallel_for runs in libtorch's own thread pool.
+    stable = CppExtension(
+        "drmoo_kernels._C", cpp_sources, extra_compile_args={"cxx": ["-O3", "-std=c++20", *stable_abi_flags()]},
+        py_limited_api=True,
+    )
+    if not (want_cuda and cuda_sources):
+        _say(f"drmoo: building the CPU kernels (stable ABI, torch >= {STABLE_ABI_TARGET}; not the CUDA ones: "
+             f"{why_cuda})")
+        return [stable], {"build_ext": _optional_build_command(mode)}
+    arch_flags, arch_choice = cuda_arch_flags(environ)
+    _say(f"drmoo: building the CPU kernels (stable ABI, torch >= {STABLE_ABI_TARGET}) and the CUDA kernels "
+         f"({why_cuda}; regular ABI, torch {torch.__version__} only) for {arch_choice}")
+    # drmoo_kernels._C_cuda: the CUDA kernels on torch's regular C++ API, loadable only under the
+    # torch they were built with.  Only Python's limited API (its module init), so the wheel's
+    # abi3 tag holds for both shared objects.  No --use_fast_math: the kernels are memory bound, and
+    # approximate exp/log/pow would only widen the gap to the reference the CUDA backend is tested
+    # against.
+    cuda = CUDAExtension(
+        CUDA_EXTENSION, ["csrc/cuda/module.cpp", *cuda_sources],
+        extra_compile_args={
+            "cxx": ["-O3", "-std=c++20"],
+            "nvcc": ["-O3", "-std=c++20", "-lineinfo", *arch_flags],
+        },
+        py_limited_api=True,
+    )
+    return [stable, cuda], {"build_ext": _optional_build_command(mode)}
 
 
 def _skip_or_fail(mode: str, reason: str, how: str = HOW_TO_BUILD) -> tuple[list[Any], dict[str, Any]]:
@@ -245,28 +311,73 @@ def _skip_or_fail(mode: str, reason: str, how: str = HOW_TO_BUILD) -> tuple[list
 
 
 def _optional_build_command(mode: str) -> type:
-    """torch's BuildExtension (ninja), which in 'auto' mode turns a failed compile into one line."""
+    """torch's BuildExtension (ninja), which in 'auto' mode turns a failed compile into one line.
+
+    A failure in the CUDA extension costs only the CUDA kernels: the stable-ABI CPU extension is then
+    built alone (a GPU machine whose nvcc cannot compile still gets the fused CPU kernels).
+    """
     from torch.utils.cpp_extension import BuildExtension
 
     base = BuildExtension.with_options(use_ninja=True)
 
     class OptionalKernelsBuild(base):  # type: ignore[misc, valid-type]
+        building: str | None = None  # the extension being compiled, to tell which one failed
+
+        def build_extension(self, ext: Any) -> None:
+            self.building = ext.name
+            super().build_extension(ext)
+
+        def _remove_shadowing_builds(self) -> None:
+            if self.inplace:
+                for path in shadowing_builds(os.path.join("python", "drmoo_kernels")):
+                    os.remove(path)
+                    _say(f"drmoo: removed {path}, an older in-place build that would shadow the new abi3 one")
+
         def run(self) -> None:
             try:
                 super().run()
+                self._remove_shadowing_builds()
+                return
             except Exception as error:  # compiler, linker, ninja: whatever stops the build
                 if mode == "required":
                     raise
-                first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-                _say(skipped_line(
-                    f"compiling csrc/ failed ({type(error).__name__}: {first_line})",
-                    "rerun with DRMOO_BUILD_KERNELS=1 and pip's -v to see the compiler's error",
-                ))
-                # Nothing of the failed extension may be installed: no outputs, no in-place copy.
-                self.extensions = []
-                self.distribution.ext_modules = []
+                failure = error
+            if self.building == CUDA_EXTENSION:
+                _say(f"drmoo: the CUDA kernels ({CUDA_EXTENSION}) were skipped: compiling csrc/cuda failed "
+                     f"({_first_line(failure)}); building the CPU kernels alone (rerun with DRMOO_BUILD_KERNELS=1 "
+                     f"and pip's -v to see the compiler's error)")
+                self.extensions = [ext for ext in self.extensions if ext.name != CUDA_EXTENSION]
+                self.distribution.ext_modules = list(self.extensions)
+                self.compiler = None  # run() replaced the option by the compiler object it made; make a new one
+                try:
+                    super().run()
+                    self._remove_shadowing_builds()
+                    return
+                except Exception as error:
+                    failure = error
+            _say(skipped_line(
+                f"compiling csrc/ failed ({_first_line(failure)})",
+                "rerun with DRMOO_BUILD_KERNELS=1 and pip's -v to see the compiler's error",
+            ))
+            # Nothing of the failed extensions may be installed: no outputs, no in-place copy.
+            self.extensions = []
+            self.distribution.ext_modules = []
 
     return OptionalKernelsBuild
+
+
+def shadowing_builds(package_dir: str) -> list[str]:
+    """In-place builds of the extensions under a per-Python name (``_C.cpython-311-x86_64-linux-gnu.so``, as
+    drmoo built them before the stable-ABI port): Python imports those before ``_C.abi3.so``, so a stale
+    one would keep being loaded after a rebuild."""
+    found = []
+    for name in ("_C", "_C_cuda"):
+        found += sorted(glob.glob(os.path.join(package_dir, f"{name}.cpython-*.so")))
+    return found
+
+
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[0]
 
 
 # Guarded so that the tests can import this file for its helpers; pip's build backend and
@@ -280,4 +391,6 @@ if __name__ == "__main__":
         packages=find_packages("python"),
         ext_modules=ext_modules,
         cmdclass=cmdclass,
+        # Both shared objects use only Python's limited API: one wheel serves every CPython >= 3.10.
+        options={"bdist_wheel": {"py_limited_api": LIMITED_API_TAG}} if ext_modules else {},
     )

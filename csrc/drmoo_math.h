@@ -7,8 +7,9 @@
 // tested for parity against that reference.
 #pragma once
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+// torch/headeronly: usable by the stable-ABI CPU build and the regular-ABI CUDA build alike.
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <cmath>
 #include <cstdint>

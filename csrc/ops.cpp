@@ -2,18 +2,29 @@
 // names per device (csrc/cpu/*.cpp for CPU, csrc/cuda/*.cu for CUDA); the fake (meta) kernels used
 // by torch.compile live in drmoo_kernels/_ops.py.
 //
+// This file and csrc/cpu/ form drmoo_kernels._C, built against torch's LibTorch stable ABI
+// (STABLE_TORCH_LIBRARY, torch::stable::Tensor, torch/headeronly) with TORCH_TARGET_VERSION set to the
+// oldest supported torch (setup.py) and Python's limited API: one build loads under that torch and
+// every later one.  The CUDA kernels are a separate regular-ABI extension, drmoo_kernels._C_cuda
+// (csrc/cuda/), that registers its implementations against these schemas.
+//
 // Arguments annotated (a!) / (b!) are written in place; declaring them lets functionalization and
 // torch.library.opcheck reason about the mutation.  Divergences are passed as (code, param), see
 // drmoo_kernels.divergences.Divergence.code.
 #include <Python.h>
-#include <torch/library.h>
-#include <torch/version.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/headeronly/version.h>
 
-// The torch version these kernels were compiled against, as plain bytes in the shared object:
-// drmoo_kernels/_ops.py reads it from the file *before* loading it, so that a build made for
-// another torch (whose C++ ABI differs) is refused with both versions named instead of failing
-// with an undefined symbol, or worse, loading.
-extern "C" __attribute__((used)) const char drmoo_built_with_torch[] = "drmoo-built-with-torch=" TORCH_VERSION ";";
+#ifndef DRMOO_STABLE_TARGET
+#error "setup.py defines DRMOO_STABLE_TARGET (the torch release of TORCH_TARGET_VERSION, e.g. \"2.11\")"
+#endif
+
+// Plain bytes in the shared object that drmoo_kernels/_ops.py reads from the file *before* loading it:
+// the torch whose headers compiled it, and the oldest torch whose stable ABI it may use.  A build
+// with the stable marker loads under any torch >= that version; a build without it (an older drmoo)
+// only under the torch it was built with.
+extern "C" __attribute__((used)) const char drmoo_built_with_torch[] =
+    "drmoo-built-with-torch=" TORCH_VERSION ";drmoo-stable-abi-target=" DRMOO_STABLE_TARGET ";";
 
 extern "C" {
 // `import drmoo_kernels._C` only has to load this shared object so that the registrations below
@@ -25,7 +36,7 @@ PyMODINIT_FUNC PyInit__C(void) {
 }
 }
 
-TORCH_LIBRARY(drmoo, m) {
+STABLE_TORCH_LIBRARY(drmoo, m) {
   m.def(
       "dual_forward(Tensor losses, Tensor eta, float lam, float scale, int code, float param, "
       "Tensor? sample_weight) -> (Tensor objective, Tensor grad_eta, Tensor weights)");

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU path needs from a GPU machine, in one command that fits one 10-minute call:
-#   1. build drmoo_kernels._C in place with the CUDA kernels (sm_80, sm_90 + PTX; needs nvcc),
+#   1. build drmoo_kernels._C (stable ABI) and _C_cuda in place with the CUDA kernels (sm_80, sm_90 + PTX; needs nvcc),
 #   2. the kernel, optimizer and reliability tests on the GPU (cuda + compiled Triton backends,
 #      capturable steps, CUDA-graph capture/replay),
 #   3. scripts/gpu_bandwidth.py: gram_step's fraction of peak bandwidth, dual-op latency,

@@ -8,7 +8,8 @@
 #
 # The venv is modified (drmoo is installed and uninstalled, setuptools>=77 and ninja are added).  The
 # optional second venv (e.g. torch 2.13) receives the wheel built here against the first venv's torch,
-# to show the warning of a build for another torch.  Prints a markdown table and keeps the logs in
+# to show that its stable-ABI CPU kernels load there (the `cpp` backend is listed) and, on a GPU
+# machine, that its CUDA kernels, built for one torch, are refused with one warning.  Prints a markdown table and keeps the logs in
 # $LOGS (default: a temporary folder).
 set -euo pipefail
 venv="$(cd "$1" && pwd)"

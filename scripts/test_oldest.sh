@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The CI matrix's second leg (.ci/run runs it after scripts/test.sh): the oldest supported torch and
-# Triton (requirements-oldest.txt = the lower bounds in pyproject.toml) in a second venv, drmoo
-# built and installed there, and the tests of the ops, their autograd plumbing and the optimizers.
-# Extra arguments go to pytest.  The venv ($DRMOO_OLDEST_VENV, default .venv-oldest, gitignored) is
-# created once (5.2 GB: PyPI's torch wheels bring 2.7 GB of CUDA runtime libraries) and reused.
+# Triton (requirements-oldest.txt = the lower bounds in pyproject.toml) in a second venv, with the
+# wheel that scripts/setup_env.sh built against the pinned torch installed there -- not rebuilt: the
+# CPU kernels are built on torch's stable ABI for torch 2.11, so that one wheel must load here -- and
+# the tests of the ops, their autograd plumbing and the optimizers, with the compiled `cpp` backend
+# required.  Extra arguments go to pytest.  The wheel: $DRMOO_WHEEL, default the one in dist/.
+# The venv ($DRMOO_OLDEST_VENV, default .venv-oldest, gitignored) is created once (5.2 GB: PyPI's
+# torch wheels bring 2.7 GB of CUDA runtime libraries) and reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${DRMOO_OLDEST_VENV:-.venv-oldest}"
@@ -22,15 +25,20 @@ venv_python="$(cd "$venv" && pwd)/bin/python"
 versions=$(cd / && "$venv_python" -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")')
 echo "[oldest] $versions ($(( installed - start ))s)"
 
-# The CPU kernels always (a compile error fails: DRMOO_BUILD_KERNELS=1); the CUDA kernels when a GPU
-# is visible or DRMOO_BUILD_CUDA=1 (setup.py), to compile the CUDA sources against the oldest torch's
-# headers too.  DRMOO_BUILD_CUDA=0 skips them.
-echo "[oldest] building and installing drmoo (compiles csrc/; MAX_JOBS=${MAX_JOBS:-2})"
-DRMOO_BUILD_KERNELS="${DRMOO_BUILD_KERNELS:-1}" MAX_JOBS="${MAX_JOBS:-2}" \
-    "$venv/bin/pip" install --quiet --no-build-isolation --no-deps .
-built=$(date +%s)
-backends=$(cd / && "$venv_python" -c 'import drmoo_kernels as k; print(", ".join(k.available_backends()))')
-echo "[oldest] drmoo built in $(( built - installed ))s; backends available here: $backends"
+wheel="${DRMOO_WHEEL:-$(ls dist/drmoo-*.whl 2>/dev/null | head -n 1)}"
+if [ -z "$wheel" ] || [ ! -f "$wheel" ]; then
+    echo "[oldest] no drmoo wheel in dist/: run scripts/setup_env.sh (or scripts/test.sh) first, or set DRMOO_WHEEL" >&2
+    exit 1
+fi
+echo "[oldest] installing $(basename "$wheel") (built against the pinned torch; not rebuilt here)"
+"$venv/bin/pip" install --quiet --no-deps --force-reinstall "$wheel"
+# The stable-ABI build must load under this torch: the `cpp` backend is required, not merely reported.
+backends=$(cd / && "$venv_python" -c '
+import drmoo_kernels as k
+available = k.available_backends()
+assert "cpp" in available, "the cpp backend is not available here: " + str(k.why_unavailable("cpp"))
+print(", ".join(available))')
+echo "[oldest] drmoo installed; backends available here: $backends"
 
 echo "[oldest] pytest: ops, autograd plumbing, optimizers"
 # As in scripts/test.sh: the pytest entry point keeps the checkout off sys.path, so the tests

@@ -148,6 +148,92 @@ def test_a_compile_error_is_one_line_and_nothing_is_installed(tmp_path: Path) ->
     assert failed.returncode != 0
 
 
+def test_the_stable_abi_build_targets_the_oldest_supported_torch() -> None:
+    """drmoo_kernels._C is compiled for the stable ABI of torch MIN_TORCH (README, "One build for every
+    supported torch"): the same number in setup.py's compiler flags, its marker and drmoo_kernels._compat."""
+    from drmoo_kernels._compat import MIN_TORCH
+
+    assert SETUP.STABLE_ABI_TARGET == ".".join(map(str, MIN_TORCH)) == "2.11"
+    flags = SETUP.stable_abi_flags()
+    assert "-DTORCH_TARGET_VERSION=0x020b000000000000" in flags  # torch/headeronly/version.h's packing of 2.11.0
+    assert '-DDRMOO_STABLE_TARGET="2.11"' in flags
+    assert SETUP.stable_abi_flags("2.13") == ["-DTORCH_TARGET_VERSION=0x020d000000000000",
+                                              '-DDRMOO_STABLE_TARGET="2.13"']
+    assert SETUP.stable_abi_problem("2.14.1+cu130") is None and SETUP.stable_abi_problem("2.11.0") is None
+    assert "older than 2.11" in SETUP.stable_abi_problem("2.10.2")
+
+
+def test_the_oldest_torch_leg_installs_the_first_legs_wheel_instead_of_rebuilding() -> None:
+    """The CI proof of "one build for every supported torch" (.ci/run): leg 1 builds the wheel against the
+    pinned torch, leg 2 installs that file beside torch 2.11 -- no compile -- and requires the cpp backend."""
+    setup_env = (REPO / "scripts" / "setup_env.sh").read_text()
+    assert '"$venv/bin/pip" wheel --quiet --no-build-isolation --no-deps --wheel-dir "$wheels" .' in setup_env
+    oldest = (REPO / "scripts" / "test_oldest.sh").read_text()
+    assert 'install --quiet --no-deps --force-reinstall "$wheel"' in oldest
+    assert "--no-build-isolation" not in oldest and "setup.py" not in oldest  # nothing is built there
+    assert 'assert "cpp" in available' in oldest
+    ci = (REPO / ".ci" / "run").read_text()
+    assert ci.index("bash scripts/test.sh") < ci.index("bash scripts/test_oldest.sh")
+
+
+def test_stale_per_python_builds_are_found_for_removal(tmp_path: Path) -> None:
+    """Python imports _C.cpython-311-*.so before _C.abi3.so: an in-place build from before the stable-ABI
+    port would shadow the new one, so build_ext --inplace removes it (and only it)."""
+    for name in ("_C.cpython-311-x86_64-linux-gnu.so", "_C_cuda.cpython-312-x86_64-linux-gnu.so", "_C.abi3.so",
+                 "_C_cuda.abi3.so", "other.cpython-311-x86_64-linux-gnu.so"):
+        (tmp_path / name).write_bytes(b"")
+    found = [Path(path).name for path in SETUP.shadowing_builds(str(tmp_path))]
+    assert found == ["_C.cpython-311-x86_64-linux-gnu.so", "_C_cuda.cpython-312-x86_64-linux-gnu.so"]
+
+
+def test_only_csrc_cuda_goes_into_the_cuda_extension() -> None:
+    assert SETUP._is_cuda_source("csrc/cuda/module.cpp") and not SETUP._is_cuda_source("csrc/cpu/gram_cpu.cpp")
+    assert not SETUP._is_cuda_source("csrc/ops.cpp")
+
+
+def test_a_cuda_compile_error_costs_only_the_cuda_kernels(tmp_path: Path) -> None:
+    """A GPU machine whose nvcc cannot compile: one line, and the stable CPU extension is still built.
+
+    The compilers are stand-ins (nothing real is compiled): a C++ "compiler" that reports a gcc version
+    (torch checks it, and its name) and writes the object, depfile or library it is asked for, and an nvcc that
+    answers --version and fails everything else.
+    """
+    fake_cxx = tmp_path / "fake-g++"  # "g++" in the name: torch accepts it as gcc
+    fake_cxx.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *--version*) echo "fake 1.0"; exit 0;; *-dumpfullversion*|*-dumpversion*) echo 12.2.0; exit 0;; '
+        "esac\n"
+        'out=""; dep=""; prev=""\n'
+        'for a in "$@"; do [ "$prev" = -o ] && out="$a"; [ "$prev" = -MF ] && dep="$a"; prev="$a"; done\n'
+        '[ -n "$out" ] && : > "$out"; [ -n "$dep" ] && echo "$out:" > "$dep"\n'
+        "exit 0\n")
+    cuda_home = tmp_path / "cuda"
+    (cuda_home / "bin").mkdir(parents=True)
+    (cuda_home / "include").mkdir()
+    (cuda_home / "lib64").mkdir()
+    (cuda_home / "lib64" / "libcudart.so").write_bytes(b"")
+    fake_nvcc = cuda_home / "bin" / "nvcc"
+    import torch
+
+    release = torch.version.cuda or "13.0"
+    fake_nvcc.write_text(f'#!/bin/sh\ncase "$*" in *--version*) echo "Cuda compilation tools, release {release}, '
+                         f'V{release}.0"; exit 0;; esac\necho "nvcc: cannot compile" >&2\nexit 1\n')
+    for tool in (fake_cxx, fake_nvcc):
+        tool.chmod(0o755)
+    if torch.version.cuda is None:
+        pytest.skip("a CPU-only torch builds no CUDA extension")
+    out = tmp_path / "out"
+    env = {"DRMOO_BUILD_KERNELS": "", "DRMOO_BUILD_CUDA": "1", "CUDA_HOME": str(cuda_home), "CC": str(fake_cxx),
+           "CXX": str(fake_cxx), "MAX_JOBS": "1"}
+    done = _run_setup(["build_ext", "--build-lib", str(out), "--build-temp", str(tmp_path / "tmp")], env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = _drmoo_lines(done.stderr)
+    assert any(line.startswith("drmoo: the CUDA kernels (drmoo_kernels._C_cuda) were skipped: compiling csrc/cuda "
+                               "failed (") for line in lines), done.stderr[-3000:]
+    assert not any("the fused kernels" in line for line in lines)
+    assert [p.name for p in out.rglob("_C*.so")] == ["_C.abi3.so"]
+
+
 # ------------------------------------------------------------------------------------------- metadata
 def _pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())

@@ -1,44 +1,104 @@
-// Helpers shared by the CPU kernels: scheduling of fixed-size tasks on the ATen thread pool, and
-// direct access to the small per-task vectors (eta, w, z) and 0-d scalars (mu, lr).
+// Helpers shared by the CPU kernels, which are written against torch's LibTorch stable ABI
+// (torch::stable::Tensor, torch/headeronly; built with TORCH_TARGET_VERSION = the oldest supported
+// torch, see setup.py): the dtype switch, the math dtype, scheduling of fixed-size tasks on torch's
+// thread pool, and direct access to the small per-task vectors (eta, w, z) and 0-d scalars (mu, lr).
 //
-// Why not plain at::parallel_for(0, tasks, 1, ...) and tensor conversions: the ops are called once
+// Why not plain parallel_for(0, tasks, 1, ...) and tensor conversions: the ops are called once
 // per optimizer step, often on small inputs, on machines whose cores may be shared.
 //   - A parallel region costs ~5-20 us of thread wake-up and join on an idle machine, and up to a
 //     scheduler time slice (milliseconds) when the other core is busy, because the join waits for
 //     the slowest thread.  Small work therefore runs inline on the calling thread.
-//   - at::parallel_for splits the range statically, so a descheduled thread holds half of the work
+//   - parallel_for splits the range statically, so a descheduled thread holds half of the work
 //     hostage.  run_tasks lets the threads claim tasks one at a time instead.
-//   - Every ATen op (.to(kDouble), .copy_, .item) costs 1-5 us of dispatch and allocation; for the
-//     m-element vectors a loop over the data pointer costs nanoseconds.
+//   - Every torch op (to(kDouble), copy_, item) costs 1-5 us of dispatch and allocation, more through
+//     the stable ABI's boxed calls; for the m-element vectors a loop over the data pointer costs
+//     nanoseconds.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <initializer_list>
+#include <vector>
 
 #include "../checks.h"
 
 namespace drmoo {
 
+using Tensor = torch::stable::Tensor;
+using Half = torch::headeronly::Half;
+using BFloat16 = torch::headeronly::BFloat16;
+
+// The math dtype of a storage dtype: float16/bfloat16 compute in float32 (at::opmath_type, which
+// the stable ABI does not offer).
+template <typename T>
+struct OpMath {
+  using type = T;
+};
+template <>
+struct OpMath<Half> {
+  using type = float;
+};
+template <>
+struct OpMath<BFloat16> {
+  using type = float;
+};
+template <typename T>
+using opmath_t = typename OpMath<T>::type;
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls body(TypeTag<scalar_t>{}) for the four floating dtypes; the callers validated the dtype
+// (check_float), so another one here is a bug of the caller, reported as such.
+template <typename Body>
+void dispatch_floating(ScalarType type, const char* op, const Body& body) {
+  switch (type) {
+    case ScalarType::Float:
+      return body(TypeTag<float>{});
+    case ScalarType::Double:
+      return body(TypeTag<double>{});
+    case ScalarType::Half:
+      return body(TypeTag<Half>{});
+    case ScalarType::BFloat16:
+      return body(TypeTag<BFloat16>{});
+    default:
+      throw std::runtime_error(message::concat("drmoo.", op, ": no CPU kernel for dtype ", dtype_str(type)));
+  }
+}
+
 // Runs body(t) once for every t in [0, tasks).  Uses more than one thread only when every thread
 // gets at least `min_tasks_per_thread` tasks.  Threads claim tasks dynamically; since each task
 // writes its own partial results and the caller combines them in task order, the results do not
 // depend on which thread ran which task, nor on the thread count.
+//
+// Nesting: the regular-API version of this function also ran inline when called inside a parallel
+// region (at::in_parallel_region(), which the stable ABI does not offer).  That was a shortcut, not
+// a correctness condition: torch::stable::parallel_for is at::parallel_for, which itself runs the
+// body inline, as one call over the whole range, when it is entered from inside a parallel region.
+// The body below ignores its range and drains the shared task queue, so one inline call runs every
+// task exactly once, in task order -- the same tasks, partial sums and results as any thread
+// count.  (No kernel here calls run_tasks from inside a task; a nested call can only come from a
+// caller that runs a drmoo op inside its own parallel_for.)
 template <typename Body>
 void run_tasks(int64_t tasks, int64_t min_tasks_per_thread, const Body& body) {
   const int64_t per_thread = std::max<int64_t>(1, min_tasks_per_thread);
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks / per_thread);
-  if (threads <= 1 || at::in_parallel_region()) {
+  const int64_t threads =
+      std::min<int64_t>(static_cast<int64_t>(torch::stable::get_num_threads()), tasks / per_thread);
+  if (threads <= 1) {
     for (int64_t t = 0; t < tasks; ++t) body(t);
     return;
   }
   std::atomic<int64_t> next{0};
   // One range element per thread: the lambda runs once on each thread and drains the shared queue.
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  torch::stable::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks;
          t = next.fetch_add(1, std::memory_order_relaxed)) {
       body(t);
@@ -52,10 +112,11 @@ inline int64_t tasks_for(int64_t min_units, int64_t task_size) {
 }
 
 // out[i] = float64(t[i]) for a 1-D floating CPU tensor of any stride.
-inline void read_f64(const at::Tensor& t, double* out) {
+inline void read_f64(const Tensor& t, double* out) {
   const int64_t count = t.numel();
   const int64_t stride = t.dim() == 0 ? 0 : t.stride(0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "drmoo_read_f64", [&] {
+  dispatch_floating(t.scalar_type(), "read_f64", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
     const scalar_t* src = t.const_data_ptr<scalar_t>();
     for (int64_t i = 0; i < count; ++i) out[i] = static_cast<double>(src[i * stride]);
   });
@@ -63,23 +124,57 @@ inline void read_f64(const at::Tensor& t, double* out) {
 
 // t[i] = values[i] for a 1-D floating CPU tensor, converted as copy_ converts (static_cast: round to
 // nearest; exact for work copies the kernels already rounded with round_to).
-inline void write_f64(at::Tensor& t, const double* values) {
+inline void write_f64(const Tensor& t, const double* values) {
   const int64_t count = t.numel();
   const int64_t stride = t.dim() == 0 ? 0 : t.stride(0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "drmoo_write_f64", [&] {
+  dispatch_floating(t.scalar_type(), "write_f64", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
     scalar_t* dst = t.mutable_data_ptr<scalar_t>();
     for (int64_t i = 0; i < count; ++i) dst[i * stride] = static_cast<scalar_t>(values[i]);
   });
 }
 
 // The value of a one-element tensor (mu, lr) as float64.
-inline double scalar_f64(const char* op, const char* name, const at::Tensor& t) {
-  DRMOO_CHECK_VALUE(t.numel() == 1, "drmoo.", op, ": ", name, " must hold one value, got shape ", shape_str(t));
-  const at::ScalarType type = t.scalar_type();
-  if (t.is_cpu() && (type == at::kDouble || type == at::kFloat)) {
-    return type == at::kDouble ? *t.const_data_ptr<double>() : static_cast<double>(*t.const_data_ptr<float>());
+inline double scalar_f64(const char* op, const char* name, const Tensor& t) {
+  check_one_value(op, name, t);
+  const ScalarType type = t.scalar_type();
+  if (t.is_cpu() && is_supported_float(type)) {
+    double value = 0.0;
+    read_f64(t, &value);
+    return value;
   }
-  return t.item<double>();  // other dtypes or devices: the general (slower) path
+  // other dtypes or devices: a float64 CPU copy (the slower path)
+  const Tensor copy = torch::stable::to(t, ScalarType::Double, std::nullopt, torch::stable::Device(DeviceType::CPU));
+  return *copy.const_data_ptr<double>();
+}
+
+// A new contiguous CPU tensor of the given shape in a math dtype (float32 or float64).
+// Through the C shim's aoti_torch_empty_strided (part of the stable C ABI that
+// torch::stable::Tensor itself is built on) rather than torch::stable::empty, which boxes its
+// arguments and goes through the dispatcher: measured here, that costs ~4 us per tensor, more than
+// the small ops' own work, and every op allocates one to three outputs per optimizer step.
+inline Tensor new_cpu_tensor(std::initializer_list<int64_t> shape, ScalarType dtype) {
+  const std::vector<int64_t> sizes(shape);
+  std::vector<int64_t> strides(sizes.size(), 1);
+  for (size_t k = sizes.size(); k-- > 1;) strides[k - 1] = strides[k] * std::max<int64_t>(sizes[k], 1);
+  DRMOO_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double,
+              "drmoo: the CPU kernels allocate float32 or float64 outputs, not ", dtype_str(dtype));
+  const int32_t code = dtype == ScalarType::Double ? aoti_torch_dtype_float64() : aoti_torch_dtype_float32();
+  AtenTensorHandle handle = nullptr;
+  const AOTITorchError status = aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
+                                                         strides.data(), code, aoti_torch_device_type_cpu(), 0,
+                                                         &handle);
+  DRMOO_CHECK(status == AOTI_TORCH_SUCCESS, "drmoo: allocating a CPU tensor failed");
+  return Tensor(handle);
+}
+
+// The CPU kernels read J row by row with unit stride: a J whose columns are not adjacent is copied.
+inline Tensor with_unit_column_stride(const Tensor& J) {
+  return J.stride(1) == 1 ? J : torch::stable::contiguous(J);
+}
+
+inline void check_cpu(const char* op, const Tensor& t) {
+  DRMOO_CHECK(t.is_cpu(), "drmoo.", op, ": the CPU kernel got tensors on ", device_str(t.device()));
 }
 
 }  // namespace drmoo

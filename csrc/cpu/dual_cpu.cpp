@@ -1,12 +1,11 @@
 // CPU kernels of dual_forward and dual_step: one pass over the [B, m] losses per eta value.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+// Written against torch's stable ABI (see cpu_util.h).
+#include <torch/csrc/stable/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "../checks.h"
@@ -66,38 +65,58 @@ void dual_pass(const scalar_t* losses, const acc_t* sample_weight, int64_t batch
   }
 }
 
-DualInputs prepare(const char* op, const at::Tensor& losses, const at::Tensor& eta,
-                   const c10::optional<at::Tensor>& sample_weight, int64_t code, double param, double lam) {
-  DRMOO_CHECK(losses.device().is_cpu(), "drmoo.", op, ": the CPU kernel got tensors on ",
-              device_str(losses.device()));
-  return prepare_dual_inputs(op, losses, eta, sample_weight, code, param, lam);
+// The dual ops' inputs after validation: losses with contiguous rows, the math dtype, and the
+// sample weights (if any) converted to the math dtype, as the reference converts them before use.
+struct DualInputs {
+  Tensor losses;
+  std::optional<Tensor> sample_weight;
+  ScalarType acc;
+};
+
+DualInputs prepare(const char* op, const Tensor& losses, const Tensor& eta, const std::optional<Tensor>& sample_weight,
+                   int64_t code, double param, double lam) {
+  check_cpu(op, losses);
+  check_dual_inputs(op, losses, eta, sample_weight.has_value() ? &*sample_weight : nullptr, code, param, lam);
+  DualInputs in{losses.is_contiguous() ? losses : torch::stable::contiguous(losses), std::nullopt,
+                acc_dtype(losses.scalar_type())};
+  if (sample_weight.has_value()) {
+    const Tensor& given = *sample_weight;
+    in.sample_weight = given.scalar_type() == in.acc && given.is_contiguous()
+                           ? given
+                           : torch::stable::contiguous(torch::stable::to(given, in.acc));
+  }
+  return in;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_forward_cpu(const at::Tensor& losses_in, const at::Tensor& eta,
-                                                                double lam, double scale, int64_t code,
-                                                                double param,
-                                                                const c10::optional<at::Tensor>& sample_weight) {
+// The sample weights' data in the math dtype, or nullptr when there are none.
+template <typename acc_t>
+const acc_t* weights_ptr(const DualInputs& in) {
+  return in.sample_weight.has_value() ? in.sample_weight->const_data_ptr<acc_t>() : nullptr;
+}
+
+std::tuple<Tensor, Tensor, Tensor> dual_forward_cpu(const Tensor& losses_in, const Tensor& eta, double lam,
+                                                    double scale, int64_t code, double param,
+                                                    const std::optional<Tensor>& sample_weight) {
   DualInputs in = prepare("dual_forward", losses_in, eta, sample_weight, code, param, lam);
   const int64_t batch = in.losses.size(0), m = in.losses.size(1);
-  const auto options = in.losses.options().dtype(in.acc);
-  at::Tensor objective = at::empty({m}, options);
-  at::Tensor grad_eta = at::empty({m}, options);
-  at::Tensor weights = at::empty({batch, m}, options);
+  Tensor objective = new_cpu_tensor({m}, in.acc);
+  Tensor grad_eta = new_cpu_tensor({m}, in.acc);
+  Tensor weights = new_cpu_tensor({batch, m}, in.acc);
   std::vector<double> eta64(m);
   read_f64(eta, eta64.data());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.losses.scalar_type(), "drmoo_dual_forward_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
+  dispatch_floating(in.losses.scalar_type(), "dual_forward", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    using acc_t = opmath_t<scalar_t>;
     const auto div = make_divergence<acc_t>(code, param);
     std::vector<double> sum_grad(m), sum_conj(m);
     // eta in the math dtype, rounded once as the reference's eta.to(acc) rounds it
     std::vector<acc_t> eta_acc(eta64.begin(), eta64.end());
     const acc_t* eta_ptr = eta_acc.data();
-    dual_pass<scalar_t, acc_t>(in.losses.data_ptr<scalar_t>(),
-                               in.sample_weight.defined() ? in.sample_weight.data_ptr<acc_t>() : nullptr, batch, m,
-                               eta_ptr, static_cast<acc_t>(lam), static_cast<acc_t>(scale), div, sum_grad.data(),
-                               sum_conj.data(), weights.data_ptr<acc_t>());
-    acc_t* obj = objective.data_ptr<acc_t>();
-    acc_t* z = grad_eta.data_ptr<acc_t>();
+    dual_pass<scalar_t, acc_t>(in.losses.const_data_ptr<scalar_t>(), weights_ptr<acc_t>(in), batch, m, eta_ptr,
+                               static_cast<acc_t>(lam), static_cast<acc_t>(scale), div, sum_grad.data(),
+                               sum_conj.data(), weights.mutable_data_ptr<acc_t>());
+    acc_t* obj = objective.mutable_data_ptr<acc_t>();
+    acc_t* z = grad_eta.mutable_data_ptr<acc_t>();
     for (int64_t i = 0; i < m; ++i) {
       const acc_t mean_conj = static_cast<acc_t>(sum_conj[i] / static_cast<double>(batch));
       const acc_t mean_grad = static_cast<acc_t>(sum_grad[i] / static_cast<double>(batch));
@@ -108,29 +127,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_forward_cpu(const at::Tensor
   return {objective, grad_eta, weights};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_step_cpu(const at::Tensor& losses_in, at::Tensor& eta,
-                                                             const at::Tensor& w, double lam, double scale,
-                                                             int64_t code, double param, double gamma, double f1,
-                                                             double f2,
-                                                             const c10::optional<at::Tensor>& sample_weight) {
+// eta is declared mutated (Tensor(a!)): its values are written through its data pointer.
+std::tuple<Tensor, Tensor, Tensor> dual_step_cpu(const Tensor& losses_in, const Tensor& eta, const Tensor& w,
+                                                 double lam, double scale, int64_t code, double param, double gamma,
+                                                 double f1, double f2, const std::optional<Tensor>& sample_weight) {
   DualInputs in = prepare("dual_step", losses_in, eta, sample_weight, code, param, lam);
   const int64_t batch = in.losses.size(0), m = in.losses.size(1);
   check_vector("dual_step", "w", w, m, in.losses);
-  const auto options = in.losses.options().dtype(in.acc);
-  at::Tensor z_out = at::empty({m}, options);
-  at::Tensor mu_out = at::empty({}, options);
-  at::Tensor weights = at::empty({batch, m}, options);
+  Tensor z_out = new_cpu_tensor({m}, in.acc);
+  Tensor mu_out = new_cpu_tensor({}, in.acc);
+  Tensor weights = new_cpu_tensor({batch, m}, in.acc);
   // eta is updated through a float64 copy whose values are rounded to eta's dtype at each write,
   // i.e. exactly the values an in-place update of eta itself would hold.
   std::vector<double> eta_work(m), w_work(m);
   read_f64(eta, eta_work.data());
   read_f64(w, w_work.data());
   const int eta_code = storage_code(eta.scalar_type());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.losses.scalar_type(), "drmoo_dual_step_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
+  dispatch_floating(in.losses.scalar_type(), "dual_step", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    using acc_t = opmath_t<scalar_t>;
     const auto div = make_divergence<acc_t>(code, param);
-    const scalar_t* losses = in.losses.data_ptr<scalar_t>();
-    const acc_t* omega = in.sample_weight.defined() ? in.sample_weight.data_ptr<acc_t>() : nullptr;
+    const scalar_t* losses = in.losses.const_data_ptr<scalar_t>();
+    const acc_t* omega = weights_ptr<acc_t>(in);
     double* eta64 = eta_work.data();
     const double* w64 = w_work.data();
     std::vector<acc_t> eta_acc(m), direction(m);
@@ -140,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_step_cpu(const at::Tensor& l
     // Steps 1-2: z at eta_t, the clipped step mu, eta_{t+1}.
     dual_pass<scalar_t, acc_t>(losses, omega, batch, m, eta_acc.data(), static_cast<acc_t>(lam),
                                static_cast<acc_t>(scale), div, sum_grad.data(), nullptr, nullptr);
-    acc_t* z = z_out.data_ptr<acc_t>();
+    acc_t* z = z_out.mutable_data_ptr<acc_t>();
     double norm_sq = 0.0;
     for (int64_t i = 0; i < m; ++i) {
       const acc_t mean_grad = static_cast<acc_t>(sum_grad[i] / static_cast<double>(batch));
@@ -150,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_step_cpu(const at::Tensor& l
     }
     const acc_t mu = clip_factor(static_cast<acc_t>(f1), static_cast<acc_t>(f2),
                                  static_cast<acc_t>(std::sqrt(norm_sq)));
-    *mu_out.data_ptr<acc_t>() = mu;
+    *mu_out.mutable_data_ptr<acc_t>() = mu;
     const acc_t step = static_cast<acc_t>(gamma) * mu;
     for (int64_t i = 0; i < m; ++i) {
       const double update = round_to(eta_code, static_cast<double>(step * direction[i]));
@@ -161,7 +179,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_step_cpu(const at::Tensor& l
     // Step 3's weights at eta_{t+1}.
     dual_pass<scalar_t, acc_t>(losses, omega, batch, m, eta_acc.data(), static_cast<acc_t>(lam),
                                static_cast<acc_t>(scale), div, sum_grad.data(), nullptr,
-                               weights.data_ptr<acc_t>());
+                               weights.mutable_data_ptr<acc_t>());
   });
   write_f64(eta, eta_work.data());
   return {z_out, mu_out, weights};
@@ -169,9 +187,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_step_cpu(const at::Tensor& l
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(drmoo, CPU, m) {
-  m.impl("dual_forward", &dual_forward_cpu);
-  m.impl("dual_step", &dual_step_cpu);
+STABLE_TORCH_LIBRARY_IMPL(drmoo, CPU, m) {
+  m.impl("dual_forward", TORCH_BOX(&dual_forward_cpu));
+  m.impl("dual_step", TORCH_BOX(&dual_step_cpu));
 }
 
 }  // namespace drmoo

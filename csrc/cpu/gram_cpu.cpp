@@ -8,13 +8,11 @@
 // combine: one pass over J and the parameters, params -= lr * J^T w in the math dtype.
 // gram_step: gram, the m x m work on the host (drmoo_math.h), then combine unless the Gram is not
 // finite, in which case nothing is written.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+// Written against torch's stable ABI (see cpu_util.h).
+#include <torch/csrc/stable/library.h>
 
 #include <algorithm>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -85,7 +83,7 @@ void combine_columns(const scalar_t* J_cols, int64_t ld, int64_t m, const acc_t*
 // The m(m+1)/2 Gram entries of J (row stride ld) as float64 sums.
 template <typename scalar_t>
 std::vector<double> gram_sums(const scalar_t* J, int64_t ld, int64_t m, int64_t n) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = opmath_t<scalar_t>;
   constexpr bool convert = !std::is_same_v<scalar_t, acc_t>;
   const int64_t pairs = m * (m + 1) / 2;
   const int64_t cols = chunk_columns(m, sizeof(acc_t));
@@ -143,19 +141,21 @@ struct CombineTask {
 // params -= lr * J^T w (J's columns follow the parameters' order), in one parallel region over
 // fixed column blocks of all parameters: one fork/join per call instead of one per parameter.
 template <typename scalar_t>
-void combine_impl(const scalar_t* J, int64_t ld, int64_t m, const std::vector<at::opmath_type<scalar_t>>& w,
-                  at::TensorList params, at::opmath_type<scalar_t> lr) {
+void combine_impl(const scalar_t* J, int64_t ld, int64_t m, const std::vector<opmath_t<scalar_t>>& w,
+                  const std::vector<Tensor>& params, opmath_t<scalar_t> lr) {
   // A non-contiguous parameter is updated through a contiguous copy that is written back.
-  std::vector<at::Tensor> targets;
+  std::vector<Tensor> targets;
+  std::vector<bool> copied(params.size(), false);
   std::vector<scalar_t*> outs(params.size());
   std::vector<int64_t> offsets(params.size());
   std::vector<CombineTask> tasks;
   targets.reserve(params.size());
   int64_t offset = 0;
   for (size_t k = 0; k < params.size(); ++k) {
-    const at::Tensor& param = params[k];
+    const Tensor& param = params[k];
     const int64_t count = param.numel();
-    targets.push_back(count == 0 || param.is_contiguous() ? param : param.contiguous());
+    copied[k] = count != 0 && !param.is_contiguous();
+    targets.push_back(copied[k] ? torch::stable::contiguous(param) : param);
     outs[k] = count == 0 ? nullptr : targets.back().mutable_data_ptr<scalar_t>();
     offsets[k] = offset;
     for (int64_t first = 0; first < count; first += kCombineGrain) {
@@ -172,65 +172,79 @@ void combine_impl(const scalar_t* J, int64_t ld, int64_t m, const std::vector<at
     combine_columns(J + offsets[task.param], ld, m, w.data(), lr, outs[task.param], task.first, task.last);
   });
   for (size_t k = 0; k < params.size(); ++k) {
-    if (!targets[k].is_same(params[k])) params[k].copy_(targets[k]);
+    if (copied[k]) {
+      Tensor param = params[k];
+      torch::stable::copy_(param, targets[k]);
+    }
   }
 }
 
 // A small CPU vector (w, z: one value per task) in the math dtype, read in place.
 template <typename acc_t>
-std::vector<acc_t> to_acc_vector(const at::Tensor& t) {
+std::vector<acc_t> to_acc_vector(const Tensor& t) {
   std::vector<double> values(static_cast<size_t>(t.numel()));
   read_f64(t, values.data());
   return std::vector<acc_t>(values.begin(), values.end());
 }
 
-void check_cpu(const char* op, const at::Tensor& J) {
-  DRMOO_CHECK(J.device().is_cpu(), "drmoo.", op, ": the CPU kernel got tensors on ", device_str(J.device()));
+// A 0-d float32 CPU tensor holding `value` (as at::scalar_tensor rounds it).
+Tensor float_scalar(double value) {
+  Tensor out = new_cpu_tensor({}, ScalarType::Float);
+  *out.mutable_data_ptr<float>() = static_cast<float>(value);
+  return out;
 }
 
-at::Tensor gram_cpu(const at::Tensor& J_in) {
-  const at::Tensor J = check_jacobian("gram", J_in);
-  check_cpu("gram", J);
+// J validated for `op`, with rows of unit column stride.
+Tensor cpu_jacobian(const char* op, const Tensor& J) {
+  check_jacobian(op, J);
+  check_cpu(op, J);
+  return with_unit_column_stride(J);
+}
+
+Tensor gram_cpu(const Tensor& J_in) {
+  const Tensor J = cpu_jacobian("gram", J_in);
   const int64_t m = J.size(0), n = J.size(1);
-  at::Tensor out = at::empty({m, m}, J.options().dtype(acc_dtype(J.scalar_type())));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, J.scalar_type(), "drmoo_gram_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    fill_gram(gram_sums(J.data_ptr<scalar_t>(), J.stride(0), m, n), m, out.data_ptr<acc_t>());
+  Tensor out = new_cpu_tensor({m, m}, acc_dtype(J.scalar_type()));
+  dispatch_floating(J.scalar_type(), "gram", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    using acc_t = opmath_t<scalar_t>;
+    fill_gram(gram_sums(J.const_data_ptr<scalar_t>(), J.stride(0), m, n), m, out.mutable_data_ptr<acc_t>());
   });
   return out;
 }
 
-void combine_cpu(const at::Tensor& J_in, const at::Tensor& w, at::TensorList params, const at::Tensor& lr) {
-  const at::Tensor J = check_jacobian("combine", J_in);
-  check_cpu("combine", J);
+// params are declared mutated (Tensor(a!)[]): their values are written through their data pointers.
+void combine_cpu(const Tensor& J_in, const Tensor& w, const std::vector<Tensor>& params, const Tensor& lr) {
+  const Tensor J = cpu_jacobian("combine", J_in);
   const int64_t m = J.size(0);
   check_vector("combine", "w", w, m, J);
   check_params("combine", J, params);
   const double lr_value = scalar_f64("combine", "lr", lr);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, J.scalar_type(), "drmoo_combine_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    combine_impl<scalar_t>(J.data_ptr<scalar_t>(), J.stride(0), m, to_acc_vector<acc_t>(w), params,
+  dispatch_floating(J.scalar_type(), "combine", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    using acc_t = opmath_t<scalar_t>;
+    combine_impl<scalar_t>(J.const_data_ptr<scalar_t>(), J.stride(0), m, to_acc_vector<acc_t>(w), params,
                            static_cast<acc_t>(lr_value));
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gram_step_cpu(const at::Tensor& J_in, at::Tensor& w,
-                                                             at::TensorList params, double gamma, double c1,
-                                                             double c2, double beta, double rho,
-                                                             const at::Tensor& mu, const at::Tensor& z) {
-  const at::Tensor J = check_jacobian("gram_step", J_in);
-  check_cpu("gram_step", J);
+// w and params are declared mutated (Tensor(a!), Tensor(b!)[]).
+std::tuple<Tensor, Tensor, Tensor> gram_step_cpu(const Tensor& J_in, const Tensor& w, const std::vector<Tensor>& params,
+                                                 double gamma, double c1, double c2, double beta, double rho,
+                                                 const Tensor& mu, const Tensor& z) {
+  const Tensor J = cpu_jacobian("gram_step", J_in);
   const int64_t m = J.size(0), n = J.size(1);
   check_vector("gram_step", "w", w, m, J);
   check_vector("gram_step", "z", z, m, J);
   check_params("gram_step", J, params);
   const double mu_value = scalar_f64("gram_step", "mu", mu);
-  at::Tensor gram = at::empty({m, m}, J.options().dtype(acc_dtype(J.scalar_type())));
+  Tensor gram = new_cpu_tensor({m, m}, acc_dtype(J.scalar_type()));
   GramStepResult result{};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, J.scalar_type(), "drmoo_gram_step_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* J_ptr = J.data_ptr<scalar_t>();
-    acc_t* G = gram.data_ptr<acc_t>();
+  dispatch_floating(J.scalar_type(), "gram_step", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    using acc_t = opmath_t<scalar_t>;
+    const scalar_t* J_ptr = J.const_data_ptr<scalar_t>();
+    acc_t* G = gram.mutable_data_ptr<acc_t>();
     fill_gram(gram_sums(J_ptr, J.stride(0), m, n), m, G);
 
     // The m x m work in float64 on the Gram's rounded values, as the reference does.
@@ -245,16 +259,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gram_step_cpu(const at::Tensor& J
     combine_impl<scalar_t>(J_ptr, J.stride(0), m, w_acc, params, static_cast<acc_t>(gamma * result.alpha));
     write_f64(w, w64.data());  // rounds to w's dtype like the reference's copy_
   });
-  const auto scalar_options = J.options().dtype(at::kFloat);
-  return {gram, at::scalar_tensor(result.d_norm, scalar_options), at::scalar_tensor(result.alpha, scalar_options)};
+  return {gram, float_scalar(result.d_norm), float_scalar(result.alpha)};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(drmoo, CPU, m) {
-  m.impl("gram", &gram_cpu);
-  m.impl("combine", &combine_cpu);
-  m.impl("gram_step", &gram_step_cpu);
+STABLE_TORCH_LIBRARY_IMPL(drmoo, CPU, m) {
+  m.impl("gram", TORCH_BOX(&gram_cpu));
+  m.impl("combine", TORCH_BOX(&combine_cpu));
+  m.impl("gram_step", TORCH_BOX(&gram_step_cpu));
 }
 
 }  // namespace drmoo

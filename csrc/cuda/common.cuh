@@ -1,5 +1,10 @@
 // Helpers shared by the CUDA kernels.
 //
+// The CUDA kernels (drmoo_kernels._C_cuda) are written against torch's regular C++ API (at::Tensor,
+// c10's CUDA guard and stream, TORCH_LIBRARY_IMPL), so a build loads only under the torch it was
+// compiled with; the CPU kernels and the schemas (drmoo_kernels._C) use the stable ABI.  README,
+// "One build for every supported torch", says why the CUDA host code was not ported yet.
+//
 // Only c10/cuda headers: ATen/cuda/CUDAContext.h would pull in cuBLAS/cuSPARSE headers, which a
 // minimal CUDA toolkit (nvcc + runtime, as on the CI machines) does not ship.
 #pragma once
@@ -91,6 +96,13 @@ inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().
 
 inline void check_cuda(const char* op, const at::Tensor& t) {
   DRMOO_CHECK(t.is_cuda(), "drmoo.", op, ": the CUDA kernel got tensors on ", device_str(t.device()));
+}
+
+// J validated for `op`, with rows of unit column stride (the kernels step between rows by stride(0)).
+inline at::Tensor cuda_jacobian(const char* op, const at::Tensor& J) {
+  check_jacobian(op, J);
+  check_cuda(op, J);
+  return J.stride(1) == 1 ? J : J.contiguous();
 }
 
 // A small tensor (a vector or one value) read or written in its own dtype by a kernel, so that the

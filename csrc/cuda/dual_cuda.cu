@@ -201,10 +201,22 @@ __global__ void __launch_bounds__(kThreads)
 
 bool use_fused(int64_t batch, int64_t m) { return m <= kFusedThreads && batch * m <= kFusedMaxElements; }
 
+// The dual ops' inputs after validation: losses with contiguous rows, the math dtype, and the
+// sample weights (if any) converted to the math dtype, as the reference converts them before use.
+struct DualInputs {
+  at::Tensor losses, sample_weight;
+  at::ScalarType acc;
+};
+
 DualInputs prepare(const char* op, const at::Tensor& losses, const at::Tensor& eta,
                    const c10::optional<at::Tensor>& sample_weight, int64_t code, double param, double lam) {
   check_cuda(op, losses);
-  return prepare_dual_inputs(op, losses, eta, sample_weight, code, param, lam);
+  check_dual_inputs(op, losses, eta, sample_weight.has_value() ? &*sample_weight : nullptr, code, param, lam);
+  DualInputs in;
+  in.losses = losses.contiguous();  // no copy (and no ATen call beyond a flag check) when contiguous
+  in.acc = acc_dtype(losses.scalar_type());
+  if (sample_weight.has_value()) in.sample_weight = sample_weight->to(in.acc).contiguous();
+  return in;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_forward_cuda(const at::Tensor& losses_in, const at::Tensor& eta,

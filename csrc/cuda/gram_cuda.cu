@@ -641,8 +641,7 @@ void launch_update(const at::Tensor& J, at::TensorList params, const UpdateArgs&
 // -------------------------------------------------------------------------------------------- ops
 at::Tensor gram_cuda(const at::Tensor& J_in) {
   const c10::cuda::OptionalCUDAGuard guard(J_in.device());
-  const at::Tensor J = check_jacobian("gram", J_in);
-  check_cuda("gram", J);
+  const at::Tensor J = cuda_jacobian("gram", J_in);
   const int64_t m = J.size(0);
   at::Tensor out = at::empty({m, m}, J.options().dtype(acc_dtype(J.scalar_type())));
   const cudaStream_t stream = current_stream();
@@ -662,11 +661,10 @@ at::Tensor gram_cuda(const at::Tensor& J_in) {
 
 void combine_cuda(const at::Tensor& J_in, const at::Tensor& w, at::TensorList params, const at::Tensor& lr) {
   const c10::cuda::OptionalCUDAGuard guard(J_in.device());
-  const at::Tensor J = check_jacobian("combine", J_in);
-  check_cuda("combine", J);
+  const at::Tensor J = cuda_jacobian("combine", J_in);
   check_vector("combine", "w", w, J.size(0), J);
   check_params("combine", J, params);
-  DRMOO_CHECK_VALUE(lr.numel() == 1, "drmoo.combine: lr must hold one value, got shape ", shape_str(lr));
+  check_one_value("combine", "lr", lr);
   at::Tensor lr_keep;
   UpdateArgs args{scalar_ref(lr, J.device(), &lr_keep), value_ref(w), nullptr};
   const cudaStream_t stream = current_stream();
@@ -680,13 +678,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gram_step_cuda(const at::Tensor& 
                                                               double c2, double beta, double rho,
                                                               const at::Tensor& mu, const at::Tensor& z) {
   const c10::cuda::OptionalCUDAGuard guard(J_in.device());
-  const at::Tensor J = check_jacobian("gram_step", J_in);
-  check_cuda("gram_step", J);
+  const at::Tensor J = cuda_jacobian("gram_step", J_in);
   const int64_t m = J.size(0);
   check_vector("gram_step", "w", w, m, J);
   check_vector("gram_step", "z", z, m, J);
   check_params("gram_step", J, params);
-  DRMOO_CHECK_VALUE(mu.numel() == 1, "drmoo.gram_step: mu must hold one value, got shape ", shape_str(mu));
+  check_one_value("gram_step", "mu", mu);
   at::Tensor gram = at::empty({m, m}, J.options().dtype(acc_dtype(J.scalar_type())));
   at::Tensor d_norm = at::empty({}, J.options().dtype(at::kFloat));
   at::Tensor alpha = at::empty({}, J.options().dtype(at::kFloat));

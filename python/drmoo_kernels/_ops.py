@@ -1,17 +1,25 @@
-"""The compiled ops (``drmoo_kernels._C``): lazy loading, fake kernels, and the wrappers behind the
-``cpp`` and ``cuda`` backends.
+"""The compiled ops: lazy loading, fake kernels, and the wrappers behind the ``cpp`` and ``cuda`` backends.
 
-The op schemas live in ``csrc/ops.cpp`` (``TORCH_LIBRARY(drmoo, ...)``) and the kernels in
-``csrc/cpu`` and ``csrc/cuda``.  This module imports the extension only when a backend asks for it,
-then registers a fake (meta) kernel per op so that the ops trace under ``torch.compile`` and pass
-``torch.library.opcheck``.
+Two extensions (README, "One build for every supported torch"):
+
+* ``drmoo_kernels._C``: the op schemas (``csrc/ops.cpp``, ``STABLE_TORCH_LIBRARY(drmoo, ...)``) and the
+  CPU kernels (``csrc/cpu``), built on torch's LibTorch stable ABI for the oldest supported torch:
+  one build loads under that torch and every later one;
+* ``drmoo_kernels._C_cuda``: the CUDA kernels (``csrc/cuda``), on torch's regular C++ API: a build
+  loads only under the torch it was compiled with, and is refused with a warning under another.
+
+Each shared object names the torch it was built with (and, for ``_C``, its stable-ABI target) in
+plain bytes that are read before it is loaded.  This module imports an extension only when a backend
+asks for it, then registers a fake (meta) kernel per op so that the ops trace under ``torch.compile``
+and pass ``torch.library.opcheck``.
 
 The wrappers take the reference's arguments (a :class:`~drmoo_kernels.divergences.Divergence`, J as
 one [m, n] tensor or a list of [m, n_k] blocks, ``mu``/``lr`` as a float or a tensor) and translate
 them to the schemas' (``code, param`` for the divergence, 0-d tensors for ``mu``/``lr``).  Every
 argument is validated first, in Python, by :mod:`drmoo_kernels._checks` (the same checks as the
 reference backend's, raising ValueError/TypeError); the kernels check shapes, dtypes and devices
-again (csrc/checks.h) for callers of ``torch.ops.drmoo`` itself.
+again (csrc/checks.h; a RuntimeError, the one exception type of the stable ABI) for callers of
+``torch.ops.drmoo`` itself.
 """
 
 from __future__ import annotations
@@ -30,21 +38,42 @@ from . import _checks
 from ._warnings import KernelsUnavailableWarning
 from .divergences import Divergence
 
-__all__ = ["CompiledBackend", "KernelsUnavailableWarning", "availability", "built_with_torch", "load"]
+__all__ = [
+    "CompiledBackend", "KernelsUnavailableWarning", "availability", "built_with_torch", "load", "stable_abi_target",
+]
 
 JacobianBlocks = Tensor | Sequence[Tensor]
 OPS: tuple[str, ...] = ("dual_forward", "dual_step", "gram", "combine", "gram_step")
+# The schemas and the CPU kernels, built on torch's stable ABI: one build serves every torch >= its target.
 EXTENSION = "drmoo_kernels._C"
-# csrc/ops.cpp writes this marker and the torch version of its headers into the shared object.
+# The CUDA kernels, built on torch's regular C++ API: a build serves only the torch it was compiled with.
+CUDA_EXTENSION = "drmoo_kernels._C_cuda"
+# csrc/ops.cpp and csrc/cuda/module.cpp write these markers into their shared objects: the torch
+# version of the headers, and (stable-ABI build only) the oldest torch whose stable ABI it uses.
 _BUILD_MARKER = b"drmoo-built-with-torch="
-_BUILD_VERSION = re.compile(rb"([0-9A-Za-z.+_-]{1,64});")
+_STABLE_MARKER = b"drmoo-stable-abi-target="
+_MARKER_VALUE = re.compile(rb"([0-9A-Za-z.+_-]{1,64});")
 REBUILD = (
     "rebuild drmoo against the running torch: pip install --no-build-isolation --force-reinstall --no-deps . "
     "(from drmoo's source folder; a C++ compiler is needed)"
 )
 
-_load_reason: list[str | None] = []  # empty until the first load attempt; then [reason or None]
+# Per extension: absent until its first load attempt; then the reason it is unusable, or None.
+_load_reasons: dict[str, str | None] = {}
 
+
+def _marker(path: str, marker: bytes) -> str | None:
+    """The value written after ``marker`` in the file at ``path`` (read, not loaded); None if absent or unreadable."""
+    try:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            start = data.find(marker)
+            if start < 0:
+                return None
+            start += len(marker)
+            match = _MARKER_VALUE.match(data[start : start + 80])
+    except (OSError, ValueError):
+        return None
+    return None if match is None else match.group(1).decode("ascii")
 
 
 def built_with_torch(path: str) -> str | None:
@@ -52,16 +81,13 @@ def built_with_torch(path: str) -> str | None:
 
     None when the file holds no marker (a build older than the marker) or cannot be read.
     """
-    try:
-        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            start = data.find(_BUILD_MARKER)
-            if start < 0:
-                return None
-            start += len(_BUILD_MARKER)
-            match = _BUILD_VERSION.match(data[start : start + 80])
-    except (OSError, ValueError):
-        return None
-    return None if match is None else match.group(1).decode("ascii")
+    return _marker(path, _BUILD_MARKER)
+
+
+def stable_abi_target(path: str) -> str | None:
+    """The oldest torch ("2.11") whose stable ABI the shared object at ``path`` was built for; None for a
+    regular-ABI build (which loads only under the torch it was built with)."""
+    return _marker(path, _STABLE_MARKER)
 
 
 def _same_release(built: str, running: str) -> bool:
@@ -71,35 +97,89 @@ def _same_release(built: str, running: str) -> bool:
     return release(built)[:3] == release(running)[:3]
 
 
-def _find_load_problem() -> str | None:
-    """Import the extension unless it was built for another torch; None when it loaded, else the reason.
+def _version_problem(extension: str, path: str, running: str) -> str | None:
+    """Why the build at ``path`` must not be loaded under torch ``running``, judged from its markers; else None."""
+    from ._compat import release
 
-    A build for another torch is not even imported: its undefined symbols are the lucky case, a
-    load that succeeds against a changed ABI can crash later.
+    built = built_with_torch(path)
+    target = stable_abi_target(path)
+    if target is not None:
+        # torch's stable ABI is forward compatible: a build for target T loads under every torch >= T.
+        if release(running)[:2] >= release(target)[:2]:
+            return None
+        return (
+            f"{extension} was built for the stable ABI of torch >= {target} (against torch {built}), but torch "
+            f"{running} is running; {REBUILD}"
+        )
+    if built is not None and not _same_release(built, running):
+        return f"{extension} was built against torch {built}, but torch {running} is running; {REBUILD}"
+    return None
+
+
+def _installed(extension: str) -> bool:
+    try:
+        spec = importlib.util.find_spec(extension)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.origin is not None
+
+
+def _find_load_problem(extension: str = EXTENSION) -> str | None:
+    """Import ``extension`` unless its build cannot serve the running torch; None when it loaded, else the reason.
+
+    A regular-ABI build for another torch is not even imported: its undefined symbols are the lucky
+    case, a load that succeeds against a changed ABI can crash later.
     """
     running = str(torch.__version__)
-    try:
-        spec = importlib.util.find_spec(EXTENSION)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or spec.origin is None:
+    if not _installed(extension):
+        if extension == CUDA_EXTENSION:
+            return (
+                f"drmoo was installed without its CUDA kernels ({extension}: built only where a GPU is visible at "
+                f"build time, or with DRMOO_BUILD_CUDA=1 or TORCH_CUDA_ARCH_LIST set, and a CUDA toolkit)"
+            )
         return (
-            f"{EXTENSION} is not installed (drmoo was installed without its compiled kernels, e.g. by a plain "
+            f"{extension} is not installed (drmoo was installed without its compiled kernels, e.g. by a plain "
             f"`pip install .`, which has no torch to compile against, or without a C++ compiler); to get them, "
             f"{REBUILD}"
         )
-    built = built_with_torch(spec.origin)
-    if built is not None and not _same_release(built, running):
-        return f"{EXTENSION} was built against torch {built}, but torch {running} is running; {REBUILD}"
+    path = importlib.util.find_spec(extension).origin  # type: ignore[union-attr]
+    assert path is not None
+    problem = _version_problem(extension, path, running)
+    if problem is not None:
+        return problem
     try:
-        importlib.import_module(EXTENSION)
+        importlib.import_module(extension)
     except (ImportError, OSError) as error:
+        built = built_with_torch(path)
         made_for = f"torch {built}" if built is not None else "an unknown torch version"
         return (
-            f"{EXTENSION} failed to load under torch {running} (it was built against {made_for}): {error}; "
+            f"{extension} failed to load under torch {running} (it was built against {made_for}): {error}; "
             f"{REBUILD}"
         )
     return None
+
+
+def _load(extension: str) -> str | None:
+    """Import ``extension`` once; its reason to be unusable (warned once) or None."""
+    if extension not in _load_reasons:
+        reason = _find_load_problem(extension)
+        if reason is None and extension == EXTENSION:
+            _register_fakes()
+        # A build without CUDA kernels is a choice (no GPU at build time), not a failure: no warning.
+        if reason is not None and (extension == EXTENSION or _installed(extension)):
+            kind = "compiled kernels" if extension == EXTENSION else "CUDA kernels"
+            fallback = (
+                "its pure-torch 'reference' backend (about 2x slower per optimizer step on the CPU)"
+                if extension == EXTENSION else "the 'triton' or 'reference' backend on the GPU"
+            )
+            warnings.warn(
+                f"drmoo's {kind} are not available, so drmoo falls back to {fallback}: {reason}. "
+                f"(DRMOO_BACKEND=reference chooses that backend explicitly and silences this.)",
+                KernelsUnavailableWarning,
+                stacklevel=3,
+            )
+        _load_reasons[extension] = reason
+    return _load_reasons[extension]
 
 
 def load() -> str | None:
@@ -108,20 +188,17 @@ def load() -> str | None:
     A failure is also reported once as a :class:`KernelsUnavailableWarning`: without the extension
     every step silently takes the reference backend (about 2x slower), which must not go unnoticed.
     """
-    if not _load_reason:
-        reason = _find_load_problem()
-        if reason is None:
-            _register_fakes()
-        else:
-            warnings.warn(
-                f"drmoo's compiled kernels are not available, so drmoo falls back to its pure-torch 'reference' "
-                f"backend (about 2x slower per optimizer step on the CPU): {reason}. "
-                f"(DRMOO_BACKEND=reference chooses that backend explicitly and silences this.)",
-                KernelsUnavailableWarning,
-                stacklevel=2,
-            )
-        _load_reason.append(reason)
-    return _load_reason[0]
+    return _load(EXTENSION)
+
+
+def load_cuda() -> str | None:
+    """Import ``drmoo_kernels._C`` and then ``drmoo_kernels._C_cuda`` (once each); ``None`` or why not.
+
+    The CUDA kernels register against the schemas that ``_C`` declares, so ``_C`` comes first.  A CUDA
+    build for another torch is refused with one warning; a build without CUDA kernels is not a warning.
+    """
+    reason = load()
+    return reason if reason is not None else _load(CUDA_EXTENSION)
 
 
 def _has_kernel(op: str, dispatch_key: str) -> bool:
@@ -143,17 +220,19 @@ def availability(device_type: str) -> str | None:
 
 
 def _find_availability(device_type: str) -> str | None:
-    reason = load()
+    if device_type == "cuda":
+        # Checked first: without a GPU the CUDA build (of whichever torch) is irrelevant and not loaded.
+        if not torch.cuda.is_available():
+            return "no CUDA device is available"
+        reason = load_cuda()
+    else:
+        reason = load()
     if reason is not None:
         return reason
     key = "CUDA" if device_type == "cuda" else "CPU"
     if not all(_has_kernel(op, key) for op in OPS):
-        return (
-            f"drmoo_kernels._C was built without {key} kernels (no CUDA toolkit at build time, or "
-            "DRMOO_BUILD_CUDA=0)"
-        )
-    if device_type == "cuda" and not torch.cuda.is_available():
-        return "no CUDA device is available"
+        extension = CUDA_EXTENSION if device_type == "cuda" else EXTENSION
+        return f"{extension} registers no {key} kernels for {', '.join(OPS)}"
     return None
 
 

@@ -5,7 +5,7 @@ Backends, each a module exposing the ops of :mod:`drmoo_kernels.reference` plus
 
 * ``reference`` - pure torch, any device, the semantics every other backend is tested against;
 * ``cpp``       - the compiled CPU kernels in ``drmoo_kernels._C`` (csrc/);
-* ``cuda``      - the compiled CUDA kernels in ``drmoo_kernels._C``;
+* ``cuda``      - the compiled CUDA kernels in ``drmoo_kernels._C_cuda`` (csrc/cuda/);
 * ``triton``    - Triton kernels (GPU; CPU only under ``TRITON_INTERPRET=1``, for tests).
 
 Choice: an explicit ``backend=`` argument, else the ``DRMOO_BACKEND`` environment variable, else the

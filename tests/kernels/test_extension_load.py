@@ -1,7 +1,10 @@
-"""Loading drmoo_kernels._C: a missing, failing or mismatched extension warns once, never silently.
+"""Loading drmoo_kernels._C (stable ABI) and _C_cuda (regular ABI): a missing, failing or mismatched
+extension warns once, never silently; a stable-ABI build loads under every torch >= its target.
 
 The failures are simulated (the loader's view of the file system and of the import are replaced):
-no second torch is needed to show what a build for another torch does.
+no second torch is needed to show what a build for another torch does.  That the real stable-ABI
+build loads under the oldest supported torch is shown by scripts/test_oldest.sh, which installs the
+wheel built against the pinned torch into a torch 2.11 venv and runs these tests there.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import importlib.util
+import shutil
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -23,15 +28,15 @@ RUNNING = str(torch.__version__)
 @pytest.fixture
 def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> None:
     """A loader that has not tried yet (the process's real result is put back afterwards)."""
-    monkeypatch.setattr(_ops, "_load_reason", [])
+    monkeypatch.setattr(_ops, "_load_reasons", {})
 
 
-def _fake_extension(monkeypatch: pytest.MonkeyPatch, path: Path | None) -> None:
-    """Make find_spec('drmoo_kernels._C') answer ``path`` (None: not installed); other lookups unchanged."""
+def _fake_extension(monkeypatch: pytest.MonkeyPatch, path: Path | None, extension: str = _ops.EXTENSION) -> None:
+    """Make find_spec(extension) answer ``path`` (None: not installed); other lookups unchanged."""
     real_find_spec = importlib.util.find_spec
 
     def find_spec(name: str, package: str | None = None):
-        if name != _ops.EXTENSION:
+        if name != extension:
             return real_find_spec(name, package)
         if path is None:
             return None
@@ -40,13 +45,14 @@ def _fake_extension(monkeypatch: pytest.MonkeyPatch, path: Path | None) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
 
 
-def _fail_import(monkeypatch: pytest.MonkeyPatch, error: Exception | None) -> list[str]:
-    """Importing the extension raises ``error`` (None: succeeds); returns the list of import attempts."""
+def _fail_import(monkeypatch: pytest.MonkeyPatch, error: Exception | None,
+                 extension: str = _ops.EXTENSION) -> list[str]:
+    """Importing ``extension`` raises ``error`` (None: succeeds); returns the list of its import attempts."""
     attempts: list[str] = []
     real_import = importlib.import_module
 
     def import_module(name: str, package: str | None = None):
-        if name != _ops.EXTENSION:
+        if name != extension:
             return real_import(name, package)
         attempts.append(name)
         if error is not None:
@@ -57,10 +63,13 @@ def _fail_import(monkeypatch: pytest.MonkeyPatch, error: Exception | None) -> li
     return attempts
 
 
-def _so_with_marker(tmp_path: Path, version: str | None) -> Path:
-    """A stand-in shared object: filler bytes around csrc/ops.cpp's marker (or none)."""
-    path = tmp_path / "_C.cpython-311-x86_64-linux-gnu.so"
+def _so_with_marker(tmp_path: Path, version: str | None, stable_target: str | None = None) -> Path:
+    """A stand-in shared object: filler bytes around the markers of csrc/ops.cpp (stable: with a target)
+    or csrc/cuda/module.cpp (regular ABI: without), or none."""
+    path = tmp_path / "_C.abi3.so"
     marker = b"" if version is None else b"drmoo-built-with-torch=" + version.encode() + b";"
+    if stable_target is not None:
+        marker += b"drmoo-stable-abi-target=" + stable_target.encode() + b";"
     path.write_bytes(b"\x7fELF" + b"\0" * 5000 + marker + b"\0" * 5000)
     return path
 
@@ -133,12 +142,95 @@ def test_versions_match_by_release(built: str, running: str, same: bool) -> None
     assert _ops._same_release(built, running) is same
 
 
-def test_the_real_extension_names_the_torch_it_was_built_against() -> None:
+def test_a_stable_abi_build_loads_under_every_torch_from_its_target(
+        fresh_loader: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Built with a newer torch's headers, for the stable ABI of an older one (ours: built with the
+    pinned torch, target = the oldest supported): imported, no warning."""
+    _fake_extension(monkeypatch, _so_with_marker(tmp_path, "99.0.0", stable_target="2.11"))
+    attempts = _fail_import(monkeypatch, None)
+    monkeypatch.setattr(_ops, "_register_fakes", lambda: None)
+    reason, caught = _load_twice()
+    assert reason is None and caught == [] and attempts == [_ops.EXTENSION]
+
+
+def test_a_stable_abi_build_for_a_newer_torch_is_refused(fresh_loader: None, monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    _fake_extension(monkeypatch, _so_with_marker(tmp_path, "99.1.0", stable_target="99.0"))
+    attempts = _fail_import(monkeypatch, None)
+    reason, caught = _load_twice()
+    assert attempts == [] and len(caught) == 1
+    assert f"built for the stable ABI of torch >= 99.0 (against torch 99.1.0), but torch {RUNNING}" in reason
+
+
+def _cuda_load(monkeypatch: pytest.MonkeyPatch) -> tuple[str | None, list[warnings.WarningMessage]]:
+    """load_cuda() twice, with _C counted as loaded already."""
+    monkeypatch.setitem(_ops._load_reasons, _ops.EXTENSION, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reason = _ops.load_cuda()
+        assert _ops.load_cuda() == reason
+    return reason, [w for w in caught if issubclass(w.category, KernelsUnavailableWarning)]
+
+
+def test_a_cuda_build_for_another_torch_is_not_loaded_and_warns_once(
+        fresh_loader: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The CUDA kernels stay on the regular ABI: the same-release rule, whatever _C's stable ABI allows."""
+    _fake_extension(monkeypatch, _so_with_marker(tmp_path, "2.9.0"), _ops.CUDA_EXTENSION)
+    attempts = _fail_import(monkeypatch, None, _ops.CUDA_EXTENSION)
+    reason, caught = _cuda_load(monkeypatch)
+    assert reason is not None and attempts == [] and len(caught) == 1
+    message = str(caught[0].message)
+    assert f"drmoo_kernels._C_cuda was built against torch 2.9.0, but torch {RUNNING} is running" in message
+    assert "CUDA kernels are not available" in message and "pip install --no-build-isolation" in message
+
+
+def test_a_cuda_build_for_the_running_torch_loads(fresh_loader: None, monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    _fake_extension(monkeypatch, _so_with_marker(tmp_path, RUNNING.split("+")[0]), _ops.CUDA_EXTENSION)
+    attempts = _fail_import(monkeypatch, None, _ops.CUDA_EXTENSION)
+    reason, caught = _cuda_load(monkeypatch)
+    assert reason is None and caught == [] and attempts == [_ops.CUDA_EXTENSION]
+
+
+def test_a_build_without_cuda_kernels_is_a_reason_not_a_warning(fresh_loader: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_extension(monkeypatch, None, _ops.CUDA_EXTENSION)
+    reason, caught = _cuda_load(monkeypatch)
+    assert caught == [] and reason is not None and "without its CUDA kernels" in reason
+
+
+def test_the_real_extension_is_a_stable_abi_build_for_the_oldest_supported_torch() -> None:
+    """What this process loaded: built with some torch >= the target, for the stable ABI of torch 2.11 (the
+    oldest supported), so it loads here whether this is the torch that built it or not."""
+    from drmoo_kernels._compat import MIN_TORCH, release
+
     spec = importlib.util.find_spec(_ops.EXTENSION)
     if spec is None or spec.origin is None:
         pytest.fail("drmoo_kernels._C is not built (pip install --no-build-isolation . or "
                     "python setup.py build_ext --inplace)")
-    assert _ops.built_with_torch(spec.origin) == RUNNING.split("+")[0]
+    assert _ops.stable_abi_target(spec.origin) == ".".join(map(str, MIN_TORCH))
+    built = _ops.built_with_torch(spec.origin)
+    assert built is not None and release(built)[:2] >= MIN_TORCH
+    assert _ops.load() is None
+
+
+def test_the_stable_abi_build_imports_no_torch_cxx_symbol() -> None:
+    """What makes _C loadable under another torch: besides Python's and the C++ runtime's, its only
+    imports are the C shim's functions (aoti_torch_*, torch_*), never a mangled c10::/at::/torch:: C++
+    symbol, whose ABI changes between torch releases.  (scripts/test_oldest.sh runs this under torch 2.11,
+    where each of those functions must also resolve: the import above would fail otherwise.)"""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("binutils' nm is not installed")
+    spec = importlib.util.find_spec(_ops.EXTENSION)
+    assert spec is not None and spec.origin is not None
+    listed = subprocess.run([nm, "-D", "--undefined-only", spec.origin], capture_output=True, text=True, check=True)
+    imported = [line.split()[-1] for line in listed.stdout.splitlines() if line.strip()]
+    torch_cxx = [name for name in imported if name.startswith(("_ZN3c10", "_ZN2at", "_ZN5torch", "_ZNK3c10",
+                                                               "_ZNK2at", "_ZNK5torch"))]
+    assert torch_cxx == []
+    assert any(name.startswith("aoti_torch_") for name in imported)
+    assert not any(name.startswith("_ZN") and "torch" in name for name in imported)
 
 
 def test_choosing_the_reference_backend_never_loads_the_extension(fresh_loader: None,
@@ -150,4 +242,4 @@ def test_choosing_the_reference_backend_never_loads_the_extension(fresh_loader: 
     with warnings.catch_warnings():
         warnings.simplefilter("error", KernelsUnavailableWarning)
         assert resolve_backend(None, "cpu") == "reference"
-    assert _ops._load_reason == []
+    assert _ops._load_reasons == {}

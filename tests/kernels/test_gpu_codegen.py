@@ -10,7 +10,7 @@ a register tile so large that ptxas spills it to local memory only shows up here
   from the backend's own ``*_launch`` functions) is compiled ahead of time for sm_90 in a
   subprocess (the test process imported triton in interpreter mode), and its cubin must use no
   stack and no local memory.
-* CUDA: the built ``drmoo_kernels._C`` must carry sm_80 and sm_90 code for both CUDA sources plus
+* CUDA: the built ``drmoo_kernels._C_cuda`` must carry sm_80 and sm_90 code for both CUDA sources plus
   PTX (compute >= 9.0) that newer GPUs can JIT-compile, every kernel of the design (all dtypes), and
   no kernel may use stack or local memory.  setup.py's architecture choice is checked without a build.
 """
@@ -226,9 +226,12 @@ CUDA_KERNELS = ["dual_column_kernel", "dual_eta_kernel", "dual_weights_kernel", 
 
 
 def _extension_path() -> Path:
-    spec = importlib.util.find_spec("drmoo_kernels._C")
-    if spec is None or spec.origin is None:
+    """The CUDA kernels' shared object (the regular-ABI extension beside the stable-ABI drmoo_kernels._C)."""
+    if importlib.util.find_spec("drmoo_kernels._C") is None:
         pytest.fail("drmoo_kernels._C is not built (pip install . or python setup.py build_ext --inplace)")
+    spec = importlib.util.find_spec("drmoo_kernels._C_cuda")
+    if spec is None or spec.origin is None:
+        pytest.skip("drmoo_kernels._C_cuda is not built (DRMOO_BUILD_CUDA=0, no GPU at build time, or no CUDA toolkit)")
     return Path(spec.origin)
 
 

@@ -1,10 +1,11 @@
 """The ``cpp`` backend: the compiled CPU kernels of csrc/cpu.
 
-ATen ``parallel_for`` over fixed-size column/row tasks (so results do not depend on the thread
+torch's ``parallel_for`` over fixed-size column/row tasks (so results do not depend on the thread
 count), float32 math (float64 for float64 inputs) with float64 accumulation across tasks.
 
 Same signatures, return values and in-place semantics as :mod:`drmoo_kernels.reference`; the
-extension ``drmoo_kernels._C`` is imported on first use (see :mod:`drmoo_kernels._ops`).
+extension ``drmoo_kernels._C`` (built on torch's stable ABI: one build serves every torch >= 2.11)
+is imported on first use (see :mod:`drmoo_kernels._ops`).
 Differences: the parameters must have J's dtype, and J given as a list of blocks is concatenated
 (one copy) before the kernels run.
 """
