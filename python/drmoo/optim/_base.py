@@ -57,6 +57,8 @@ Closure = Callable[[], Tensor]
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
 STATE_KEY = "drmoo"
+# MGDA's ways of computing w (mgda.py); here, below MGDA, because the hyperparameter checks name them too.
+SOLVERS = ("one_step", "min_norm")
 
 # An upper bound on m: the per-task Jacobian J is m x n in memory (m = 4096 tasks of a 1M-parameter
 # trunk is 16 GiB in float32) and the methods' m x m work grows as m^2 to m^3; a larger count is a
@@ -110,8 +112,6 @@ def _check_divergence(name: str, value: str) -> str:
 
 
 def _check_solver(name: str, value: str) -> str:
-    from .mgda import SOLVERS  # the solvers are MGDA's; imported here to keep the modules acyclic
-
     if value not in SOLVERS:
         raise ValueError(f"{name} must be one of {', '.join(SOLVERS)}; got {value!r}")
     return value

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import Closure, ParamsT, check_flag, check_positive
+from ._base import SOLVERS, Closure, ParamsT, check_flag, check_positive
 from ._joint import (
     JointBaseline,
     check_count,
@@ -16,9 +16,6 @@ from ._joint import (
     joint_norm,
     simplex_step,
 )
-
-SOLVERS = ("one_step", "min_norm")
-
 
 # Exact enumeration of the faces of the simplex up to this many tasks (2^m - 1 tiny systems, one
 # batched solve); above it the active-set method (one small system per iteration).
