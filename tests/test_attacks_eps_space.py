@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from drmoo.attacks import EPS_SPACES, fgsm, pixel_step, summed_task_loss
-from drmoo.experiments.training import accuracy
+from drmoo.experiments.evaluation import accuracy
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 

@@ -19,7 +19,7 @@ def test_the_cli_choices_are_the_sets_their_modules_own() -> None:
     """cli.py writes the fixed sets out (building the parser must not import torch): they must not drift."""
     import drmoo_kernels
     from drmoo import attacks, jacobian
-    from drmoo.experiments import ablations, multimnist, registry, synthetic, training, wallclock
+    from drmoo.experiments import ablations, multimnist, registry, run_config, synthetic, training, wallclock
 
     experiments = registry.experiments()
     assert cli.EXPERIMENTS == tuple(experiments)
@@ -29,7 +29,7 @@ def test_the_cli_choices_are_the_sets_their_modules_own() -> None:
     assert cli.ABLATIONS == ablations.WHATS and cli.ABLATION_EXPERIMENTS == ablations.EXPERIMENTS
     assert cli.BACKENDS == drmoo_kernels.BACKENDS
     assert cli.JACOBIAN_STRATEGIES == jacobian.STRATEGIES
-    assert cli.AMP_MODES == tuple(training.AMP_DTYPES)
+    assert cli.AMP_MODES == run_config.AMP_MODES == tuple(training.AMP_DTYPES)
     assert cli.EPS_SPACES == attacks.EPS_SPACES
     assert cli.CLOCKS == wallclock.CLOCKS
     assert set(cli.COMMAND_EXTRAS) == set(_subparsers())

@@ -6,7 +6,10 @@ surely as one at the top.  Only imports under ``if TYPE_CHECKING:`` are left out
 ``from package import name`` counts as an import of the submodule ``package.name`` when that is a module
 file, else of the package itself.  Importing ``a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` too,
 but Python initialises a package before its submodules, so a submodule that imports its siblings does not
-close a loop through its package: no edge is drawn to the packages above an imported module.
+close a loop through its package: no edge is drawn to the packages above an imported module.  The lazy
+names of ``drmoo/__init__.py`` (PEP 562, ``importlib`` on first use) and the registry's import of the
+built-in experiments by name are no import statements and are not read: both run on first use, not at
+import, and load modules of their own layer or below.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ ABLATIONS = ("lambda", "lr", "batch", "inner")  # drmoo.experiments.ablations.WH
 ABLATION_EXPERIMENTS = ("linear", "wine", "multimnist2")  # drmoo.experiments.ablations.EXPERIMENTS
 BACKENDS = ("reference", "cpp", "cuda", "triton")  # drmoo_kernels.BACKENDS
 JACOBIAN_STRATEGIES = ("loop", "batched")  # drmoo.jacobian.STRATEGIES
-AMP_MODES = ("none", "bf16", "fp16")  # drmoo.experiments.training.AMP_DTYPES
+AMP_MODES = ("none", "bf16", "fp16")  # = drmoo.experiments.run_config.AMP_MODES (a test checks it)
 ATTACKS = ("fgsm",)
 EPS_SPACES = ("pixel", "normalized")  # drmoo.attacks.EPS_SPACES
 CLOCKS = ("auto", "wall", "cpu")  # drmoo.experiments.wallclock.resolve_clock
@@ -180,7 +180,7 @@ def _run_synthetic(args: argparse.Namespace) -> int:
     config.resolved()  # every setting checked before the output directory is created
     _check_out_dir(args.out)
     summary = run_synthetic(config, args.out, progress=not args.quiet)
-    from drmoo.experiments.reporting import summary_table
+    from drmoo.experiments.summaries import summary_table
 
     print(summary_table(summary))
     print(f"wrote {args.out}/metrics.csv, summary.json, summary.md, convergence.csv, convergence.png")
@@ -225,8 +225,8 @@ def _check_hparams(method: str, hparams: dict[str, Any]) -> None:
     """Refuse hyperparameters that ``method``'s optimizer does not take (a typo would otherwise crash later)."""
     import inspect
 
-    from drmoo.experiments.training import UsageError
     from drmoo.optim import available
+    from drmoo.store import UsageError
 
     if method not in available():
         raise UsageError(f"unknown method {method!r}; valid choices: {', '.join(available())}")
@@ -286,8 +286,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_config(args: argparse.Namespace, method: str, seed: int, variant: Any = None) -> Any:
+    from drmoo.experiments.devices import resolve_device
     from drmoo.experiments.registry import get_experiment
-    from drmoo.experiments.training import RunConfig, resolve_device
+    from drmoo.experiments.run_config import RunConfig
     from drmoo.experiments.variants import MethodVariant
 
     experiment = get_experiment(args.experiment)
@@ -324,8 +325,9 @@ def _check_hparam_values(config: Any) -> None:
     divergence, unusable backend) is refused now, before any directory is written or process launched."""
     import torch
 
-    from drmoo.experiments.training import UsageError, check_backend
+    from drmoo.experiments.devices import check_backend
     from drmoo.optim import create
+    from drmoo.store import UsageError
 
     check_backend(config.backend, torch.device(config.device))
     try:
@@ -376,7 +378,8 @@ def _run_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from drmoo.experiments.registry import get_experiment
-    from drmoo.experiments.training import read_run_config, train
+    from drmoo.experiments.run_config import read_run_config
+    from drmoo.experiments.training import train
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -390,7 +393,7 @@ def _run_train(args: argparse.Namespace) -> int:
         if args.epochs is not None:
             config.epochs = args.epochs
         if "device" in _given_options(args):  # e.g. a GPU run continued on a machine without one
-            from drmoo.experiments.training import resolve_device
+            from drmoo.experiments.devices import resolve_device
 
             config.device = str(resolve_device(args.device))
         config.validate()
@@ -426,7 +429,7 @@ def _refuse_contradictions(args: argparse.Namespace, config: Any, run_dir: Any) 
     """``--resume`` continues the run as saved: refuse options that would silently be ignored."""
     from pathlib import Path
 
-    from drmoo.experiments.training import UsageError
+    from drmoo.store import UsageError
 
     contradictions = []
     for dest in sorted(_given_options(args) - _RESUME_MAY_CHANGE):
@@ -470,8 +473,8 @@ def _run_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from drmoo.experiments.registry import get_experiment
-    from drmoo.experiments.training import UsageError, read_run_config
-    from drmoo.store import ResultNotSaved
+    from drmoo.experiments.run_config import read_run_config
+    from drmoo.store import ResultNotSaved, UsageError
 
     if args.attack != "fgsm":
         raise ValueError(f"unknown attack {args.attack!r}; valid choices: fgsm")
@@ -534,9 +537,9 @@ def _run_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from drmoo.experiments.registry import get_experiment
-    from drmoo.experiments.training import UsageError
     from drmoo.experiments.variants import parse_variants
     from drmoo.optim import available
+    from drmoo.store import UsageError
 
     text = args.methods.strip()
     if text == "all" or text.startswith("all,"):
@@ -603,8 +606,8 @@ def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
 def _run_bench_iter(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from drmoo.experiments.devices import resolve_device
     from drmoo.experiments.multimnist import EXPERIMENTS, PRESETS
-    from drmoo.experiments.training import resolve_device
     from drmoo.experiments.wallclock import machine_name, measure_iterations, output_stem, write_outputs
     from drmoo.optim import available
 
@@ -711,7 +714,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from drmoo.experiments.report import write_report
+    from drmoo.experiments.results_report import write_report
 
     sections, skipped = write_report(args.runs, args.out, title=args.title)
     print(f"wrote {args.out}: {sections} section(s), {skipped} skipped")
@@ -781,7 +784,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"drmoo {args.command}: error: {_extras.hint([module])}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:
-        # User-facing problems (bad settings or names -- training.UsageError is a ValueError --, refused
+        # User-facing problems (bad settings or names -- drmoo.store.UsageError is a ValueError --, refused
         # files, missing files, divergence) get one
         # clear line, not a traceback.  Other exceptions are bugs and keep their traceback.
         print(f"drmoo {args.command}: error: {error}", file=sys.stderr)

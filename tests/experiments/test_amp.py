@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from drmoo.cli import main
+from drmoo.experiments.checkpoints import read_checkpoint
 from drmoo.experiments.multimnist import build_multimnist, method_hparams
-from drmoo.experiments.training import RunConfig, read_checkpoint, train
+from drmoo.experiments.run_config import RunConfig
+from drmoo.experiments.training import train
 
 
 def test_bf16_autocast_trains_with_float32_parameters(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 from drmoo.cli import main
 from drmoo.experiments import multimnist
 from drmoo.experiments.multimnist import COMMON, PAPER_METHOD_HPARAMS, PRESET_SHIFT, PRESETS, method_hparams, recipe_of
-from drmoo.experiments.training import RunConfig
+from drmoo.experiments.run_config import RunConfig
 from drmoo.optim import available
 
 SOURCE = inspect.getsource(multimnist)

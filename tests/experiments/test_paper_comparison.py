@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drmoo.experiments.paper_reference import PAPER_NAMES, REFERENCES, reference_for
-from drmoo.experiments.reporting import (
+from drmoo.experiments.summaries import (
     agreement_markdown,
     fgsm_comparison,
     kendall_tau_b,

@@ -23,10 +23,11 @@ from drmoo.experiments.paired_stats import (
     t_quantile,
 )
 from drmoo.experiments.robustness import balancing_table, preference_trace
-from drmoo.experiments.training import RunConfig, UsageError
+from drmoo.experiments.run_config import RunConfig
 from drmoo.experiments.variants import MethodVariant, parse_variants, run_dir_name
 from drmoo.models import MultiLeNet
 from drmoo.optim import available
+from drmoo.store import UsageError
 
 # ------------------------------------------------------------------------------------------ the model
 

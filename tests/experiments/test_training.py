@@ -13,6 +13,8 @@ import torch
 
 from drmoo.cli import main
 from drmoo.experiments import training
+from drmoo.experiments.checkpoints import read_checkpoint
+from drmoo.experiments.run_config import RunConfig
 from drmoo.optim import available
 
 TINY = ["--input-size", "16", "--train-size", "48", "--test-size", "16", "--batch-size", "16", "--quiet"]
@@ -43,7 +45,7 @@ def test_train_then_eval_every_method(tmp_path: Path, cache_dir: str, method: st
 
 
 def _model_state(run: Path) -> dict[str, torch.Tensor]:
-    state = training.read_checkpoint(run)
+    state = read_checkpoint(run)
     return {**state["model"], "w": state["optimizer"]["state"]["drmoo"]["w"],
             "eta": state["optimizer"]["state"]["drmoo"]["eta"]}
 
@@ -70,7 +72,7 @@ def test_resume_after_an_interrupt_equals_an_uninterrupted_run(tmp_path: Path, c
     monkeypatch.setattr(training.IndexStream, "__call__", draw_then_signal)
     assert main([*common, "--out", str(interrupted)]) == 130
     monkeypatch.setattr(training.IndexStream, "__call__", original)
-    stopped_at = training.read_checkpoint(interrupted)["step"]
+    stopped_at = read_checkpoint(interrupted)["step"]
     assert stopped_at == 4 and not (interrupted / "done").exists()
 
     assert main(["train", "--resume", str(interrupted), "--quiet"]) == 0
@@ -129,12 +131,12 @@ def test_a_capturable_step_skipped_on_the_device_stops_the_run_as_an_eager_one_d
 
     monkeypatch.setattr(training, "per_sample_losses", nan_from_the_second_step)
     hparams = {**method_hparams(method), "capturable": True}  # what the trainer picks on CUDA, here on the CPU
-    config = training.RunConfig(experiment="multimnist2", method=method, preset="quick", input_size=16,
+    config = RunConfig(experiment="multimnist2", method=method, preset="quick", input_size=16,
                                 train_size=48, test_size=16, batch_size=16, max_steps=3, cache_dir=cache_dir,
                                 hparams=hparams)
     after_last_good_step: dict[str, torch.Tensor] = {}
 
-    def build(run_config: training.RunConfig):
+    def build(run_config: RunConfig):
         model, data = build_multimnist(run_config)
         original_step = torch.optim.SGD.step
 

@@ -164,7 +164,7 @@ def test_rows_carry_both_floors_and_double_clip_is_measured_with_and_without_the
 
 
 def test_drmoo_report_shows_the_cpu_and_every_gpu_table_of_a_directory(tmp_path: Path) -> None:
-    from drmoo.experiments.report import collect
+    from drmoo.experiments.results_report import collect
 
     row = {"method": "floor (1 fwd + m bwd)", "passes": "1 fwd + 2 bwd", "median_s": 0.5, "min_s": 0.4,
            "ratio_to_floor": 1.0, "own_floor_median_s": 0.5, "own_floor_min_s": 0.4, "ratio_to_own_floor": 1.0,

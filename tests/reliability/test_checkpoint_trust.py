@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from drmoo.experiments import training
-from drmoo.experiments.training import CHECKPOINT_MAGIC, CheckpointError, read_checkpoint
+from drmoo.experiments.checkpoints import read_checkpoint
+from drmoo.experiments.run_config import read_run_config
+from drmoo.store import CHECKPOINT_MAGIC, CheckpointError
 
 from .conftest import assert_one_line_refusal, run_cli
 
@@ -111,7 +112,7 @@ def test_checkpoint_that_disagrees_with_config_json_is_refused(trained_run: Path
 def test_checkpoint_round_trip_and_extension_fields(trained_run: Path) -> None:
     state = read_checkpoint(trained_run)
     assert state["step"] == 1 and set(state) >= {"model", "optimizer", "heads", "stream", "rng", "config"}
-    config = training.read_run_config(trained_run)
+    config = read_run_config(trained_run)
     config.max_steps, config.epochs = 5, 3  # how far the run goes: a resume may change it
     assert read_checkpoint(trained_run, config)["step"] == 1
     config.seed = 1

@@ -22,7 +22,8 @@ from drmoo import cli, store
 from drmoo.cli import main
 from drmoo.data.multimnist import MultiMnistRecipe, load_multimnist
 from drmoo.experiments import training
-from drmoo.experiments.training import RunConfig, read_checkpoint, write_checkpoint
+from drmoo.experiments.checkpoints import read_checkpoint, write_checkpoint
+from drmoo.experiments.run_config import RunConfig, read_run_config
 
 from .conftest import assert_one_line_refusal, run_cli
 
@@ -103,7 +104,7 @@ def test_dl1_a_resume_whose_state_does_not_load_changes_nothing(trained_run: Pat
                                                                 capsys: pytest.CaptureFixture) -> None:
     state = read_checkpoint(trained_run)
     state["heads"] = {"not": "a state dict"}  # hash-consistent: rewritten with drmoo's own writer
-    write_checkpoint(trained_run / "checkpoint.pt", state, training.read_run_config(trained_run))
+    write_checkpoint(trained_run / "checkpoint.pt", state, read_run_config(trained_run))
     before = _files(trained_run)
     assert_one_line_refusal(*run_cli(["train", "--resume", str(trained_run), "--max-steps", "2", "--quiet"],
                                      capsys), "refused")
@@ -318,7 +319,7 @@ def test_cr9_a_forged_but_hash_consistent_state_is_refused(trained_run: Path, fo
         state["step"] = -1
     else:
         state["pending_epoch"] = 99
-    write_checkpoint(trained_run / "checkpoint.pt", state, training.read_run_config(trained_run))
+    write_checkpoint(trained_run / "checkpoint.pt", state, read_run_config(trained_run))
     assert_one_line_refusal(*run_cli(["train", "--resume", str(trained_run), "--max-steps", "3", "--quiet"], capsys),
                             "refused")
 
@@ -573,7 +574,7 @@ def test_u5_celeba_eval_refuses_eps_instead_of_evaluating_clean(trained_run: Pat
 def test_u2_a_gpu_run_continues_on_a_cpu_with_device_cpu(trained_run: Path, capsys: pytest.CaptureFixture) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the saved cuda device would not be refused")
-    config = training.read_run_config(trained_run)
+    config = read_run_config(trained_run)
     config.device = "cuda"  # as a run trained on a GPU machine records it
     (trained_run / "config.json").write_text(config.to_json())
     state = read_checkpoint(trained_run, config)

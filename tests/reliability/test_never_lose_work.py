@@ -20,8 +20,9 @@ import torch
 from drmoo import store
 from drmoo.cli import main
 from drmoo.data import mnist
-from drmoo.experiments import training
-from drmoo.experiments.training import read_checkpoint
+from drmoo.experiments import evaluation, training
+from drmoo.experiments.checkpoints import read_checkpoint, write_checkpoint
+from drmoo.experiments.run_config import RunConfig
 
 from .conftest import assert_one_line_refusal, run_cli
 
@@ -92,7 +93,7 @@ def test_second_trainer_on_the_same_directory_is_refused(tmp_path: Path, tiny_ar
         [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
          "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode()); print('locked', flush=True); "
          "time.sleep(120)",
-         str(run / training.LOCK_FILE)], stdout=subprocess.PIPE, text=True)
+         str(run / store.LOCK_FILE)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         code, err = run_cli(["train", "--method", "mgda", "--max-steps", "1", "--out", str(run), *tiny_args()],
@@ -101,15 +102,15 @@ def test_second_trainer_on_the_same_directory_is_refused(tmp_path: Path, tiny_ar
         holder.kill()
         holder.wait()
     assert_one_line_refusal(code, err, "in use by another drmoo process", f"pid {holder.pid}")
-    assert sorted(p.name for p in run.iterdir()) == [training.LOCK_FILE]  # nothing of this run was written
+    assert sorted(p.name for p in run.iterdir()) == [store.LOCK_FILE]  # nothing of this run was written
 
 
 def test_lock_is_released_when_the_trainer_ends(tmp_path: Path) -> None:
-    with training.run_lock(tmp_path):
-        with pytest.raises(training.RunLockedError, match="in use by another drmoo process"):
-            with training.run_lock(tmp_path):  # a second open file description: as another process would
+    with store.run_lock(tmp_path):
+        with pytest.raises(store.RunLockedError, match="in use by another drmoo process"):
+            with store.run_lock(tmp_path):  # a second open file description: as another process would
                 pass
-    with training.run_lock(tmp_path):  # released: the next trainer gets it
+    with store.run_lock(tmp_path):  # released: the next trainer gets it
         pass
 
 
@@ -128,8 +129,8 @@ def test_atomic_write_is_per_process_and_fsynced_before_the_rename(tmp_path: Pat
 
     monkeypatch.setattr(store.os, "fsync", fsync)
     monkeypatch.setattr(store.os, "replace", replace)
-    training.write_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "config": {}},
-                              training.RunConfig(experiment="multimnist2", method="mgda", preset="quick"))
+    write_checkpoint(tmp_path / "checkpoint.pt", {"step": 3, "config": {}},
+                     RunConfig(experiment="multimnist2", method="mgda", preset="quick"))
     kinds = [kind for kind, _ in events]
     assert kinds == ["fsync", "replace", "fsync"], events  # file data durable, renamed, then the directory
     temporary = events[1][1]
@@ -211,7 +212,7 @@ def test_metrics_json_is_strict_json(tmp_path: Path, tiny_args: Callable[..., li
 
 
 def test_eval_json_is_strict_json(trained_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(training, "accuracy", lambda *args, **kwargs: [math.nan, 0.5])
+    monkeypatch.setattr(evaluation, "accuracy", lambda *args, **kwargs: [math.nan, 0.5])
     assert main(["eval", "--run", str(trained_run), "--eps", "0", "--quiet"]) == 0
     text = (trained_run / "eval.json").read_text()
     report = json.loads(text, parse_constant=lambda token: pytest.fail(f"non-standard JSON token {token}"))

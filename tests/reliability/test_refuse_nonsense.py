@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from drmoo.experiments.ablations import AblationConfig
+from drmoo.experiments.checkpoints import read_checkpoint
+from drmoo.experiments.run_config import RunConfig
 from drmoo.experiments.synthetic import SyntheticConfig
-from drmoo.experiments.training import RunConfig, UsageError, read_checkpoint, train
+from drmoo.experiments.training import train
+from drmoo.store import UsageError
 
 from .conftest import assert_one_line_refusal, run_cli
 

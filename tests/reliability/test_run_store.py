@@ -326,7 +326,9 @@ def _checkpoint_bytes(payload: bytes, announced: int) -> bytes:
 _MEASURE = """
 import resource, sys
 from pathlib import Path
-from drmoo.experiments.training import CheckpointError, RunConfig, read_checkpoint
+from drmoo.experiments.checkpoints import read_checkpoint
+from drmoo.experiments.run_config import RunConfig
+from drmoo.store import CheckpointError
 config = RunConfig(experiment="multimnist2", method="mgda", preset="quick")
 for run in sys.argv[1:]:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

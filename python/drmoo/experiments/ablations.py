@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from drmoo.store import UsageError, make_directory, read_csv, read_json, write_csv, write_figure, write_json, write_text
 from drmoo_kernels import resolve_backend
 
-from .reporting import aggregate_curves
+from .summaries import aggregate_curves
 from .synthetic import PAPER_PRESETS, SyntheticConfig, run_synthetic
 
 __all__ = ["GRIDS", "SUPPORTED", "AblationConfig", "grid_points", "run_ablation"]
@@ -284,7 +284,7 @@ def _synthetic_row(config: AblationConfig, point: GridPoint, resolved: dict[str,
 
 def _multimnist_configs(config: AblationConfig, point: GridPoint) -> list[Any]:
     from .multimnist import PRESETS, method_hparams
-    from .training import RunConfig
+    from .run_config import RunConfig
 
     if config.preset not in PRESETS:
         raise ValueError(f"unknown --preset {config.preset!r}; valid choices: {', '.join(PRESETS)}")

@@ -24,9 +24,10 @@ from drmoo.models import MultiTaskResNet, resolve_weights
 from drmoo.optim import available
 from drmoo.store import make_directory, save_result, write_csv, write_text
 
+from .evaluation import load_trained_run
 from .registry import Experiment, register
 from .robustness import check_distinct, ensure_trained, mean_std, reusable_result
-from .training import RunConfig, load_trained_run
+from .run_config import RunConfig
 
 __all__ = ["CELEBA", "PAPER_METHOD_HPARAMS", "PRESETS", "build_celeba", "compare_celeba", "evaluate_celeba",
            "label_balancing_weights", "method_hparams", "metrics_table", "table_two"]

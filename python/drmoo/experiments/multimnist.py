@@ -24,7 +24,7 @@ from drmoo.data import MultiMnist, MultiMnistRecipe, load_multimnist
 from drmoo.models import MultiLeNet, MultiTaskResNet, resolve_weights
 from drmoo.optim import available
 
-from .training import RunConfig
+from .run_config import RunConfig
 
 __all__ = ["COMMON", "EXPERIMENTS", "PAPER_METHOD_HPARAMS", "PRESETS", "PRESET_METHOD_HPARAMS", "PRESET_SHIFT",
            "SMALL_LR", "SMALL_MOCO_EMA", "build_model", "build_multimnist", "method_hparams", "recipe_of"]

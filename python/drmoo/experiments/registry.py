@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # annotations only
     from torch import Tensor, nn
 
-    from .training import RunConfig
+    from .run_config import RunConfig
 
 __all__ = ["BUILTIN_MODULES", "Experiment", "experiments", "get_experiment", "register"]
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from drmoo.store import (
+    UsageError,
     make_directory,
     read_csv,
     read_json,
@@ -28,20 +29,14 @@ from drmoo.store import (
 )
 
 from . import multimnist
+from .checkpoints import CHECKPOINT, result_matches_checkpoint
+from .evaluation import evaluate_robustness
 from .multimnist import build_multimnist
 from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
-from .reporting import fgsm_comparison
-from .training import (
-    CHECKPOINT,
-    RunConfig,
-    UsageError,
-    config_differences,
-    evaluate_robustness,
-    read_run_config,
-    result_matches_checkpoint,
-    train,
-)
+from .run_config import RunConfig, config_differences, read_run_config
+from .summaries import fgsm_comparison
+from .training import train
 from .variants import run_dir_name
 
 __all__ = ["balancing_table", "compare", "ensure_trained", "eval_table", "preference_trace", "robustness_table",

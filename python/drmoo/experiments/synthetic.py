@@ -27,7 +27,7 @@ from drmoo.optim import available, create
 from drmoo.store import UsageError, make_directory, read_csv, read_json, write_csv, write_json, write_text
 
 from .problems import BatchStream, Problem, make_linear_problem, make_wine_problem
-from .reporting import aggregate_curves, plot_convergence, summary_table
+from .summaries import aggregate_curves, plot_convergence, summary_table
 
 __all__ = ["PAPER_PRESETS", "PROBLEMS", "SyntheticConfig", "run_synthetic"]
 

@@ -1,4 +1,4 @@
-"""One markdown report from the result directories the other ``drmoo`` commands write.
+"""``drmoo report``: one markdown report from the result directories the other ``drmoo`` commands write.
 
 Each directory given is walked; a directory is recognised by the files a command leaves in it:
 
@@ -30,9 +30,9 @@ from typing import Any
 
 from drmoo.store import UsageError, make_directory, read_csv, read_head, read_json, read_text, write_text
 
-__all__ = ["Section", "collect", "render", "write_report"]
+from .checkpoints import CHECKPOINT
 
-CHECKPOINT_NAME = "checkpoint.pt"
+__all__ = ["Section", "collect", "render", "write_report"]
 
 BENCH_PREFIX = "# drmoo kernel benchmarks"
 MAX_DEPTH = 8  # deeper trees are not result layouts any command writes
@@ -174,7 +174,7 @@ def _paper_block(directory: Path, experiment: str | None) -> tuple[str | None, d
     table.csv keeps only the mean over seeds, so ours shows no spread here.
     """
     from .paper_reference import reference_for
-    from .reporting import side_by_side
+    from .summaries import side_by_side
 
     reference = reference_for(experiment or "")
     if reference is None:
@@ -426,7 +426,7 @@ def _check_output(out: Path, paths: Sequence[str | Path]) -> None:
         raise UsageError(f"--out {out} is a directory; give the markdown file to write, e.g. {out / 'report.md'}")
     if out.suffix.lower() != ".md":
         raise UsageError(f"--out {out}: the report is markdown; give a file name ending in .md")
-    if (out.parent / CHECKPOINT_NAME).exists() or (out.parent / "config.json").exists():
+    if (out.parent / CHECKPOINT).exists() or (out.parent / "config.json").exists():
         raise UsageError(f"--out {out} is inside a run directory; write the report elsewhere")
     if os.path.lexists(out):
         try:

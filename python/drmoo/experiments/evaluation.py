@@ -1,0 +1,102 @@
+"""Evaluating trained runs: per-task accuracy, clean or under FGSM, and ``eval.json``.
+
+:func:`accuracy` is the one measurement; the training loop calls it at every epoch's end (clean), and
+``drmoo eval`` (:func:`evaluate_robustness`) under each FGSM budget.  A result records the checkpoint
+it was computed from (step, payload SHA-256; :func:`~drmoo.experiments.checkpoints.checkpoint_provenance`),
+so a later reader can tell whether it still describes the run's weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from drmoo.attacks import fgsm, pixel_step
+from drmoo.store import CheckpointError, UsageError, save_result
+
+from .checkpoints import CHECKPOINT, checkpoint_provenance, load_checkpoint
+from .devices import resolve_device
+from .run_config import RunConfig, read_run_config
+
+__all__ = ["accuracy", "check_eps", "evaluate_robustness", "load_trained", "load_trained_run"]
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int, device: torch.device,
+             to_input: Callable[[Tensor], Tensor], eps: float = 0.0, eps_space: str = "pixel") -> list[float]:
+    """Per-task accuracy over a split, optionally under FGSM with budget ``eps`` (in ``eps_space``, see attacks)."""
+    model.eval()
+    step_scale = pixel_step(model, eps_space)
+    correct = torch.zeros(labels.shape[1], dtype=torch.long)
+    for start in range(0, labels.shape[0], batch_size):
+        x = to_input(images[start : start + batch_size]).to(device)
+        y = labels[start : start + batch_size].to(device)
+        if eps > 0:
+            x = fgsm(model, x, y, eps, step_scale=step_scale)
+        logits = model(x)
+        correct += torch.stack([(z.argmax(1) == y[:, i]).sum() for i, z in enumerate(logits)]).cpu()
+    return (correct.double() / labels.shape[0]).tolist()
+
+
+def load_trained_run(run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], device: str | None = None
+                     ) -> tuple[RunConfig, nn.Module, Any, torch.device, dict[str, Any]]:
+    """:func:`load_trained` and the provenance of the weights loaded (see :func:`checkpoint_provenance`)."""
+    config = read_run_config(run_dir)
+    checkpoint = load_checkpoint(run_dir, config)  # verified (size, SHA-256, config) and never unpickled freely
+    target = resolve_device(device or config.device)
+    model, data = build(config)
+    try:
+        model.load_state_dict(checkpoint.state["model"])
+        provenance = checkpoint_provenance(checkpoint)
+    except (KeyError, TypeError, RuntimeError, ValueError) as error:
+        raise CheckpointError(f"{run_dir / CHECKPOINT}: refused: its model does not fit the run's "
+                              f"({str(error).strip().splitlines()[0] if str(error).strip() else error!r})") from None
+    model.to(target)
+    return config, model, data, target, provenance
+
+
+def load_trained(run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], device: str | None = None
+                 ) -> tuple[RunConfig, nn.Module, Any, torch.device]:
+    """A trained run's config, model (weights loaded, on ``device`` or the run's), data and that device."""
+    return load_trained_run(run_dir, build, device)[:4]
+
+
+def check_eps(eps_values: Iterable[float]) -> list[float]:
+    """FGSM budgets as floats, each finite and >= 0; a clear error otherwise."""
+    values = []
+    for eps in eps_values:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+            raise UsageError(f"--eps values must be finite numbers >= 0, got {eps!r}")
+        values.append(float(eps))
+    return values
+
+
+def evaluate_robustness(
+    run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], eps_values: list[float],
+    progress: bool = True, device: str | None = None, eps_space: str = "pixel",
+) -> dict[str, Any]:
+    """FGSM accuracy per task and on average for each eps; writes and returns eval.json's content.
+
+    eval.json also records the eps space, the training budget spent (iterations, samples drawn) and the
+    checkpoint evaluated (step, payload SHA-256), all read from the checkpoint the weights came from.
+    When eval.json cannot be written, :class:`drmoo.store.ResultNotSaved` carries the report.
+    """
+    eps_values = check_eps(eps_values)
+    config, model, data, target, provenance = load_trained_run(run_dir, build, device)
+    results = []
+    for eps in tqdm(eps_values, desc="FGSM", disable=not progress):
+        task_acc = accuracy(model, data.test_images, data.test_labels, 2 * config.batch_size, target, data.images, eps,
+                            eps_space)
+        results.append({"eps": eps, "mean_acc": sum(task_acc) / len(task_acc), "task_acc": task_acc})
+    report = {"run": str(run_dir), "method": config.method, "label": config.name, "seed": config.seed,
+              "experiment": config.experiment, "model": config.model, "eval_split": config.eval_split,
+              "attack": "fgsm", "eps_space": eps_space, "test_samples": int(data.test_labels.shape[0]),
+              **provenance, "results": results}
+    save_result(run_dir / "eval.json", report)
+    return report
