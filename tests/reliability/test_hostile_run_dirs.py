@@ -136,7 +136,7 @@ def test_dl2_only_the_head_of_an_existing_out_file_is_read(trained_template: Pat
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Whether --out is an earlier report is decided from its first 4 KiB; a 256 MiB sparse file (a few
     KB on disk) must not be read further (it used to be read up to 1 GiB)."""
-    from drmoo.experiments import report
+    from drmoo.experiments import results_report
 
     out = tmp_path / "report.md"
     assert main(["report", "--runs", str(trained_template), "--out", str(out)]) == 0
@@ -150,8 +150,8 @@ def test_dl2_only_the_head_of_an_existing_out_file_is_read(trained_template: Pat
         return data
 
     monkeypatch.setattr(os, "read", counting_read)
-    report._check_output(out, [str(trained_template)])  # an earlier report: may be replaced
-    assert 0 < read[0] <= report.REPORT_HEAD_BYTES
+    results_report._check_output(out, [str(trained_template)])  # an earlier report: may be replaced
+    assert 0 < read[0] <= results_report.REPORT_HEAD_BYTES
 
 
 # ------------------------------------------------------------------------------- crashes
