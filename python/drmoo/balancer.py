@@ -35,7 +35,9 @@ leaves every ``.grad``, eta, w and the state as they were.
 One batch or a closure.  ``backward(losses)`` (or ``backward((losses, sample_weight))``) is the
 method's *single-batch form*: every batch the algorithm draws is this one -- Double-Clip as with
 ``resample=False``; MoDo's and SDMGrad's three batches and Double-Loop's ``inner_steps + 3`` batches
-coincide (the Jacobians are computed on the one graph, which is kept until the last of them);
+coincide (the Jacobians are computed on the one graph, which is kept until the last of them; a draw
+at the same eta as the one before it is the same matrix and is copied, not recomputed, so MoDo and
+SDMGrad cost m backward passes here, not 3m);
 FAMO's logit update is its next-batch form (see :class:`drmoo.optim.FAMO`).  ``backward(closure)``
 runs the method's multi-batch form instead: the closure is called as ``step`` calls it (fresh
 batch per call).
@@ -207,6 +209,7 @@ class Balancer:
         finally:
             algorithm.loss_scale = algorithm.grad_scale = 1.0
             algorithm.graph_reuses = 0
+            algorithm.jacobian_memo = None
         if heads is not None:
             heads.sum_over_ranks()
         return objectives

@@ -143,6 +143,42 @@ def test_sgd_with_the_balancer_follows_the_methods_own_step(case: str) -> None:
     assert bool((balancer.eta != 0).all())
 
 
+def trunk_backward_passes(balancer: drmoo.Balancer, model: nn.Module, losses: Tensor | Callable[[], Tensor]) -> int:
+    """How many backward passes reach the trunk's first weight during one ``balancer.backward``."""
+    passes = 0
+
+    def count(grad: Tensor) -> Tensor:
+        nonlocal passes
+        passes += 1
+        return grad
+
+    handle = model.trunk[0].weight.register_hook(count)
+    try:
+        balancer.backward(losses)
+    finally:
+        handle.remove()
+    return passes
+
+
+@pytest.mark.parametrize("case", ["modo", "sdmgrad"])
+def test_the_single_batch_form_computes_each_jacobian_once(case: str) -> None:
+    """MoDo's and SDMGrad's three draws coincide on one batch (one graph, one eta), so their Jacobians
+    are the same matrix: the balancer computes it once (m passes through the trunk, as a one-batch
+    method), not once per draw (3m); the trajectory test above shows the result is the same.  With a
+    closure (fresh batches) every draw is still computed.  (Double-Loop's three Jacobians are taken at
+    inner iterates of eta drawn at random, so on one batch only draws at the same iterate are reused.)"""
+    name, hparams = CASES[case]
+    model, stream = TwoTaskNet(), batch_stream()
+    balancer = drmoo.Balancer(name, model.trunk.parameters(), M, lr=LR, **hparams)
+    single = trunk_backward_passes(balancer, model, per_sample_losses(model, *next(stream)))
+    one_batch_method = drmoo.Balancer("mgda", model.trunk.parameters(), M, lr=LR)
+    floor = trunk_backward_passes(one_batch_method, model, per_sample_losses(model, *next(stream)))
+    assert floor == M and single <= M + 1, (single, floor)  # (SDMGrad's combined gradient: one pass more)
+    assert balancer.algorithm.jacobian_memo is None  # nothing of the step is kept past it
+    fresh = trunk_backward_passes(balancer, model, lambda: per_sample_losses(model, *next(stream)))
+    assert fresh >= 3 * M, fresh
+
+
 @pytest.mark.parametrize("case", ["double-clip", "double-loop", "modo", "sdmgrad", "famo"])
 def test_a_closure_runs_the_methods_multi_batch_form(case: str) -> None:
     reference, optimizer = run_step_optimizer(case, 4, single_batch=False)

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from drmoo import distributed
 from drmoo.distributed import all_reduce_max
-from drmoo.jacobian import STRATEGIES, column_views, head_leaves, task_jacobian
+from drmoo.jacobian import STRATEGIES, accumulate_into_grad, column_views, head_leaves, task_jacobian
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
 from drmoo_kernels._checks import check_positive, trusted_arguments
 
@@ -228,6 +228,12 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # Balancer given one batch hands the same losses to every draw of a multi-batch method
         # (MoDo, SDMGrad, Double-Loop), whose Jacobians must then keep the graph for the next one.
         self.graph_reuses = 0
+        # While graph_reuses > 0: the last Jacobian computed (losses, cotangent, rows).  Over the same
+        # graph with the same cotangent (the same eta: the draws of one step happen at one point) the
+        # Jacobian is the same matrix, so the later draws copy it instead of running m more backward
+        # passes (the Balancer's single-batch form of MoDo, SDMGrad and Double-Loop: 1 + 2m backward
+        # passes instead of 3m).  Cleared when the reuses run out and by the Balancer after its step.
+        self.jacobian_memo: tuple[Tensor, Tensor, Tensor] | None = None
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
             raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
         defaults = dict(defaults)
@@ -688,15 +694,31 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         vmapped backward).  With ``feed_heads`` every other leaf also accumulates its gradient (the
         heads' gradients for the user's optimizer); otherwise only the shared parameters are touched.
         """
+        shared = self._shared_params()
         if feed_heads:
-            self.set_aside_head_grads(head_leaves(losses, self._shared_params()))
+            self.set_aside_head_grads(head_leaves(losses, shared))
         scale = self.loss_scale
-        jacobian = task_jacobian(losses, cotangent * scale if scale != 1.0 else cotangent, self._shared_params(),
-                                 self._buffer(slot), strategy=self.jacobian_strategy, feed_heads=feed_heads,
-                                 retain_graph=self.take_graph_reuse())
+        scaled = cotangent * scale if scale != 1.0 else cotangent
+        memoize = self.graph_reuses > 0 and not self.capturable  # (the match test below reads the host)
+        memo = self.jacobian_memo
+        if memo is not None and memo[0] is losses and not self.capturable and torch.equal(memo[1], cotangent):
+            jacobian = self._buffer(slot)
+            jacobian.copy_(memo[2])  # already unscaled and summed over ranks
+            retain = self.take_graph_reuse()
+            heads = head_leaves(losses, shared) if feed_heads else []
+            if heads:  # the heads still get this draw's gradient, from a pass above them only
+                grads = torch.autograd.grad(losses, heads, grad_outputs=scaled.to(losses.dtype), retain_graph=retain,
+                                            allow_unused=True)
+                accumulate_into_grad(heads, grads)
+            return jacobian
+        jacobian = task_jacobian(losses, scaled, shared, self._buffer(slot), strategy=self.jacobian_strategy,
+                                 feed_heads=feed_heads, retain_graph=self.take_graph_reuse())
         if scale != 1.0:
             jacobian.div_(scale)
-        return distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
+        jacobian = distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
+        # A clone: the slot's buffer may be worked on in place before the next draw.
+        self.jacobian_memo = (losses, cotangent.clone(), jacobian.clone()) if memoize else None
+        return jacobian
 
     def dual_forward(self, losses: Tensor, eta: Tensor, lam: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
         """The ``dual_forward`` op on the latest batch (with its importance weights), over all ranks.
