@@ -231,8 +231,10 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # While graph_reuses > 0: the last Jacobian computed (losses, cotangent, rows).  Over the same
         # graph with the same cotangent (the same eta: the draws of one step happen at one point) the
         # Jacobian is the same matrix, so the later draws copy it instead of running m more backward
-        # passes (the Balancer's single-batch form of MoDo, SDMGrad and Double-Loop: 1 + 2m backward
-        # passes instead of 3m).  Cleared when the reuses run out and by the Balancer after its step.
+        # passes (the Balancer's single-batch form of MoDo and SDMGrad: m backward passes instead of
+        # 3m).  Only while the Balancer sets memoize_jacobians (methods whose draws all share one eta;
+        # Double-Loop's draw random inner iterates, whose pass count would then vary); cleared by it.
+        self.memoize_jacobians = False
         self.jacobian_memo: tuple[Tensor, Tensor, Tensor] | None = None
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
             raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
@@ -699,11 +701,12 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             self.set_aside_head_grads(head_leaves(losses, shared))
         scale = self.loss_scale
         scaled = cotangent * scale if scale != 1.0 else cotangent
-        memoize = self.graph_reuses > 0 and not self.capturable  # (the match test below reads the host)
+        memoize = self.memoize_jacobians and not self.capturable  # (the match test below reads the host)
         memo = self.jacobian_memo
-        if memo is not None and memo[0] is losses and not self.capturable and torch.equal(memo[1], cotangent):
-            jacobian = self._buffer(slot)
-            jacobian.copy_(memo[2])  # already unscaled and summed over ranks
+        if memoize and memo is not None and memo[0] is losses and torch.equal(memo[1], cotangent):
+            # The first draw's buffer itself (already unscaled and summed over ranks): the methods
+            # that memoize (MoDo, SDMGrad) only read their Jacobians, so no copy of [m, n] is made.
+            jacobian = memo[2]
             retain = self.take_graph_reuse()
             heads = head_leaves(losses, shared) if feed_heads else []
             if heads:  # the heads still get this draw's gradient, from a pass above them only
@@ -716,8 +719,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         if scale != 1.0:
             jacobian.div_(scale)
         jacobian = distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
-        # A clone: the slot's buffer may be worked on in place before the next draw.
-        self.jacobian_memo = (losses, cotangent.clone(), jacobian.clone()) if memoize else None
+        self.jacobian_memo = (losses, cotangent.clone(), jacobian) if memoize and self.graph_reuses else None
         return jacobian
 
     def dual_forward(self, losses: Tensor, eta: Tensor, lam: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
