@@ -355,24 +355,21 @@ def test_u5_a_lock_held_under_a_dead_pid_says_so(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
     pid = int(dead.stdout)
-    holder = os.open(tmp_path / store.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(holder, fcntl.LOCK_EX)
-        os.write(holder, f"{pid}\n".encode())
-        with pytest.raises(store.RunLockedError, match=rf"pid {pid}, .*no longer exists"):
-            with store.run_lock(tmp_path):
-                pass
-    finally:
-        os.close(holder)
+    _refused_while_held(tmp_path, pid, rf"pid {pid}, .*no longer exists")
 
 
 def test_u5_a_lock_held_by_a_live_process_names_it(tmp_path: Path) -> None:
-    holder = os.open(tmp_path / store.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    _refused_while_held(tmp_path, os.getpid(), rf"in use by another drmoo process \(pid {os.getpid()},")
+
+
+def _refused_while_held(run_dir: Path, recorded_pid: int, message: str) -> None:
+    """Hold the run's lock (as this process) with ``recorded_pid`` written in it: run_lock must refuse."""
+    holder = os.open(run_dir / store.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(holder, fcntl.LOCK_EX)
-        os.write(holder, f"{os.getpid()}\n".encode())
-        with pytest.raises(store.RunLockedError, match=rf"in use by another drmoo process \(pid {os.getpid()},"):
-            with store.run_lock(tmp_path):
+        os.write(holder, f"{recorded_pid}\n".encode())
+        with pytest.raises(store.RunLockedError, match=message):
+            with store.run_lock(run_dir):
                 pass
     finally:
         os.close(holder)

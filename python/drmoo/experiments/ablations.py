@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from drmoo.experiments.summaries import style_norm_axes
 from drmoo.store import UsageError, make_directory, read_csv, read_json, write_csv, write_figure, write_json, write_text
 from drmoo_kernels import resolve_backend
 
@@ -363,12 +364,7 @@ def _plot_curves(curves: list[dict[str, Any]], labels: list[str], path: Path, ti
             xs = [float(c[x_key]) for c in rows]
             axis.plot(xs, values, color=f"C{index}", linewidth=0.6, alpha=0.25)
             axis.plot(xs, _running_mean(values, window), color=f"C{index}", linewidth=1.6, label=label)
-    for axis, x_label in zip(axes, ("iteration", "samples consumed")):
-        axis.set_xlabel(x_label)
-        axis.set_ylabel("balanced gradient norm ||∇L w||")
-        axis.set_yscale("log")
-        axis.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    style_norm_axes(axes)
     seeds = max((int(c["seeds"]) for c in curves), default=1)
     fig.suptitle(f"{title} (mean over {seeds} seed{'s' if seeds > 1 else ''}; "
                  f"faint: per iteration, solid: running mean of {window})", fontsize=10)

@@ -42,6 +42,16 @@ def aggregate_curves(records: list[dict[str, Any]], key: str = "balanced_grad_no
     return curves
 
 
+def style_norm_axes(axes: Sequence[Any]) -> None:
+    """The two panels of a convergence plot (per iteration, per sample consumed): labels, log scale, legend."""
+    for axis, label in zip(axes, ("iteration", "samples consumed")):
+        axis.set_xlabel(label)
+        axis.set_ylabel("balanced gradient norm ||∇L w||")
+        axis.set_yscale("log")
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+
+
 def plot_convergence(
     curves: list[dict[str, Any]], path: Path, title: str, key: str = "balanced_grad_norm"
 ) -> None:
@@ -64,12 +74,7 @@ def plot_convergence(
             if rows and rows[0]["seeds"] > 1:
                 axis.fill_between(xs, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
     axes[1].set_xscale("log")  # sample costs differ by 20x between methods (Double-Loop's inner draws)
-    for axis, label in zip(axes, ("iteration", "samples consumed")):
-        axis.set_xlabel(label)
-        axis.set_ylabel("balanced gradient norm ||∇L w||")
-        axis.set_yscale("log")
-        axis.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    style_norm_axes(axes)
     seeds = max((c["seeds"] for c in curves), default=1)
     spread = ", band = min..max)" if seeds > 1 else ")"
     fig.suptitle(f"{title} (mean over {seeds} seed{'s' if seeds > 1 else ''}{spread}")
