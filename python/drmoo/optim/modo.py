@@ -100,17 +100,24 @@ class MoDo(JointBaseline):
         assert first.jacobian is not None and second.jacobian is not None and third.jacobian is not None
 
         w = self.w.double()
-        # G_1 (G_2^T w) in two passes over n, in the Jacobians' accumulation precision.
-        acc = torch.float64 if first.jacobian.dtype == torch.float64 else torch.float32
-        combined_second = w.to(acc) @ second.jacobian.to(acc)
-        cross = (first.jacobian.to(acc) @ combined_second).double() + first.z.double() * second.z.double() * w
         gram = self._ops.gram(third.jacobian)
-        # A non-finite entry of J_2 reaches every entry of J_2^T w, one of J_1 its row of the product.
-        self.raise_unless_finite([
-            ("G1", torch.isfinite(cross)),
-            ("G2", all_finite(combined_second).expand(self.num_tasks)),
-            ("G3", torch.isfinite(torch.diagonal(gram))),
-        ])
+        if first.jacobian is second.jacobian is third.jacobian:
+            # drmoo.Balancer's single-batch form: the three draws are one batch at one eta, hence one
+            # Jacobian G, and G_1 (G_2^T w) = (G G^T) w comes from the Gram the step needs anyway
+            # (two passes over [m, n] fewer).  A non-finite entry of G reaches its diagonal.
+            cross = gram.double() @ w + first.z.double() * second.z.double() * w
+            self.raise_unless_finite([("G1", torch.isfinite(cross)), ("G3", torch.isfinite(torch.diagonal(gram)))])
+        else:
+            # G_1 (G_2^T w) in two passes over n, in the Jacobians' accumulation precision.
+            acc = torch.float64 if first.jacobian.dtype == torch.float64 else torch.float32
+            combined_second = w.to(acc) @ second.jacobian.to(acc)
+            cross = (first.jacobian.to(acc) @ combined_second).double() + first.z.double() * second.z.double() * w
+            # A non-finite entry of J_2 reaches every entry of J_2^T w, one of J_1 its row of the product.
+            self.raise_unless_finite([
+                ("G1", torch.isfinite(cross)),
+                ("G2", all_finite(combined_second).expand(self.num_tasks)),
+                ("G3", torch.isfinite(torch.diagonal(gram))),
+            ])
 
         w_next = simplex_step(w, cross + h["rho"] * w, h["pref_lr"])
         self.step_joint(third.jacobian, third.z, w_next)
