@@ -36,7 +36,7 @@ One batch or a closure.  ``backward(losses)`` (or ``backward((losses, sample_wei
 method's *single-batch form*: every batch the algorithm draws is this one -- Double-Clip as with
 ``resample=False``; MoDo's and SDMGrad's three batches and Double-Loop's ``inner_steps + 3`` batches
 coincide (the Jacobians are computed on the one graph, which is kept until the last of them; MoDo's
-and SDMGrad's draws share one eta, so their Jacobians are one matrix, computed once and copied: m
+and SDMGrad's draws share one eta, so their Jacobians are one matrix, computed once and reused: m
 backward passes here, not 3m);
 FAMO's logit update is its next-batch form (see :class:`drmoo.optim.FAMO`).  ``backward(closure)``
 runs the method's multi-batch form instead: the closure is called as ``step`` calls it (fresh
@@ -82,9 +82,6 @@ LossesInput = Tensor | tuple[Tensor, Tensor] | Callable[[], Any]
 # Methods whose single-batch form runs several backward passes over the one graph of the losses
 # (one per batch of the multi-batch algorithm): the graph is kept for all but the last.
 _GRAPH_PASSES = {"modo": 3, "sdmgrad": 3, "double-loop": 3}
-# Of those, the methods whose draws are all taken at the same eta: on one batch their Jacobians are
-# one matrix, computed once (MultiObjectiveOptimizer.jacobian_memo).
-_SAME_POINT_DRAWS = {"modo", "sdmgrad"}
 
 
 def _reaches(losses: Tensor, params: Iterable[Tensor]) -> bool:
@@ -195,7 +192,6 @@ class Balancer:
                 scale = float(scaler.scale(one))
         algorithm.loss_scale = algorithm.grad_scale = scale
         algorithm.graph_reuses = graph_reuses
-        algorithm.memoize_jacobians = graph_reuses > 0 and self.method in _SAME_POINT_DRAWS
         heads = _HeadGradsAcrossRanks(algorithm._shared_params()) if distributed.is_distributed() else None
         try:
             objectives = algorithm.step(heads.watch(closure) if heads is not None else closure)
@@ -213,7 +209,6 @@ class Balancer:
         finally:
             algorithm.loss_scale = algorithm.grad_scale = 1.0
             algorithm.graph_reuses = 0
-            algorithm.memoize_jacobians = False
             algorithm.jacobian_memo = None
         if heads is not None:
             heads.sum_over_ranks()

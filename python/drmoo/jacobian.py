@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["STRATEGIES", "accumulate_into_grad", "column_views", "copy_into_row", "graph_leaves", "head_leaves",
-           "require_reached", "task_jacobian"]
+__all__ = ["STRATEGIES", "accumulate_into_grad", "column_views", "copy_into_row", "feed_head_grads", "graph_leaves",
+           "head_leaves", "require_reached", "task_jacobian"]
 
 STRATEGIES: tuple[str, ...] = ("loop", "batched")
 
@@ -176,8 +176,14 @@ def task_jacobian(
         else:
             block.copy_(grad.reshape(num_tasks, -1))
         offset += param.numel()
-    if heads:  # one more pass, for the heads only
-        grads = torch.autograd.grad(losses, heads, grad_outputs=cotangent, retain_graph=retain_graph,
+    feed_head_grads(losses, heads, cotangent, retain_graph=retain_graph)  # one more pass, for the heads only
+    return out
+
+
+def feed_head_grads(losses: Tensor, heads: Sequence[Tensor], cotangent: Tensor, *, retain_graph: bool) -> None:
+    """One backward pass restricted to ``heads`` (it only traverses the graph above them): their
+    gradients of sum_b,i cotangent[b, i] * losses[b, i] accumulate into their ``.grad``."""
+    if heads:
+        grads = torch.autograd.grad(losses, heads, grad_outputs=cotangent.to(losses.dtype), retain_graph=retain_graph,
                                     allow_unused=True)
         accumulate_into_grad(heads, grads)
-    return out

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from drmoo import distributed
 from drmoo.distributed import all_reduce_max
-from drmoo.jacobian import STRATEGIES, accumulate_into_grad, column_views, head_leaves, task_jacobian
+from drmoo.jacobian import STRATEGIES, column_views, feed_head_grads, head_leaves, task_jacobian
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
 from drmoo_kernels._checks import check_positive, trusted_arguments
 
@@ -195,6 +195,9 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
 
     # Named paper settings of the method: preset name -> constructor keyword arguments.
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
+    # Whether every batch a step draws is taken at the same (theta, eta) (MoDo, SDMGrad: yes; Double-Loop
+    # draws at random inner iterates of eta): then draws over one graph give one Jacobian (jacobian_memo).
+    DRAWS_SHARE_ONE_POINT: ClassVar[bool] = False
 
     @classmethod
     def preset(cls, name: str) -> dict[str, Any]:
@@ -228,13 +231,10 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # Balancer given one batch hands the same losses to every draw of a multi-batch method
         # (MoDo, SDMGrad, Double-Loop), whose Jacobians must then keep the graph for the next one.
         self.graph_reuses = 0
-        # While graph_reuses > 0: the last Jacobian computed (losses, cotangent, rows).  Over the same
-        # graph with the same cotangent (the same eta: the draws of one step happen at one point) the
-        # Jacobian is the same matrix, so the later draws copy it instead of running m more backward
-        # passes (the Balancer's single-batch form of MoDo and SDMGrad: m backward passes instead of
-        # 3m).  Only while the Balancer sets memoize_jacobians (methods whose draws all share one eta;
-        # Double-Loop's draw random inner iterates, whose pass count would then vary); cleared by it.
-        self.memoize_jacobians = False
+        # For a DRAWS_SHARE_ONE_POINT method while graph_reuses > 0 (the Balancer's single-batch form):
+        # the first draw's (losses, cotangent, Jacobian).  A later draw over the same graph with the same
+        # cotangent is the same matrix, so it is handed out again instead of running m more backward
+        # passes (MoDo, SDMGrad: m backward passes instead of 3m).  Cleared by the Balancer after its step.
         self.jacobian_memo: tuple[Tensor, Tensor, Tensor] | None = None
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
             raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
@@ -697,23 +697,18 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         heads' gradients for the user's optimizer); otherwise only the shared parameters are touched.
         """
         shared = self._shared_params()
-        if feed_heads:
-            self.set_aside_head_grads(head_leaves(losses, shared))
+        heads = head_leaves(losses, shared) if feed_heads else []
+        self.set_aside_head_grads(heads)
         scale = self.loss_scale
         scaled = cotangent * scale if scale != 1.0 else cotangent
-        memoize = self.memoize_jacobians and not self.capturable  # (the match test below reads the host)
+        memoize = self.DRAWS_SHARE_ONE_POINT and not self.capturable  # (the match test below reads the host)
         memo = self.jacobian_memo
         if memoize and memo is not None and memo[0] is losses and torch.equal(memo[1], cotangent):
             # The first draw's buffer itself (already unscaled and summed over ranks): the methods
             # that memoize (MoDo, SDMGrad) only read their Jacobians, so no copy of [m, n] is made.
-            jacobian = memo[2]
-            retain = self.take_graph_reuse()
-            heads = head_leaves(losses, shared) if feed_heads else []
-            if heads:  # the heads still get this draw's gradient, from a pass above them only
-                grads = torch.autograd.grad(losses, heads, grad_outputs=scaled.to(losses.dtype), retain_graph=retain,
-                                            allow_unused=True)
-                accumulate_into_grad(heads, grads)
-            return jacobian
+            # The heads still get this draw's gradient, from a pass above them only.
+            feed_head_grads(losses, heads, scaled, retain_graph=self.take_graph_reuse())
+            return memo[2]
         jacobian = task_jacobian(losses, scaled, shared, self._buffer(slot), strategy=self.jacobian_strategy,
                                  feed_heads=feed_heads, retain_graph=self.take_graph_reuse())
         if scale != 1.0:

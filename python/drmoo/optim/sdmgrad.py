@@ -100,6 +100,7 @@ class SDMGrad(JointBaseline):
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
     """
 
+    DRAWS_SHARE_ONE_POINT: ClassVar[bool] = True  # its three batches are all taken at (theta_t, eta_t)
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "multimnist": {"lr": 1e-4, "pref_lr": 1e-6, "rho": 1e-5, "lam": 0.8, "inner_steps": 5},
         "celeba": {"lr": 1e-4, "pref_lr": 1e-6, "rho": 5e-5, "lam": 0.8, "inner_steps": 5},
