@@ -1,12 +1,14 @@
 """drmoo.Balancer with a DistributedDataParallel model (2 gloo processes) and with a torch.compile'd model.
 
 DDP.  Each rank passes its shard's per-sample losses to ``balancer.backward``; the method all-reduces
-the dual statistics and the Jacobian itself (:mod:`drmoo.distributed`) and the balancer sums the
-heads' gradients over ranks, so after every backward each ``.grad`` is the global batch's, the same
-on both ranks (bitwise: both ranks run the identical computation on the all-reduced numbers) and
-equal to one process on the concatenated batch up to the order of the floating-point sums (float64,
-the tolerance of tests/test_distributed.py).  ``torch.autograd.grad`` fires none of DDP's hooks, so
-DDP itself reduces nothing: without the balancer's sum the heads of the two ranks drift apart.
+the dual statistics and the Jacobian itself (:mod:`drmoo.distributed`) and, in direction mode, sums
+the heads' gradients of the step over ranks, so after every backward each ``.grad`` is the global
+batch's, the same on both ranks (bitwise: both ranks run the identical computation on the
+all-reduced numbers) and equal to one process on the concatenated batch up to the order of the
+floating-point sums (float64, the tolerance of tests/test_distributed.py).  ``torch.autograd.grad``
+fires none of DDP's hooks, so DDP itself reduces nothing: without that sum the heads of the two
+ranks drift apart.  Every backward starts from nonzero ``.grad`` (PRIOR_GRAD, the same on every
+rank): the earlier gradients must be added back once, after the sum, not summed with the step's.
 
 torch.compile.  The default inductor backend (C++ on the CPU) computes the same float32 forward and
 backward with other fusions and summation orders, so each step's gradients differ from eager by a
@@ -36,6 +38,7 @@ GLOBAL_BATCH = 8
 STEPS = 3
 LR = 0.05
 DDP_TOLERANCE = {"rtol": 1e-9, "atol": 1e-12}
+PRIOR_GRAD = 0.25  # every .grad before each backward (see the module docstring)
 
 
 class TwoTaskNet(nn.Module):
@@ -84,8 +87,10 @@ def _train_under_ddp(method: str, form: str, wrap: bool) -> dict[str, Any]:
 
     grads: list[list[Tensor]] = []
     for _ in range(STEPS):
-        # zeros rather than None: the step's gradients must be added to existing ones
-        optimizer.zero_grad(set_to_none=False)
+        # nonzero rather than None: the step's gradients must be added to existing ones, which are
+        # the same on every rank and must not be summed over ranks
+        for param in model.parameters():
+            param.grad = torch.full_like(param, PRIOR_GRAD)
         with no_sync():
             balancer.backward(shard_losses() if form == "losses" else shard_losses)
         grads.append([p.grad.clone() for p in model.parameters()])

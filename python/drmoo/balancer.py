@@ -51,14 +51,15 @@ error: nothing of the balancer changes, the shared parameters' ``.grad`` receive
 the scaler skips the optimizer step and lowers its scale, and ``stats["found_inf"]`` is 1.
 
 Data parallelism (torch.distributed, one process per device).  Every rank passes the losses of its
-shard of the global batch (:func:`drmoo.distributed.shard`); ``backward`` all-reduces the dual
-statistics and the Jacobian (:mod:`drmoo.distributed`) and sums the heads' gradients of the step
-over ranks, so that every ``.grad`` it writes is the global batch's, the same on every rank, and
-the torch optimizer keeps the replicas identical.  The balancer does its own communication: use
-the model as it is, or wrap it in ``DistributedDataParallel`` and run its forward and ``backward``
-inside ``ddp_model.no_sync()``: DDP's reducer must stay idle (where a backward pass accumulates into
-``.grad``, e.g. FAMO's heads pass, it would start a reduction of its own that never completes, and
-DDP raises at the next forward).
+shard of the global batch (:func:`drmoo.distributed.shard`); ``backward`` -- the method's step in
+direction mode -- all-reduces the dual statistics and the Jacobian (:mod:`drmoo.distributed`) and
+sums the heads' gradients of the step over ranks, so that every ``.grad`` it writes is the global
+batch's, the same on every rank, and the torch optimizer keeps the replicas identical.  The
+balancer does its own communication: use the model as it is, or wrap it in
+``DistributedDataParallel`` and run its forward and ``backward`` inside ``ddp_model.no_sync()``:
+DDP's reducer must stay idle (where a backward pass accumulates into ``.grad``, e.g. FAMO's heads
+pass, it would start a reduction of its own that never completes, and DDP raises at the next
+forward).
 
 torch.compile.  A compiled model (``torch.compile(model)``) works as it is: the balancer walks the
 autograd graph that the compiled forward builds and runs its backward passes through it.
@@ -72,8 +73,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import distributed
-from .jacobian import graph_leaves, head_leaves
+from .jacobian import graph_leaves
 from .optim import NonFiniteStepError, available, create
 from .optim._base import MultiObjectiveOptimizer
 
@@ -192,26 +192,18 @@ class Balancer:
                 scale = float(scaler.scale(one))
         algorithm.loss_scale = algorithm.grad_scale = scale
         algorithm.graph_reuses = graph_reuses
-        heads = _HeadGradsAcrossRanks(algorithm._shared_params()) if distributed.is_distributed() else None
         try:
-            objectives = algorithm.step(heads.watch(closure) if heads is not None else closure)
+            # A step that raises has already restored every .grad (the optimizer's all-or-nothing step).
+            objectives = algorithm.step(closure)
         except NonFiniteStepError:
-            if heads is not None:
-                heads.restore()
             if scaler is None or not scaler.is_enabled():
                 raise
             self._hand_overflow_to(scaler)
             return torch.full((self.num_tasks,), float("nan"))
-        except BaseException:
-            if heads is not None:
-                heads.restore()
-            raise
         finally:
             algorithm.loss_scale = algorithm.grad_scale = 1.0
             algorithm.graph_reuses = 0
             algorithm.jacobian_memo = None
-        if heads is not None:
-            heads.sum_over_ranks()
         return objectives
 
     def _check_losses(self, losses: Tensor | tuple[Tensor, Tensor]) -> None:
@@ -252,48 +244,3 @@ class Balancer:
                 first.grad = torch.zeros_like(first)
             first.grad.view(-1)[:1].fill_(float("inf"))
         algorithm.stats = {"found_inf": torch.ones((), dtype=torch.float32)}
-
-
-class _HeadGradsAcrossRanks:
-    """Under torch.distributed: makes the heads' ``.grad`` of a step the global batch's on every rank.
-
-    The shared parameters need nothing here (the method all-reduces the dual statistics and the
-    Jacobian itself, :mod:`drmoo.distributed`), but the heads' gradients are computed on each
-    rank's shard, and ``torch.autograd.grad`` fires none of DistributedDataParallel's hooks: left
-    alone, every rank's heads would step on their own shard and the replicas drift apart.  So the
-    heads' ``.grad`` are set aside when a closure call returns (before the step feeds them), the
-    step's contributions are summed over ranks once it succeeded (its cotangents are already
-    divided by the world size: the sum is the global batch's gradient), and the set-aside gradients
-    are added back -- restored as they were if the step fails.
-    """
-
-    def __init__(self, shared: list[Tensor]) -> None:
-        self._shared = shared
-        self._kept: dict[int, tuple[Tensor, Tensor | None]] = {}  # in graph order: the same on every rank
-
-    def watch(self, closure: Callable[..., Any]) -> Callable[..., Any]:
-        def watched(*args: Any, **kwargs: Any) -> Any:
-            result = closure(*args, **kwargs)
-            losses = result[0] if isinstance(result, tuple) and result else result
-            if isinstance(losses, Tensor) and losses.requires_grad:
-                for head in head_leaves(losses, self._shared):
-                    if id(head) not in self._kept:
-                        self._kept[id(head)] = (head, head.grad)
-                        head.grad = None
-            return result
-
-        return watched
-
-    def sum_over_ranks(self) -> None:
-        distributed.all_reduce_grads([head for head, _ in self._kept.values()])
-        with torch.no_grad():
-            for head, before in self._kept.values():
-                if before is None:
-                    continue
-                if head.grad is not None:
-                    before.add_(head.grad)  # accumulate in place, as autograd does
-                head.grad = before
-
-    def restore(self) -> None:
-        for head, before in self._kept.values():
-            head.grad = before

@@ -12,7 +12,9 @@ and go through the multi-objective update.  Every other trainable leaf that take
 (e.g. one head per task) receives, in its ``.grad``, the gradient of the sum of the task dual
 objectives from the batch used for the parameter step - head i therefore sees task i only - and is
 stepped by the user's own optimizer (paper: SGD, lr 1e-2) after ``step`` returns.  Zero those grads
-before ``step`` as usual (a step adds to an existing ``.grad``, as ``backward`` does).
+before ``step`` as usual (a step adds to an existing ``.grad``, as ``backward`` does).  Under
+torch.distributed they are the rank's shard's: sum them over ranks after ``step``
+(:func:`drmoo.distributed.all_reduce_grads`); in direction mode the step sums them itself.
 
 All or nothing.  A step that raises (non-finite losses or gradients, a bad closure) changes nothing:
 not theta, eta, w or the method's state, and not the heads' ``.grad`` (the step's head gradients
@@ -35,7 +37,9 @@ code computes the same direction d -- and updates eta, w and the method's state 
 ``lr`` -- but adds d to the shared parameters' ``.grad`` instead of writing theta, so that any torch
 optimizer takes the theta step (with ``torch.optim.SGD(lr)`` exactly the one ``step`` takes).  Every
 method writes theta through :meth:`MultiObjectiveOptimizer.apply_direction`, the one place where
-the two modes differ (Double-Clip's fused ``gram_step`` has its own branch).
+the two modes differ (Double-Clip's fused ``gram_step`` has its own branch); and under
+torch.distributed, direction mode also sums the step's head gradients over ranks when it commits
+them, so that every ``.grad`` it leaves is the global batch's.
 """
 
 from __future__ import annotations
@@ -224,7 +228,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # (by identity: a value a scheduler or user did not replace is not checked again).
         self._hyperparameters_passed: list[dict[str, Any]] = []
         # Direction mode (drmoo.Balancer): the step adds its direction to the shared parameters'
-        # .grad, times grad_scale (a GradScaler's scale), instead of writing theta.
+        # .grad, times grad_scale (a GradScaler's scale), instead of writing theta, and sums the
+        # heads' gradients over ranks under torch.distributed (_sum_head_grads_over_ranks).
         self.direction_mode = False
         self.grad_scale: float = 1.0
         # How many more backward passes will run over the graph of the losses being used: a
@@ -656,21 +661,48 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                 head.grad = None
 
     def _commit_head_grads(self) -> None:
-        """The step succeeded: add the kept gradients back (a skipped capturable step adds 0)."""
-        assert self._head_grads_before is not None
+        """The step succeeded: add the kept gradients back (a skipped capturable step adds 0).
+
+        In direction mode under torch.distributed the step's head gradients are first summed over
+        ranks (see :meth:`_sum_head_grads_over_ranks`), so that the kept gradients are added to the
+        global batch's.
+        """
+        kept = self._head_grads_before
+        assert kept is not None
         found_inf = self._found_inf
-        for head, before in self._head_grads_before.values():
-            fed = head.grad
-            if fed is not None and found_inf is not None:
-                with torch.no_grad():
-                    fed = torch.where(found_inf, torch.zeros_like(fed), fed)
-                head.grad = fed
+        if found_inf is not None:
+            with torch.no_grad():
+                for head, _ in kept.values():
+                    if head.grad is not None:
+                        head.grad = torch.where(found_inf, torch.zeros_like(head.grad), head.grad)
+        if self.direction_mode:
+            self._sum_head_grads_over_ranks(head for head, _ in kept.values())
+        for head, before in kept.values():
             if before is None:
                 continue
-            if fed is not None:
+            if head.grad is not None:
                 with torch.no_grad():
-                    before.add_(fed)  # accumulate in place, as autograd does into an existing .grad
+                    before.add_(head.grad)  # accumulate in place, as autograd does into an existing .grad
             head.grad = before
+
+    def _sum_head_grads_over_ranks(self, fed: Iterable[Tensor]) -> None:
+        """Direction mode under torch.distributed: the heads' gradients of this step, summed over ranks.
+
+        Each rank fed its heads from its shard (the cotangents are already divided by the world
+        size, :meth:`dual_forward`), and DistributedDataParallel reduces none of them (its hooks do
+        not fire for ``torch.autograd.grad``, and a DDP model runs the step inside ``no_sync()``):
+        unsummed, every rank's torch optimizer would step its heads on its own shard and the
+        replicas would drift apart.  The shared parameters, also kept aside in direction mode, are
+        left out: their direction comes from the Jacobian, already summed in :meth:`task_jacobian`.
+        Only direction mode sums here: after ``step(closure)`` the caller steps the heads and sums
+        them itself (:func:`drmoo.distributed.all_reduce_grads`, as the trainer does), so each head
+        gradient is summed exactly once on either path.  The order of ``fed`` is the graph's, the
+        same on every rank, as the collective needs.
+        """
+        if not distributed.is_distributed():
+            return
+        shared = {id(param) for param in self._shared_params()}
+        distributed.all_reduce_grads([head for head in fed if id(head) not in shared])
 
     def _roll_back_head_grads(self) -> None:
         assert self._head_grads_before is not None
