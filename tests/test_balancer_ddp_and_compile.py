@@ -135,6 +135,64 @@ def test_balancer_under_ddp_equals_one_process_on_the_whole_batch(tmp_path: Path
         torch.testing.assert_close(a, b, **DDP_TOLERANCE)
 
 
+def _fail_then_step_under_ddp() -> dict[str, Any]:
+    """A backward whose shared-parameter gradients are NaN on the last rank only (the heads, above the
+    poisoned features, get finite ones first), then a good one; every .grad starts at PRIOR_GRAD."""
+    model = TwoTaskNet(torch.float64)
+    balancer = drmoo.Balancer("double-clip", model.trunk.parameters(), NUM_TASKS, lr=LR)
+    x, y = _batches(torch.float64)[0]
+    rows = distributed.shard(torch.arange(GLOBAL_BATCH))
+    poisoned = distributed.rank() == distributed.world_size() - 1
+
+    def poison(_module: nn.Module, _inputs: Any, features: Tensor) -> None:
+        if poisoned:
+            features.register_hook(lambda grad: grad * float("nan"))
+
+    for param in model.parameters():
+        param.grad = torch.full_like(param, PRIOR_GRAD)
+    hook = model.trunk.register_forward_hook(poison)
+    try:
+        balancer.backward((model(x[rows]) - y[rows]) ** 2)
+    except drmoo.optim.NonFiniteStepError as error:
+        raised = str(error)
+    else:
+        raised = ""
+    hook.remove()
+    after_failure = [p.grad.clone() for p in model.parameters()]
+    state_after_failure = (balancer.steps_taken, balancer.w.clone(), balancer.eta.clone())
+    balancer.backward((model(x[rows]) - y[rows]) ** 2)
+    return {"raised": raised, "after_failure": after_failure, "state_after_failure": state_after_failure,
+            "after_good_step": [p.grad.clone() for p in model.parameters()]}
+
+
+def _failing_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.save(_fail_then_step_under_ddp(), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_step_failing_on_one_rank_restores_every_grad_on_every_rank(tmp_path: Path) -> None:
+    """The method agrees on the failure (the summed Jacobian is NaN everywhere), every rank rolls the
+    heads' fed gradients back, and the next step's collectives still pair up across ranks."""
+    single = _fail_then_step_under_ddp()
+    mp.start_processes(_failing_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+                       start_method="fork", join=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    for rank, result in enumerate(ranks):
+        assert "non-finite gradients of the shared parameters" in result["raised"], f"rank {rank}: {result['raised']!r}"
+        for index, grad in enumerate(result["after_failure"]):
+            assert bool((grad == PRIOR_GRAD).all()), f"rank {rank}, parameter {index}: .grad changed by a failed step"
+        steps_taken, w, eta = result["state_after_failure"]
+        assert steps_taken == 0 and bool((eta == 0).all()) and bool((w == 1.0 / NUM_TASKS).all())
+    for index, (a, b, c) in enumerate(zip(ranks[0]["after_good_step"], ranks[1]["after_good_step"],
+                                          single["after_good_step"])):
+        assert torch.equal(a, b), f"parameter {index}: the ranks' .grad differ after the good step"
+        torch.testing.assert_close(a, c, **DDP_TOLERANCE, msg=lambda text, i=index: f"parameter {i}: {text}")
+
+
 # ------------------------------------------------------------------------------ torch.compile
 # Eager and inductor evaluate the same float32 expressions with other fusions and summation orders
 # (dot products of length <= 8, tanh's vectorised implementation): per step each gradient entry
