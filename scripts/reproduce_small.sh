@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|moco-sweep]   (default 2; set up .venv first: bash scripts/setup_env.sh)
+#   bash scripts/reproduce_small.sh [2|3|sweep|sweep3|moco-sweep]   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
 #        one-batch methods (353 iterations of 2 batches = 705 of 1), and the App. F.1 lambda ablation for
 #        Double-Clip (0.4, 0.8, 1.6, and 100); results in results/multimnist2-small/.
 # 3:     8 methods x 5 seeds on 3 digits and MoCo with ema 0.95; results in results/multimnist3-small/.
 # sweep: the learning-rate sweep on the validation split of the training digits (seed 0), whose winners
-#        are SMALL_LR in python/drmoo/experiments/multimnist.py; results in results/multimnist2-small/lr-sweep/.
+#        are SMALL_LR["multimnist2"] in python/drmoo/experiments/multimnist.py; results in results/multimnist2-small/lr-sweep/.
 #        MoCo is swept there with the paper's ema 0.95.
+# sweep3: the same learning-rate sweep on 3 digits (seed 0; MoCo with the preset's ema), whose winners are
+#        SMALL_LR["multimnist3"]; results in results/multimnist3-small/lr-sweep/.
 # moco-sweep: MoCo's (ema, lr) sweep on the validation split, seeds 0-2, whose winner is SMALL_MOCO_EMA and
-#        SMALL_LR["moco"]; results in results/multimnist2-small/moco-sweep/.
+#        SMALL_LR["multimnist2"]["moco"]; results in results/multimnist2-small/moco-sweep/.
 # Finished runs are reused, so an interrupted call continues where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,11 +41,20 @@ sweep)
     "$drmoo" compare --experiment multimnist2 --preset small --eval-split validation --seeds 0 --eps 0 \
         --jobs "$jobs" --methods "$spec" --device cpu --quiet --out results/multimnist2-small/lr-sweep \
         ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"} ;;
+sweep3)
+    # The grid of the 2-digit sweep, and one more point beyond an end where the best rate sat at that end.
+    spec="double-clip[lr=10.0]"
+    for method in double-clip double-loop mgda modo moco sdmgrad nashmtl famo; do
+        for lr in 0.1 0.3 1.0 3.0; do spec="$spec,$method[lr=$lr]"; done
+    done
+    "$drmoo" compare --experiment multimnist3 --preset small --eval-split validation --seeds 0 --eps 0 \
+        --jobs "$jobs" --methods "$spec" --device cpu --quiet --out results/multimnist3-small/lr-sweep \
+        ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"} ;;
 moco-sweep)
     "$drmoo" compare --experiment multimnist2 --preset small --eval-split validation --seeds 0,1,2 --eps 0 \
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|moco-sweep]" >&2; exit 2 ;;
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|sweep3|moco-sweep]" >&2; exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s on $(nproc) cores"

@@ -22,6 +22,7 @@ from drmoo.experiments.paired_stats import (
     student_t_cdf_two_sided,
     t_quantile,
 )
+from drmoo.experiments.registry import get_experiment
 from drmoo.experiments.robustness import balancing_table, preference_trace
 from drmoo.experiments.run_config import RunConfig
 from drmoo.experiments.variants import MethodVariant, parse_variants, run_dir_name
@@ -196,15 +197,19 @@ def test_preference_trace_reads_the_step_log_and_refuses_damage(tmp_path: Path) 
 # ------------------------------------------------------------------------------- the small preset
 
 
-def test_small_preset_uses_the_swept_learning_rates_and_the_papers_dr_settings() -> None:
-    assert set(SMALL_LR) == set(available())
+@pytest.mark.parametrize("experiment", ["multimnist2", "multimnist3"])
+def test_small_preset_uses_the_swept_learning_rates_and_the_papers_dr_settings(experiment: str) -> None:
+    assert set(SMALL_LR) == {"multimnist2", "multimnist3"}
+    assert set(SMALL_LR[experiment]) == set(available())
+    registered = get_experiment(experiment).method_hparams
     for method in available():
-        hparams = method_hparams(method, preset="small")
-        assert hparams["lr"] == SMALL_LR[method]
+        hparams = method_hparams(method, preset="small", experiment=experiment)
+        assert hparams["lr"] == SMALL_LR[experiment][method]
+        assert registered(method, None, preset="small") == hparams  # the CLI's lookup, by experiment
         paper = method_hparams(method)
         own = {"lr", "ema"} if method == "moco" else {"lr"}  # MoCo's tracking weight was swept too
         assert {k: v for k, v in hparams.items() if k not in own} == {k: v for k, v in paper.items() if k not in own}
-        assert method_hparams(method, {"lr": 0.123}, preset="small")["lr"] == 0.123  # the user's word wins
+        assert method_hparams(method, {"lr": 0.123}, preset="small", experiment=experiment)["lr"] == 0.123
     assert PRESETS["small"]["multimnist2"]["model"] == "lenet" and PRESETS["small"]["multimnist3"]["input_size"] == 28
     assert method_hparams("moco", preset="small")["ema"] == SMALL_MOCO_EMA != method_hparams("moco")["ema"]
     assert method_hparams("moco", {"ema": 0.95}, preset="small")["ema"] == 0.95
@@ -230,7 +235,7 @@ def test_small_preset_runs_through_compare_with_variants(tmp_path: Path) -> None
     assert "What the balancing did" in table and "| mgda[pref_lr=0] | 0.5000, 0.5000 |" in table
     config = json.loads((out / "mgda_pref_lr-0-seed1" / "config.json").read_text())
     assert config["label"] == "mgda[pref_lr=0]" and config["hparams"]["pref_lr"] == 0
-    assert config["hparams"]["lr"] == SMALL_LR["mgda"] and config["model"] == "lenet"
+    assert config["hparams"]["lr"] == SMALL_LR["multimnist2"]["mgda"] and config["model"] == "lenet"
     report = json.loads((out / "mgda_solver-min_norm-seed0" / "eval.json").read_text())
     assert report["label"] == "mgda[solver=min_norm]" and report["model"] == "lenet"
     paired = list(csv.DictReader((out / "paired.csv").open()))
@@ -259,7 +264,8 @@ def test_run_config_checks_model_split_and_label() -> None:
     assert RunConfig(**good).name == "mgda"
 
 
-SMALL_RESULTS = Path(__file__).resolve().parents[2] / "results" / "multimnist2-small"
+RESULTS = Path(__file__).resolve().parents[2] / "results"
+SMALL_RESULTS = RESULTS / "multimnist2-small"
 
 
 def _sweep_winners(table: Path, keys: tuple[str, ...]) -> dict[str, tuple[float, ...]]:
@@ -283,18 +289,25 @@ def _sweep_winners(table: Path, keys: tuple[str, ...]) -> dict[str, tuple[float,
     return {method: setting for method, (setting, _) in best.items()}
 
 
-def test_small_preset_learning_rates_are_the_committed_sweeps_winners() -> None:
-    """SMALL_LR is what the rule picks from the committed validation sweep (every method but MoCo, whose
-    rate comes from its own sweep below)."""
-    winners = _sweep_winners(SMALL_RESULTS / "lr-sweep" / "table.csv", ("lr",))
-    assert {method: lr for method, (lr,) in winners.items() if method != "moco"} == {
-        method: lr for method, lr in SMALL_LR.items() if method != "moco"}
-    assert set(winners) == set(SMALL_LR)
+@pytest.mark.parametrize("experiment", ["multimnist2", "multimnist3"])
+def test_small_preset_learning_rates_are_the_committed_sweeps_winners(experiment: str) -> None:
+    """SMALL_LR is what the rule picks from each experiment's committed validation sweep (on 2 digits every
+    method but MoCo, whose rate comes from its own sweep below)."""
+    table = RESULTS / f"{experiment}-small" / "lr-sweep" / "table.csv"
+    winners = _sweep_winners(table, ("lr",))
+    own_sweep = {"moco"} if experiment == "multimnist2" else set()
+    assert {method: lr for method, (lr,) in winners.items() if method not in own_sweep} == {
+        method: lr for method, lr in SMALL_LR[experiment].items() if method not in own_sweep}
+    assert set(winners) == set(SMALL_LR[experiment])
+    configs = [json.loads(path.read_text()) for path in table.parent.glob("*/config.json")]
+    assert {c["experiment"] for c in configs} == {experiment}
+    if experiment == "multimnist3":  # swept with the preset's MoCo tracking weight
+        assert {c["hparams"]["ema"] for c in configs if c["method"] == "moco"} == {SMALL_MOCO_EMA}
 
 
 def test_small_preset_moco_setting_is_its_sweeps_winner() -> None:
     """MoCo's (ema, lr) is the winner of its 3-seed sweep, and that sweep ran every setting on 3 seeds."""
     table = SMALL_RESULTS / "moco-sweep" / "table.csv"
-    assert _sweep_winners(table, ("ema", "lr")) == {"moco": (SMALL_MOCO_EMA, SMALL_LR["moco"])}
+    assert _sweep_winners(table, ("ema", "lr")) == {"moco": (SMALL_MOCO_EMA, SMALL_LR["multimnist2"]["moco"])}
     with table.open(newline="") as handle:
         assert {row["seeds"] for row in csv.DictReader(handle)} == {"3"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing
 import os
@@ -334,7 +335,8 @@ def _multimnist_experiment(name: str) -> Experiment:
         return compare(configs, out, eps, progress=progress, eps_space=eps_space, reference=reference, jobs=jobs)
 
     presets = {preset: values[name] for preset, values in multimnist.PRESETS.items()}
-    return Experiment(name, build_multimnist, presets, multimnist.method_hparams, evaluate, eval_table, compare_runs)
+    hparams = functools.partial(multimnist.method_hparams, experiment=name)
+    return Experiment(name, build_multimnist, presets, hparams, evaluate, eval_table, compare_runs)
 
 
 for _name in multimnist.EXPERIMENTS:  # registered on import (drmoo.experiments.registry looks them up)
