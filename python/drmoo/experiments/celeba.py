@@ -26,8 +26,9 @@ from drmoo.store import make_directory, save_result, write_csv, write_text
 
 from .evaluation import load_trained_run
 from .registry import Experiment, register
-from .robustness import check_distinct, ensure_trained, mean_std, reusable_result
+from .robustness import check_distinct, diverged_note, ensure_trained, mean_std, reusable_result
 from .run_config import RunConfig
+from .training import read_diverged
 
 __all__ = ["CELEBA", "PAPER_METHOD_HPARAMS", "PRESETS", "build_celeba", "compare_celeba", "evaluate_celeba",
            "label_balancing_weights", "method_hparams", "metrics_table", "table_two"]
@@ -196,7 +197,8 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
         report = reusable_result(run_dir, _celeba_report_fits)
         if report is None:  # absent, of other weights, or not a CelebA metrics report
             report = evaluate_celeba(run_dir, progress=False)
-        reports.append(report)
+        stopped = read_diverged(run_dir)
+        reports.append({**report, "diverged_at": stopped["step"]} if stopped else report)
     first = configs[0]
     seeds = sorted({c.seed for c in configs})
     seed_text = f"mean ± std over seeds {','.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
@@ -208,6 +210,9 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
         f"wall time {time.perf_counter() - started:.0f}s"
     )
     table, rows = table_two(reports, header)
+    note = diverged_note(reports)
+    if note:
+        table += "\n" + note
     write_text(out / "table.md", table)
     write_csv(out / "table.csv", rows)
     return table

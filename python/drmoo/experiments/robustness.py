@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from drmoo.optim import NonFiniteStepError
 from drmoo.store import (
     UsageError,
     make_directory,
@@ -37,7 +38,7 @@ from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
 from .run_config import RunConfig, config_differences, read_run_config
 from .summaries import fgsm_comparison
-from .training import train
+from .training import DIVERGED, read_diverged, train
 from .variants import run_dir_name
 
 __all__ = ["balancing_table", "compare", "ensure_trained", "eval_table", "preference_trace", "robustness_table",
@@ -113,7 +114,9 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def _finished(run_dir: Path, config: RunConfig) -> bool:
-    if not (run_dir / "done").is_file() or not (run_dir / "config.json").is_file():
+    """``run_dir`` holds ``config``'s run, ended: trained to its length, or stopped at a non-finite step."""
+    ended = (run_dir / "done").is_file() or (run_dir / DIVERGED).is_file()
+    if not ended or not (run_dir / "config.json").is_file():
         return False
     try:
         return asdict(read_run_config(run_dir)) == asdict(config)
@@ -167,7 +170,13 @@ def ensure_trained(config: RunConfig, run_dir: Path, build: Callable[[RunConfig]
         if differences:
             raise UsageError(f"{run_dir} holds a run with other settings ({'; '.join(differences)}); it is kept: "
                              "move it aside or pick another --out")
-    train(config, run_dir, build, resume=resume, progress=progress, sample_weight=sample_weight)
+    try:
+        train(config, run_dir, build, resume=resume, progress=progress, sample_weight=sample_weight)
+    except NonFiniteStepError:
+        # A diverged run is a result of the comparison (train saved its last finite state and marked
+        # it ``diverged``): it is evaluated and reported as stopped, and the other runs go on.
+        if read_diverged(run_dir) is None:
+            raise
     remove_file(run_dir / "eval.json")
 
 
@@ -216,7 +225,21 @@ def train_and_evaluate(config: RunConfig, run_dir: Path, eps_values: list[float]
         report = evaluate_robustness(run_dir, build_multimnist, list(eps_values), progress=False,
                                      eps_space=eps_space)
     # its iterations / samples are those of the weights it evaluated (recorded from the checkpoint)
-    return {**report, "label": config.name}, preference_trace(run_dir)
+    stopped = read_diverged(run_dir)
+    return {**report, "label": config.name, **({"diverged_at": stopped["step"]} if stopped else {})}, \
+        preference_trace(run_dir)
+
+
+def diverged_note(reports: list[dict[str, Any]]) -> str:
+    """The runs that stopped at a non-finite step, by row: which seed, where (empty when none did)."""
+    stopped = [r for r in reports if "diverged_at" in r]
+    if not stopped:
+        return ""
+    lines = ["Runs that stopped at a non-finite step: each is evaluated as the method left it, after the last "
+             "iteration it completed, and counted in its row's mean like any other seed.", "",
+             "| row | seed | failed at iteration |", "|---|---:|---:|"]
+    lines += [f"| {r.get('label', r['method'])} | {r['seed']} | {r['diverged_at']} |" for r in stopped]
+    return "\n".join(lines) + "\n"
 
 
 def _worker_threads(threads: int) -> None:
@@ -314,6 +337,9 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
         labels = {eps: "Clean" if eps == 0 else f"{eps:g}" for eps in eps_values}
         table += "\n" + paired_markdown(paired, labels, unit="accuracy points")
         write_csv(out / "paired.csv", paired)
+    note = diverged_note(reports)
+    if note:
+        table += "\n" + note
     table += "\n" + balancing_table(traces)
     write_text(out / "table.md", table)
     write_json(out / "agreement.json", {**agreement, "eps_space": eps_space})

@@ -21,6 +21,7 @@ parameters' step, then steps the heads with their own SGD; fp16 runs scale the l
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import time
@@ -42,6 +43,7 @@ from drmoo.store import (
     UsageError,
     atomic_write,
     make_directory,
+    read_json,
     remove_file,
     run_lock,
     write_csv,
@@ -53,13 +55,15 @@ from .devices import agreed, check_backend, setup_distributed
 from .evaluation import accuracy
 from .run_config import RunConfig, check_run_dir
 
-__all__ = ["AMP_DTYPES", "IndexStream", "TrainingInterrupted", "per_sample_losses", "train"]
+__all__ = ["AMP_DTYPES", "DIVERGED", "IndexStream", "TrainingInterrupted", "per_sample_losses", "read_diverged",
+           "train"]
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # run_config.AMP_MODES -> dtype
 # fp16: dynamic gradient scaling with torch.amp.GradScaler's defaults (2^16, x0.5 on overflow,
 # x2 after 2000 good steps); 1 (no scaling) otherwise.
 GRAD_SCALE_INIT, GRAD_SCALE_BACKOFF, GRAD_SCALE_GROWTH, GRAD_SCALE_GROWTH_INTERVAL = 2.0**16, 0.5, 2.0, 2000
 MAX_SKIPPED_FP16_STEPS = 50  # and more than half of the steps: fp16 cannot train this run
+DIVERGED = "diverged"  # the marker of a run that ended at a non-finite step (see _stop_diverged)
 
 Build = Callable[[RunConfig], tuple[nn.Module, Any]]
 
@@ -249,7 +253,8 @@ def _train_locked(run: _Run, resume: bool, progress: bool, sample_weight: Callab
             f"{run.run_dir} already holds a run; pass --resume {run.run_dir} to continue it or pick a new --out"
         )
     if run.is_main:  # everything is checked: from here on the run directory changes
-        remove_file(run.run_dir / "done")  # a marker, not work: written again when this run finishes
+        for marker in ("done", DIVERGED):  # markers, not work: written again when this run ends
+            remove_file(run.run_dir / marker)
         atomic_write(run.run_dir / "config.json", [run.config.to_json().encode()])
     run.started = time.perf_counter()
     if run.pending_epoch is not None:  # the last run saved an epoch, then its evaluation failed: evaluate it now
@@ -393,7 +398,10 @@ def _loop(run: _Run, closure: _BatchLosses, progress: bool) -> None:
     skipped: list[dict[str, Any]] = []  # fp16 steps abandoned on overflow
     with bar, _StopFlag() as stop:
         while run.step < run.total:
-            row = _train_step(run, closure, skipped)
+            try:
+                row = _train_step(run, closure, skipped)
+            except NonFiniteStepError as error:
+                raise _stop_diverged(run, error) from None
             if row is None:  # an fp16 overflow: nothing changed, draw the next batch
                 continue
             bar.update(1)
@@ -438,8 +446,7 @@ def _train_step(run: _Run, closure: _BatchLosses, skipped: list[dict[str, Any]])
         raise NonFiniteStepError(
             f"step {run.step + 1} met a non-finite (NaN or Inf) loss, gradient or dual quantity and was "
             f"skipped on the device ({int(stats['skipped_steps'])} skipped so far); nothing was "
-            "updated. The last checkpoint is the last saved epoch; lower the learning rate or check "
-            "the data before resuming"
+            "updated"
         )
     distributed.all_reduce_grads(run.model.task_parameters())
     _unscale_head_grads(run)
@@ -454,6 +461,41 @@ def _train_step(run: _Run, closure: _BatchLosses, skipped: list[dict[str, Any]])
     row.update({f"eta_{i + 1}": v for i, v in enumerate(stats["eta"].tolist())})
     run.step_rows.append(row)
     return row
+
+
+def _stop_diverged(run: _Run, error: NonFiniteStepError) -> NonFiniteStepError:
+    """End a run at a non-finite step: save its state, mark it ``diverged``; returns the error to raise.
+
+    The abandoned step updated nothing, so the state saved is the one after the last completed
+    step -- what the method produced, finite or not (an earlier step may have written Inf weights
+    whose losses only now fail the check): a long run keeps its progress up to the failure, and a
+    comparison evaluates exactly the model the method reached.  The ``diverged`` marker (JSON: the
+    failed step, the saved step, the reason) tells ``compare`` that the run ended there: a
+    diverged run is a result, reported as such, not retrained.
+    """
+    _save(run)
+    if run.is_main:
+        atomic_write(run.run_dir / DIVERGED, [json.dumps(
+            {"step": run.step + 1, "saved_step": run.step, "reason": str(error)}).encode()])
+    return NonFiniteStepError(f"{error}. The run stops there: its state after step {run.step} is saved in "
+                              f"{run.checkpoint_path} and {run.run_dir / DIVERGED} records the failure (lower "
+                              "the learning rate or check the data, and train a new run)")
+
+
+def read_diverged(run_dir: Path) -> dict[str, Any] | None:
+    """A run's ``diverged`` marker (the failed step, the saved step, the reason), or None when it has none.
+
+    The marker is a run-directory file (untrusted): read through the store, bounded, and checked.
+    """
+    path = Path(run_dir) / DIVERGED
+    if not path.is_file():
+        return None
+    marker = read_json(path, what="divergence marker")
+    if not (isinstance(marker, dict) and all(isinstance(marker.get(key), int) and not isinstance(marker[key], bool)
+                                             and marker[key] >= 0 for key in ("step", "saved_step"))
+            and isinstance(marker.get("reason"), str)):
+        raise UsageError(f"{path} is not a drmoo divergence marker")
+    return marker
 
 
 def _skip_overflowed_step(run: _Run, error: NonFiniteStepError, skipped: list[dict[str, Any]]) -> None:
