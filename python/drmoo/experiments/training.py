@@ -384,7 +384,9 @@ class _BatchLosses:
         y = run.data.train_labels[rows].to(run.device, non_blocking=True)
         with torch.autocast(run.device.type, dtype=AMP_DTYPES.get(run.config.amp), enabled=run.config.amp != "none"):
             logits = run.model(x)
-        logits = [z.float() for z in logits]  # losses and the dual math in float32 whatever the forward's dtype
+        # losses and the dual math in float32 at least, whatever the forward's dtype (a float64 model, as the
+        # reproduction test's exact reference trajectory uses, stays float64)
+        logits = [z if z.dtype == torch.float64 else z.float() for z in logits]
         self.logits, self.labels = [z.detach() for z in logits], y
         losses = per_sample_losses(logits, y)
         return losses if self.sample_weight is None else (losses, self.sample_weight(y))
