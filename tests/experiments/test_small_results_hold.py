@@ -39,10 +39,12 @@ CHECKED_COLUMNS = ("dual_objective", "w_", "eta_", "balanced_grad_norm")
 # How far a logged float32 value may lie from the exact one: derived in the docstring of
 # test_a_committed_small_run_reproduces_its_first_steps, with the error scale measured at test time.
 ORDER_VARIANTS = 6  # float32 runs that differ from each other only in summation order: n, the sample size
-NATIVE_CONV_VARIANTS = (5, 6)  # of those, the ones that convolve with ATen's native kernels instead of oneDNN's
+TRANSPOSED_VARIANTS = (1, 3, 5)  # of those, the ones run on transposed images (each conv's taps in another order)
+NATIVE_CONV_VARIANTS = (5, 6)  # and the ones that convolve with ATen's native kernels instead of oneDNN's
 T_QUANTILE = 20.0  # lambda: P(|t_6| > 20) = 1.0e-6 (Student's t, n = 6 degrees of freedom)
 KERNEL_ALLOWANCE = 2.0  # kappa: for a kernel whose running sums are up to 4x as long as the sampled ones'
 POWER = 1e-4  # the bound must stay below this relative change, or the test could not tell a changed run
+NORM_POWER = 1e-2  # balanced_grad_norm's: max-pooling's near-ties make it jump (see the test's docstring)
 
 
 def _float32_ulp(value: float) -> float:
@@ -56,10 +58,11 @@ def _logged_steps(run_dir: Path) -> list[dict[str, str]]:
 
 class _ReorderedData:
     """A run's data as the trainer reads it, in ``dtype``, with the rows of every batch of the first pass
-    in another order (``row_source``: training row -> the row it shows; the batches hold the same samples)."""
+    in another order (``row_source``: training row -> the row it shows; the batches hold the same samples),
+    the images transposed if ``transpose``."""
 
-    def __init__(self, data: Any, dtype: torch.dtype, row_source: Tensor | None) -> None:
-        self._data, self._dtype = data, dtype
+    def __init__(self, data: Any, dtype: torch.dtype, row_source: Tensor | None, transpose: bool = False) -> None:
+        self._data, self._dtype, self._transpose = data, dtype, transpose
         self.num_tasks = data.num_tasks
         self.train_images = data.train_images if row_source is None else data.train_images[row_source]
         self.train_labels = data.train_labels if row_source is None else data.train_labels[row_source]
@@ -67,7 +70,8 @@ class _ReorderedData:
         self.test_images, self.test_labels = data.test_images[:2], data.test_labels[:2]
 
     def images(self, rows: Tensor) -> Tensor:
-        return self._data.images(rows).to(self._dtype)  # float32 pixels, cast exactly to float64
+        images = self._data.images(rows).to(self._dtype)  # float32 pixels, cast exactly to float64
+        return images.transpose(-1, -2).contiguous() if self._transpose else images
 
 
 def _rows_reordered_within_batches(config: RunConfig, size: int, generator: torch.Generator) -> Tensor:
@@ -82,9 +86,10 @@ def _rows_reordered_within_batches(config: RunConfig, size: int, generator: torc
 
 
 @torch.no_grad()
-def _permute_hidden_units(model: MultiLeNet, generator: torch.Generator) -> None:
-    """Renumber the trunk's 10 + 20 channels and 50 features: the same function, every sum over them (and
-    over the flat parameter vector) taken in another order."""
+def _reorder_sums(model: MultiLeNet, generator: torch.Generator, transpose: bool = False) -> None:
+    """Renumber the trunk's 10 + 20 channels and 50 features, and transpose its kernels for transposed images
+    if ``transpose``: the same function, every sum over channels, features, kernel taps and the flat parameter
+    vector taken in another order."""
     conv1, conv2, fc = model.trunk["conv1"], model.trunk["conv2"], model.trunk["fc"]
     channels1 = torch.randperm(conv1.out_channels, generator=generator)
     channels2 = torch.randperm(conv2.out_channels, generator=generator)
@@ -99,12 +104,17 @@ def _permute_hidden_units(model: MultiLeNet, generator: torch.Generator) -> None
     fc.bias.copy_(fc.bias[features])
     for head in model.heads:
         head[0].weight.copy_(head[0].weight[:, features])
+    if transpose:  # conv(x^T, k^T) = conv(x, k)^T, and max-pooling commutes with it: only the flattening moves
+        conv1.weight.copy_(conv1.weight.transpose(-1, -2).clone())
+        conv2.weight.copy_(conv2.weight.transpose(-1, -2).clone())
+        side = math.isqrt(pixels)
+        fc.weight.copy_(fc.weight[:, torch.arange(fc.in_features).view(-1, side, side).transpose(1, 2).flatten()])
 
 
 def _retrain(config: RunConfig, out: Path, dtype: torch.dtype, reorder_seed: int | None = None,
-             onednn: bool = True) -> list[dict[str, str]]:
+             transpose: bool = False, onednn: bool = True) -> list[dict[str, str]]:
     """The run's first steps through the trainer, in ``dtype`` (model, data, optimizer state), on one thread;
-    ``reorder_seed``: with its hidden units and the rows of its batches permuted."""
+    ``reorder_seed``: with its hidden units and the rows of its batches permuted (and transposed images)."""
     experiment = get_experiment(config.experiment)
 
     def build(run_config: RunConfig) -> tuple[nn.Module, _ReorderedData]:
@@ -113,9 +123,9 @@ def _retrain(config: RunConfig, out: Path, dtype: torch.dtype, reorder_seed: int
         if reorder_seed is not None:
             assert isinstance(model, MultiLeNet), "the hidden-unit permutation is the MultiLeNet's"
             generator = torch.Generator().manual_seed(reorder_seed)
-            _permute_hidden_units(model, generator)
+            _reorder_sums(model, generator, transpose)
             row_source = _rows_reordered_within_batches(run_config, data.train_labels.shape[0], generator)
-        return model.to(dtype), _ReorderedData(data, dtype, row_source)
+        return model.to(dtype), _ReorderedData(data, dtype, row_source, transpose)
 
     threads, mkldnn = torch.get_num_threads(), torch.backends.mkldnn.enabled
     torch.set_num_threads(1)  # no sum split across threads: each kernel's longest sums (and fast on a busy CI machine)
@@ -146,7 +156,8 @@ def _reproduction_deviations(committed: Path, work: Path, cache: Path) -> dict[t
                      max_steps=REPRODUCED_STEPS, cache_dir=str(cache))
     exact = _retrain(config, work / "float64", torch.float64)
     variants = [_retrain(config, work / f"variant{seed}", torch.float32, reorder_seed=seed,
-                         onednn=seed not in NATIVE_CONV_VARIANTS) for seed in range(1, ORDER_VARIANTS + 1)]
+                         transpose=seed in TRANSPOSED_VARIANTS, onednn=seed not in NATIVE_CONV_VARIANTS)
+                for seed in range(1, ORDER_VARIANTS + 1)]
     retrained, old = _logged_steps(work / "readme"), _logged_steps(committed)
     assert len(old) == len(exact) == len(retrained) == REPRODUCED_STEPS
     table = {}
@@ -185,23 +196,29 @@ def test_a_committed_small_run_reproduces_its_first_steps(run: str, tmp_path: Pa
     sigma_v is measured, not assumed.  The same steps run (a) in float64 (model, data, optimizer state;
     the same float32 initial weights and pixels), whose own error is 2^29 times smaller: v64 is exact
     here, and e = v - v64; (b) ORDER_VARIANTS = n = 6 times in float32, each with the trunk's hidden units
-    and the rows of every batch permuted (every sum over channels, features, samples and the flat
-    parameter vector in another order; the same function, so the same values in exact arithmetic), two
-    of them with ATen's native convolution instead of oneDNN's.  Their errors e_1..e_n estimate sigma_v:
-    s^2 = mean((|e_i| + ulp/2)^2), each logged float32 value hiding up to half an ulp of its error.
-    Another float32 implementation's error (today's retrain, the committed run's from whatever CPU made
-    it) then has e / s ~ Student's t with n degrees of freedom: |e| <= lambda s with lambda = 20 fails
-    with probability 1e-6 per value (< 1e-4 for the 48 values of both runs, twice).  kappa = 2 allows
-    a kernel whose running sums are up to 4x as long as the sampled kernels' (sigma grows as the square
-    root of their length).  The variants run on one thread, so oneDNN and MKL split no sum across threads
-    (more cores only shorten the sums), and x86-64 CPUs with AVX-512 or AVX2 (half the lanes) run kernels
-    of that family: the whole run forced onto AVX2 code (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2,
-    MKL_ENABLE_INSTRUCTIONS=AVX2) stays within 2 ulps of v64 here.  Not covered: SSE-only or scalar code,
-    whose far longer sums moved double-clip's balanced_grad_norm by 545 ulps at step 2 (and 8e-3 at step 4).
-    Plus 1 ulp, for v64's own rounding where the
-    trainer logs it through float32 (balanced_grad_norm).  The check:  |v - v64| <= ulp(v64) + kappa lambda s
-    (20 to 460 ulps here, 1e-6 to 4e-5 relative).  A 1e-4 relative change of a value (a learning rate 1 %
-    off moves them by 1e-3 and more) must exceed that bound (POWER), so the test can still fail.
+    and the rows of every batch permuted, three on transposed images with transposed kernels, two with
+    ATen's native convolution instead of oneDNN's: the same function, so the same values in exact
+    arithmetic, but every sum over channels, features, kernel taps, samples and the flat parameter vector
+    in another order.  Their errors e_1..e_n estimate sigma_v: s^2 = mean((|e_i| + ulp/2)^2), a logged
+    float32 value hiding up to half an ulp of its error.  Another float32 implementation's error (today's
+    retrain, the committed run's from whatever CPU made it) then has e / s ~ Student's t with n degrees
+    of freedom: |e| <= lambda s with lambda = 20 fails with probability 1e-6 per value (< 1e-4 for the 48
+    values of both runs, twice).  kappa = 2 allows a kernel whose running sums are up to 4x as long as
+    the sampled kernels' (sigma grows as the square root of their length).  The variants run on one
+    thread, so oneDNN and MKL split no sum across threads (more cores only shorten the sums), and the
+    whole run forced onto AVX2 code (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2,
+    MKL_ENABLE_INSTRUCTIONS=AVX2; half the AVX-512 lanes) stays within 2 ulps of v64 here.  Plus 1 ulp,
+    for v64's own rounding where the trainer logs it through float32 (balanced_grad_norm).
+
+    The check:  |v - v64| <= ulp(v64) + kappa lambda s  (20 to 100 ulps here, below 1e-5 relative, for
+    everything but one case).  A 1e-4 relative change of a value (a learning rate 1 % off moves them by
+    1e-3 and more) must exceed that bound (POWER), so the test can still fail.  The case: the gradient
+    passes max-pooling, whose choice is discontinuous where a window's two largest inputs lie within
+    rounding of each other (13 of conv1's 737,280 windows are within 1e-5 at double-clip's step 3).  A
+    kernel that rounds them the other way routes that gradient elsewhere: double-clip's
+    balanced_grad_norm (a norm of a near-cancelling sum, 0.55 -> 0.03) then jumps by 2.8e-4 at step 3,
+    in 2 of the 6 variants here and under oneDNN's SSE4.1 convolution.  The variants sample that jump
+    and the bound widens to cover it (~7e-3); that column's POWER is NORM_POWER = 1e-2.
     """
     committed = SMALL_RESULTS / run
     config = json.loads((committed / "config.json").read_text())
@@ -222,7 +239,8 @@ def test_a_committed_small_run_reproduces_its_first_steps(run: str, tmp_path: Pa
     assert len(table) == REPRODUCED_STEPS * 6  # dual objective, grad norm, w and eta of both tasks
     for (step, column), value in table.items():
         where = f"{run} step {step} {column}: exact {value.exact!r}, bound {value.bound:.3g}"
-        assert value.bound < POWER * abs(value.exact), f"{where}: the bound could not tell a 1e-4 change"
+        power = NORM_POWER if column == "balanced_grad_norm" else POWER
+        assert value.bound < power * abs(value.exact), f"{where}: the bound could not tell a {power:g} change"
         assert abs(value.retrained) <= value.bound, f"{where}: today's retrain is {value.retrained:+.3g} off"
         assert abs(value.committed) <= value.bound, f"{where}: the committed value is {value.committed:+.3g} off"
 
@@ -231,26 +249,30 @@ def test_the_ulp_helper() -> None:
     assert _float32_ulp(1.0) == 2.0 ** -23 and _float32_ulp(0.5) == 2.0 ** -24 and _float32_ulp(-3.0) == 2.0 ** -22
 
 
-def test_a_reordered_lenet_is_the_same_function(data_cache: Path) -> None:
-    """The order variants permute hidden units and batch rows: in float64 the losses must not change
-    (beyond float64 rounding), or the variants would not sample rounding alone."""
-    config = RunConfig.from_json((SMALL_RESULTS / "mgda-seed0" / "config.json").read_text())
-    config = replace(config, cache_dir=str(data_cache))
+@pytest.mark.parametrize("transpose", [False, True])
+def test_a_reordered_lenet_is_the_same_function(data_cache: Path, transpose: bool) -> None:
+    """The order variants permute hidden units and batch rows (and transpose images and kernels): in float64
+    every sample's losses must stay what they were (to float64 rounding), or the variants would sample more
+    than rounding."""
+    config = replace(RunConfig.from_json((SMALL_RESULTS / "mgda-seed0" / "config.json").read_text()),
+                     cache_dir=str(data_cache))
     torch.manual_seed(config.seed)
     model, data = get_experiment(config.experiment).build(config)
     model = model.double()
-    rows = IndexStream(data.train_labels.shape[0], config.batch_size, seed=config.seed)()
+    rows = IndexStream(data.train_labels.shape[0], config.batch_size, seed=config.seed)()  # the first batch
+    plain = _ReorderedData(data, torch.float64, None)
+    before = per_sample_losses(model(plain.images(plain.train_images[rows])), plain.train_labels[rows])
     generator = torch.Generator().manual_seed(1)
-    row_source = _rows_reordered_within_batches(config, data.train_labels.shape[0], generator)
-    assert sorted(row_source[rows].tolist()) == sorted(rows.tolist()) and not torch.equal(row_source[rows], rows)
-    before = per_sample_losses(model(data.images(data.train_images[rows]).double()), data.train_labels[rows])
     conv1 = model.trunk["conv1"].weight.clone()
-    _permute_hidden_units(model, generator)
+    _reorder_sums(model, generator, transpose)
     assert not torch.equal(model.trunk["conv1"].weight, conv1)
-    reordered = row_source[rows]
-    after = per_sample_losses(model(data.images(data.train_images[reordered]).double()), data.train_labels[reordered])
-    # sample by sample: both batches sorted by row
-    torch.testing.assert_close(after[torch.argsort(reordered)], before[torch.argsort(rows)], rtol=1e-12, atol=0)
+    row_source = _rows_reordered_within_batches(config, data.train_labels.shape[0], generator)
+    shown = row_source[rows]  # the samples the reordered data shows in the first batch: the same, reordered
+    assert sorted(shown.tolist()) == sorted(rows.tolist()) and not torch.equal(shown, rows)
+    reordered = _ReorderedData(data, torch.float64, row_source, transpose)
+    after = per_sample_losses(model(reordered.images(reordered.train_images[rows])), reordered.train_labels[rows])
+    # sample by sample: both batches sorted by the row they show
+    torch.testing.assert_close(after[torch.argsort(shown)], before[torch.argsort(rows)], rtol=1e-12, atol=0)
 
 
 # ---------------------------------------------------------------- 3 digits: compare and report
