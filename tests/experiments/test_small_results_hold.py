@@ -237,6 +237,10 @@ def test_a_committed_small_run_reproduces_its_first_steps(run: str, tmp_path: Pa
     assert int(old_rows[-1]["samples"]) <= config["train_size"] - config["train_size"] % config["batch_size"]
     table = _reproduction_deviations(committed, tmp_path, data_cache)
     assert len(table) == REPRODUCED_STEPS * 6  # dual objective, grad norm, w and eta of both tasks
+    # the float64 run's losses and dual math stayed float64 (the trainer casts only lower precisions up)
+    assert not any(float(torch.tensor(value.exact, dtype=torch.float32)) == value.exact
+                   for (_, column), value in table.items() if column == "dual_objective"), (
+        "the float64 reference logged float32 dual objectives: the trainer cast its losses down")
     for (step, column), value in table.items():
         where = f"{run} step {step} {column}: exact {value.exact!r}, bound {value.bound:.3g}"
         power = NORM_POWER if column == "balanced_grad_norm" else POWER
