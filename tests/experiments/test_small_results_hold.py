@@ -16,6 +16,7 @@ import csv
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,14 @@ CHECKED_COLUMNS = ("dual_objective", "w_", "eta_", "balanced_grad_norm")
 # How far a logged float32 value may lie from the exact one: derived in the docstring of
 # test_a_committed_small_run_reproduces_its_first_steps, with the error scale measured at test time.
 ORDER_VARIANTS = 6  # float32 runs that differ from each other only in summation order: n, the sample size
-TRANSPOSED_VARIANTS = (1, 3, 5)  # of those, the ones run on transposed images (each conv's taps in another order)
+# Each variant's images and kernels are turned by one symmetry of the square (each convolution's taps are then
+# summed in another order; the max-pooling windows map onto each other).  All are involutions (g g = 1), so
+# a turned network's fc layer takes its inputs in the order the same g gives: see _reorder_sums.
+SPATIAL_SYMMETRIES: dict[str, Callable[[Tensor], Tensor]] = {
+    "identity": lambda t: t, "transpose": lambda t: t.transpose(-1, -2), "flip_width": lambda t: t.flip(-1),
+    "flip_height": lambda t: t.flip(-2), "rotate_180": lambda t: t.flip(-2, -1),
+}
+VARIANT_SYMMETRY = {1: "transpose", 2: "flip_width", 3: "flip_height", 4: "identity", 5: "transpose", 6: "rotate_180"}
 NATIVE_CONV_VARIANTS = (5, 6)  # and the ones that convolve with ATen's native kernels instead of oneDNN's
 T_QUANTILE = 20.0  # lambda: P(|t_6| > 20) = 1.0e-6 (Student's t, n = 6 degrees of freedom)
 KERNEL_ALLOWANCE = 2.0  # kappa: for a kernel whose running sums are up to 4x as long as the sampled ones'
@@ -61,10 +69,10 @@ def _logged_steps(run_dir: Path) -> list[dict[str, str]]:
 class _ReorderedData:
     """A run's data as the trainer reads it, in ``dtype``, with the rows of every batch of the first pass
     in another order (``row_source``: training row -> the row it shows; the batches hold the same samples),
-    the images transposed if ``transpose``."""
+    the images turned by ``symmetry`` (a key of SPATIAL_SYMMETRIES)."""
 
-    def __init__(self, data: Any, dtype: torch.dtype, row_source: Tensor | None, transpose: bool = False) -> None:
-        self._data, self._dtype, self._transpose = data, dtype, transpose
+    def __init__(self, data: Any, dtype: torch.dtype, row_source: Tensor | None, symmetry: str = "identity") -> None:
+        self._data, self._dtype, self._turn = data, dtype, SPATIAL_SYMMETRIES[symmetry]
         self.num_tasks = data.num_tasks
         self.train_images = data.train_images if row_source is None else data.train_images[row_source]
         self.train_labels = data.train_labels if row_source is None else data.train_labels[row_source]
@@ -73,7 +81,7 @@ class _ReorderedData:
 
     def images(self, rows: Tensor) -> Tensor:
         images = self._data.images(rows).to(self._dtype)  # float32 pixels, cast exactly to float64
-        return images.transpose(-1, -2).contiguous() if self._transpose else images
+        return self._turn(images).contiguous()
 
 
 def _rows_reordered_within_batches(config: RunConfig, size: int, generator: torch.Generator) -> Tensor:
@@ -88,9 +96,9 @@ def _rows_reordered_within_batches(config: RunConfig, size: int, generator: torc
 
 
 @torch.no_grad()
-def _reorder_sums(model: MultiLeNet, generator: torch.Generator, transpose: bool = False) -> None:
-    """Renumber the trunk's 10 + 20 channels and 50 features, and transpose its kernels for transposed images
-    if ``transpose``: the same function, every sum over channels, features, kernel taps and the flat parameter
+def _reorder_sums(model: MultiLeNet, generator: torch.Generator, symmetry: str = "identity") -> None:
+    """Renumber the trunk's 10 + 20 channels and 50 features, and turn its kernels by ``symmetry`` for images
+    turned alike: the same function, every sum over channels, features, kernel taps and the flat parameter
     vector taken in another order."""
     conv1, conv2, fc = model.trunk["conv1"], model.trunk["conv2"], model.trunk["fc"]
     channels1 = torch.randperm(conv1.out_channels, generator=generator)
@@ -106,17 +114,20 @@ def _reorder_sums(model: MultiLeNet, generator: torch.Generator, transpose: bool
     fc.bias.copy_(fc.bias[features])
     for head in model.heads:
         head[0].weight.copy_(head[0].weight[:, features])
-    if transpose:  # conv(x^T, k^T) = conv(x, k)^T, and max-pooling commutes with it: only the flattening moves
-        conv1.weight.copy_(conv1.weight.transpose(-1, -2).clone())
-        conv2.weight.copy_(conv2.weight.transpose(-1, -2).clone())
-        side = math.isqrt(pixels)
-        fc.weight.copy_(fc.weight[:, torch.arange(fc.in_features).view(-1, side, side).transpose(1, 2).flatten()])
+    # conv(g x, g k) = g conv(x, k) for a symmetry g of the square, and max-pooling (2 x 2 windows tiling the
+    # even-sized maps) commutes with it: only the flattened features before fc move
+    turn = SPATIAL_SYMMETRIES[symmetry]
+    conv1.weight.copy_(turn(conv1.weight).clone())
+    conv2.weight.copy_(turn(conv2.weight).clone())
+    side = math.isqrt(pixels)
+    fc.weight.copy_(fc.weight[:, turn(torch.arange(fc.in_features).view(-1, side, side)).flatten()])
 
 
 def _retrain(config: RunConfig, out: Path, dtype: torch.dtype, reorder_seed: int | None = None,
-             transpose: bool = False, onednn: bool = True) -> list[dict[str, str]]:
+             symmetry: str = "identity", onednn: bool = True) -> list[dict[str, str]]:
     """The run's first steps through the trainer, in ``dtype`` (model, data, optimizer state), on one thread;
-    ``reorder_seed``: with its hidden units and the rows of its batches permuted (and transposed images)."""
+    ``reorder_seed``: with its hidden units and the rows of its batches permuted, images and kernels turned by
+    ``symmetry``."""
     experiment = get_experiment(config.experiment)
 
     def build(run_config: RunConfig) -> tuple[nn.Module, _ReorderedData]:
@@ -125,9 +136,9 @@ def _retrain(config: RunConfig, out: Path, dtype: torch.dtype, reorder_seed: int
         if reorder_seed is not None:
             assert isinstance(model, MultiLeNet), "the hidden-unit permutation is the MultiLeNet's"
             generator = torch.Generator().manual_seed(reorder_seed)
-            _reorder_sums(model, generator, transpose)
+            _reorder_sums(model, generator, symmetry)
             row_source = _rows_reordered_within_batches(run_config, data.train_labels.shape[0], generator)
-        return model.to(dtype), _ReorderedData(data, dtype, row_source, transpose)
+        return model.to(dtype), _ReorderedData(data, dtype, row_source, symmetry)
 
     threads, mkldnn = torch.get_num_threads(), torch.backends.mkldnn.enabled
     torch.set_num_threads(1)  # no sum split across threads: each kernel's longest sums (and fast on a busy CI machine)
@@ -158,7 +169,7 @@ def _reproduction_deviations(committed: Path, work: Path, cache: Path) -> dict[t
                      max_steps=REPRODUCED_STEPS, cache_dir=str(cache))
     exact = _retrain(config, work / "float64", torch.float64)
     variants = [_retrain(config, work / f"variant{seed}", torch.float32, reorder_seed=seed,
-                         transpose=seed in TRANSPOSED_VARIANTS, onednn=seed not in NATIVE_CONV_VARIANTS)
+                         symmetry=VARIANT_SYMMETRY[seed], onednn=seed not in NATIVE_CONV_VARIANTS)
                 for seed in range(1, ORDER_VARIANTS + 1)]
     retrained, old = _logged_steps(work / "readme"), _logged_steps(committed)
     assert len(old) == len(exact) == len(retrained) == REPRODUCED_STEPS
@@ -198,7 +209,7 @@ def test_a_committed_small_run_reproduces_its_first_steps(run: str, tmp_path: Pa
     sigma_v is measured, not assumed.  The same steps run (a) in float64 (model, data, optimizer state;
     the same float32 initial weights and pixels), whose own error is 2^29 times smaller: v64 is exact
     here, and e = v - v64; (b) ORDER_VARIANTS = n = 6 times in float32, each with the trunk's hidden units
-    and the rows of every batch permuted, three on transposed images with transposed kernels, two with
+    and the rows of every batch permuted, five with images and kernels transposed, flipped or turned, two with
     ATen's native convolution instead of oneDNN's: the same function, so the same values in exact
     arithmetic, but every sum over channels, features, kernel taps, samples and the flat parameter vector
     in another order.  Their errors e_1..e_n estimate sigma_v: s^2 = mean((|e_i| + ulp/2)^2), a logged
@@ -256,9 +267,9 @@ def test_the_ulp_helper() -> None:
     assert _float32_ulp(1.0) == 2.0 ** -23 and _float32_ulp(0.5) == 2.0 ** -24 and _float32_ulp(-3.0) == 2.0 ** -22
 
 
-@pytest.mark.parametrize("transpose", [False, True])
-def test_a_reordered_lenet_is_the_same_function(data_cache: Path, transpose: bool) -> None:
-    """The order variants permute hidden units and batch rows (and transpose images and kernels): in float64
+@pytest.mark.parametrize("symmetry", sorted(SPATIAL_SYMMETRIES))
+def test_a_reordered_lenet_is_the_same_function(data_cache: Path, symmetry: str) -> None:
+    """The order variants permute hidden units and batch rows (and turn images and kernels): in float64
     every sample's losses must stay what they were (to float64 rounding), or the variants would sample more
     than rounding."""
     config = replace(RunConfig.from_json((SMALL_RESULTS / "mgda-seed0" / "config.json").read_text()),
@@ -271,12 +282,12 @@ def test_a_reordered_lenet_is_the_same_function(data_cache: Path, transpose: boo
     before = per_sample_losses(model(plain.images(plain.train_images[rows])), plain.train_labels[rows])
     generator = torch.Generator().manual_seed(1)
     conv1 = model.trunk["conv1"].weight.clone()
-    _reorder_sums(model, generator, transpose)
+    _reorder_sums(model, generator, symmetry)
     assert not torch.equal(model.trunk["conv1"].weight, conv1)
     row_source = _rows_reordered_within_batches(config, data.train_labels.shape[0], generator)
     shown = row_source[rows]  # the samples the reordered data shows in the first batch: the same, reordered
     assert sorted(shown.tolist()) == sorted(rows.tolist()) and not torch.equal(shown, rows)
-    reordered = _ReorderedData(data, torch.float64, row_source, transpose)
+    reordered = _ReorderedData(data, torch.float64, row_source, symmetry)
     after = per_sample_losses(model(reordered.images(reordered.train_images[rows])), reordered.train_labels[rows])
     # sample by sample: both batches sorted by the row they show
     torch.testing.assert_close(after[torch.argsort(shown)], before[torch.argsort(rows)], rtol=1e-12, atol=0)
