@@ -49,8 +49,9 @@ SPATIAL_SYMMETRIES: dict[str, Callable[[Tensor], Tensor]] = {
     "identity": lambda t: t, "transpose": lambda t: t.transpose(-1, -2), "flip_width": lambda t: t.flip(-1),
     "flip_height": lambda t: t.flip(-2), "rotate_180": lambda t: t.flip(-2, -1),
 }
-VARIANT_SYMMETRY = {1: "transpose", 2: "flip_width", 3: "flip_height", 4: "identity", 5: "transpose", 6: "rotate_180"}
-NATIVE_CONV_VARIANTS = (5, 6)  # and the ones that convolve with ATen's native kernels instead of oneDNN's
+VARIANT_SYMMETRY = {  # variant -> its symmetry
+    1: "transpose", 2: "flip_width", 3: "flip_height", 4: "identity", 5: "transpose", 6: "rotate_180"}
+NATIVE_CONV_VARIANTS = (5, 6)  # the variants that convolve with ATen's native kernels instead of oneDNN's
 T_QUANTILE = 20.0  # lambda: P(|t_6| > 20) = 1.0e-6 (Student's t, n = 6 degrees of freedom)
 KERNEL_ALLOWANCE = 2.0  # kappa: for a kernel whose running sums are up to 4x as long as the sampled ones'
 POWER = 1e-4  # the bound must stay below this relative change, or the test could not tell a changed run
