@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|sweep3|moco-sweep]   (default 2; set up .venv first: bash scripts/setup_env.sh)
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep]   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
 #        one-batch methods (353 iterations of 2 batches = 705 of 1), and the App. F.1 lambda ablation for
@@ -11,6 +11,12 @@
 #        MoCo is swept there with the paper's ema 0.95.
 # sweep3: the same learning-rate sweep on 3 digits (seed 0; MoCo with the preset's ema), whose winners are
 #        SMALL_LR["multimnist3"]; results in results/multimnist3-small/lr-sweep/.
+# runoff: the sweep's second stage on 2 digits: each method's two best rates of sweep, run on seeds 1 and 2
+#        too; the winner has the best mean over seeds 0-2 (seed 0: sweep's run); MoCo is not in it (its own
+#        3-seed sweep is moco-sweep); results in results/multimnist2-small/lr-sweep/runoff/.
+# runoff3: the sweep's second stage on 3 digits: each method's two best rates of sweep3, run on seeds 1 and 2
+#        too; the winner has the best mean over seeds 0-2 (seed 0: sweep3's run); results in
+#        results/multimnist3-small/lr-sweep/runoff/.
 # moco-sweep: MoCo's (ema, lr) sweep on the validation split, seeds 0-2, whose winner is SMALL_MOCO_EMA and
 #        SMALL_LR["multimnist2"]["moco"]; results in results/multimnist2-small/moco-sweep/.
 # Finished runs are reused, so an interrupted call continues where it stopped.
@@ -50,11 +56,27 @@ sweep3)
     "$drmoo" compare --experiment multimnist3 --preset small --eval-split validation --seeds 0 --eps 0 \
         --jobs "$jobs" --methods "$spec" --device cpu --quiet --out results/multimnist3-small/lr-sweep \
         ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"} ;;
+runoff)
+    # Each method's two best rates of the one-seed sweep (results/multimnist2-small/lr-sweep/table.csv).
+    spec="double-clip[lr=3.0],double-clip[lr=1.0],double-loop[lr=0.3],double-loop[lr=0.1],mgda[lr=0.3]"
+    spec="$spec,mgda[lr=0.1],modo[lr=0.3],modo[lr=0.1],sdmgrad[lr=0.3],sdmgrad[lr=0.1]"
+    spec="$spec,nashmtl[lr=0.3],nashmtl[lr=0.1],famo[lr=0.3],famo[lr=0.1]"
+    "$drmoo" compare --experiment multimnist2 --preset small --eval-split validation --seeds 1,2 --eps 0 \
+        --jobs "$jobs" --methods "$spec" --device cpu --quiet --out results/multimnist2-small/lr-sweep/runoff \
+        ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"} ;;
+runoff3)
+    # Each method's two best rates of the one-seed sweep (results/multimnist3-small/lr-sweep/table.csv).
+    spec="double-clip[lr=3.0],double-clip[lr=1.0],double-loop[lr=0.3],double-loop[lr=0.1],mgda[lr=0.3]"
+    spec="$spec,mgda[lr=0.1],modo[lr=0.3],modo[lr=0.1],moco[lr=0.3],moco[lr=1.0],sdmgrad[lr=0.3],sdmgrad[lr=1.0]"
+    spec="$spec,nashmtl[lr=1.0],nashmtl[lr=0.3],famo[lr=1.0],famo[lr=0.3]"
+    "$drmoo" compare --experiment multimnist3 --preset small --eval-split validation --seeds 1,2 --eps 0 \
+        --jobs "$jobs" --methods "$spec" --device cpu --quiet --out results/multimnist3-small/lr-sweep/runoff \
+        ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"} ;;
 moco-sweep)
     "$drmoo" compare --experiment multimnist2 --preset small --eval-split validation --seeds 0,1,2 --eps 0 \
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|sweep3|moco-sweep]" >&2; exit 2 ;;
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep]" >&2; exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s on $(nproc) cores"
