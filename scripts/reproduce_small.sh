@@ -27,6 +27,12 @@ jobs="${JOBS:-$(nproc)}"
 eps="0,0.01,0.03,0.05,0.08,0.1,0.15,0.2"
 what="${1:-2}"
 start=$(date +%s)
+# A validation-split sweep: sweep EXPERIMENT SEEDS OUT SPEC (every stage of every sweep runs through it).
+sweep() {
+    "$drmoo" compare --experiment "$1" --preset small --eval-split validation --seeds "$2" --eps 0 \
+        --jobs "$jobs" --methods "$4" --device cpu --quiet --out "$3" \
+        ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"}
+}
 case "$what" in
 2)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
@@ -44,34 +50,26 @@ sweep)
             if [ "$method" = moco ]; then spec="$spec,moco[ema=0.95,lr=$lr]"; else spec="$spec,$method[lr=$lr]"; fi
         done
     done
-    "$drmoo" compare --experiment multimnist2 --preset small --eval-split validation --seeds 0 --eps 0 \
-        --jobs "$jobs" --methods "$spec" --device cpu --quiet --out results/multimnist2-small/lr-sweep \
-        ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"} ;;
+    sweep multimnist2 0 results/multimnist2-small/lr-sweep "$spec" ;;
 sweep3)
     # The grid of the 2-digit sweep, and one more point beyond an end where the best rate sat at that end.
     spec="double-clip[lr=10.0]"
     for method in double-clip double-loop mgda modo moco sdmgrad nashmtl famo; do
         for lr in 0.1 0.3 1.0 3.0; do spec="$spec,$method[lr=$lr]"; done
     done
-    "$drmoo" compare --experiment multimnist3 --preset small --eval-split validation --seeds 0 --eps 0 \
-        --jobs "$jobs" --methods "$spec" --device cpu --quiet --out results/multimnist3-small/lr-sweep \
-        ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"} ;;
+    sweep multimnist3 0 results/multimnist3-small/lr-sweep "$spec" ;;
 runoff)
     # Each method's two best rates of the one-seed sweep (results/multimnist2-small/lr-sweep/table.csv).
     spec="double-clip[lr=3.0],double-clip[lr=1.0],double-loop[lr=0.3],double-loop[lr=0.1],mgda[lr=0.3]"
     spec="$spec,mgda[lr=0.1],modo[lr=0.3],modo[lr=0.1],sdmgrad[lr=0.3],sdmgrad[lr=0.1]"
     spec="$spec,nashmtl[lr=0.3],nashmtl[lr=0.1],famo[lr=0.3],famo[lr=0.1]"
-    "$drmoo" compare --experiment multimnist2 --preset small --eval-split validation --seeds 1,2 --eps 0 \
-        --jobs "$jobs" --methods "$spec" --device cpu --quiet --out results/multimnist2-small/lr-sweep/runoff \
-        ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"} ;;
+    sweep multimnist2 1,2 results/multimnist2-small/lr-sweep/runoff "$spec" ;;
 runoff3)
     # Each method's two best rates of the one-seed sweep (results/multimnist3-small/lr-sweep/table.csv).
     spec="double-clip[lr=3.0],double-clip[lr=1.0],double-loop[lr=0.3],double-loop[lr=0.1],mgda[lr=0.3]"
     spec="$spec,mgda[lr=0.1],modo[lr=0.3],modo[lr=0.1],moco[lr=0.3],moco[lr=1.0],sdmgrad[lr=0.3],sdmgrad[lr=1.0]"
     spec="$spec,nashmtl[lr=1.0],nashmtl[lr=0.3],famo[lr=1.0],famo[lr=0.3]"
-    "$drmoo" compare --experiment multimnist3 --preset small --eval-split validation --seeds 1,2 --eps 0 \
-        --jobs "$jobs" --methods "$spec" --device cpu --quiet --out results/multimnist3-small/lr-sweep/runoff \
-        ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"} ;;
+    sweep multimnist3 1,2 results/multimnist3-small/lr-sweep/runoff "$spec" ;;
 moco-sweep)
     "$drmoo" compare --experiment multimnist2 --preset small --eval-split validation --seeds 0,1,2 --eps 0 \
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
