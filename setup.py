@@ -328,10 +328,12 @@ def _optional_build_command(mode: str) -> type:
             super().build_extension(ext)
 
         def _remove_shadowing_builds(self) -> None:
-            if self.inplace:
-                for path in shadowing_builds(os.path.join("python", "drmoo_kernels")):
-                    os.remove(path)
-                    _say(f"drmoo: removed {path}, an older in-place build that would shadow the new abi3 one")
+            # In place, and in build/lib*: a wheel packs whatever that directory holds, so a stale
+            # per-Python build left there by an older drmoo would ship beside the abi3 one and win.
+            package_dir = os.path.join("python" if self.inplace else self.build_lib, "drmoo_kernels")
+            for path in shadowing_builds(package_dir):
+                os.remove(path)
+                _say(f"drmoo: removed {path}, an older build that would shadow the new abi3 one")
 
         def run(self) -> None:
             try:

@@ -191,13 +191,9 @@ def test_only_csrc_cuda_goes_into_the_cuda_extension() -> None:
     assert not SETUP._is_cuda_source("csrc/ops.cpp")
 
 
-def test_a_cuda_compile_error_costs_only_the_cuda_kernels(tmp_path: Path) -> None:
-    """A GPU machine whose nvcc cannot compile: one line, and the stable CPU extension is still built.
-
-    The compilers are stand-ins (nothing real is compiled): a C++ "compiler" that reports a gcc version
-    (torch checks it, and its name) and writes the object, depfile or library it is asked for, and an nvcc that
-    answers --version and fails everything else.
-    """
+def _fake_gxx(tmp_path: Path) -> Path:
+    """A stand-in C++ compiler: reports a gcc version (torch checks it, and its name) and writes the
+    object, depfile or library it is asked for."""
     fake_cxx = tmp_path / "fake-g++"  # "g++" in the name: torch accepts it as gcc
     fake_cxx.write_text(
         "#!/bin/sh\n"
@@ -207,6 +203,34 @@ def test_a_cuda_compile_error_costs_only_the_cuda_kernels(tmp_path: Path) -> Non
         'for a in "$@"; do [ "$prev" = -o ] && out="$a"; [ "$prev" = -MF ] && dep="$a"; prev="$a"; done\n'
         '[ -n "$out" ] && : > "$out"; [ -n "$dep" ] && echo "$out:" > "$dep"\n'
         "exit 0\n")
+    fake_cxx.chmod(0o755)
+    return fake_cxx
+
+
+def test_a_stale_per_python_build_in_build_lib_is_not_packed(tmp_path: Path) -> None:
+    """A wheel packs whatever build/lib* holds: a _C.cpython-311-*.so left there by an older build would
+    ship beside the new _C.abi3.so and be the one Python imports, so build_ext removes it there too."""
+    out = tmp_path / "out"
+    stale = out / "drmoo_kernels" / "_C.cpython-311-x86_64-linux-gnu.so"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an older build")
+    fake_cxx = _fake_gxx(tmp_path)
+    env = {"DRMOO_BUILD_KERNELS": "", "DRMOO_BUILD_CUDA": "0", "CC": str(fake_cxx), "CXX": str(fake_cxx),
+           "MAX_JOBS": "1"}
+    done = _run_setup(["build_ext", "--build-lib", str(out), "--build-temp", str(tmp_path / "tmp")], env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.name for p in out.rglob("_C*.so")] == ["_C.abi3.so"]
+    assert f"drmoo: removed {stale}, an older build that would shadow the new abi3 one" in _drmoo_lines(done.stderr)
+
+
+def test_a_cuda_compile_error_costs_only_the_cuda_kernels(tmp_path: Path) -> None:
+    """A GPU machine whose nvcc cannot compile: one line, and the stable CPU extension is still built.
+
+    The compilers are stand-ins (nothing real is compiled): a C++ "compiler" that reports a gcc version
+    (torch checks it, and its name) and writes the object, depfile or library it is asked for, and an nvcc that
+    answers --version and fails everything else.
+    """
+    fake_cxx = _fake_gxx(tmp_path)
     cuda_home = tmp_path / "cuda"
     (cuda_home / "bin").mkdir(parents=True)
     (cuda_home / "include").mkdir()
@@ -218,8 +242,7 @@ def test_a_cuda_compile_error_costs_only_the_cuda_kernels(tmp_path: Path) -> Non
     release = torch.version.cuda or "13.0"
     fake_nvcc.write_text(f'#!/bin/sh\ncase "$*" in *--version*) echo "Cuda compilation tools, release {release}, '
                          f'V{release}.0"; exit 0;; esac\necho "nvcc: cannot compile" >&2\nexit 1\n')
-    for tool in (fake_cxx, fake_nvcc):
-        tool.chmod(0o755)
+    fake_nvcc.chmod(0o755)
     if torch.version.cuda is None:
         pytest.skip("a CPU-only torch builds no CUDA extension")
     out = tmp_path / "out"
