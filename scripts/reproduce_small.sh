@@ -18,7 +18,9 @@
 #        too; the winner has the best mean over seeds 0-2 (seed 0: sweep3's run); results in
 #        results/multimnist3-small/lr-sweep/runoff/.
 # moco-sweep: MoCo's (ema, lr) sweep on the validation split, seeds 0-2, whose winner is SMALL_MOCO_EMA and
-#        SMALL_LR["multimnist2"]["moco"]; results in results/multimnist2-small/moco-sweep/.
+#        SMALL_LR["multimnist2"]["moco"]; the grid is extended (as the rate sweeps are) while the best
+#        setting sits at an end of it: ema 0.8 past the first winner (0.9, 0.3), then lr 0.1 and ema 0.6
+#        (1 - ema doubling) past the second (0.8, 0.2); results in results/multimnist2-small/moco-sweep/.
 # Finished runs are reused, so an interrupted call continues where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -73,7 +75,7 @@ runoff3)
 moco-sweep)
     "$drmoo" compare --experiment multimnist2 --preset small --eval-split validation --seeds 0,1,2 --eps 0 \
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
-        --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5]" ;;
+        --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
     echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep]" >&2; exit 2 ;;
 esac

@@ -211,8 +211,9 @@ def test_small_preset_uses_the_swept_learning_rates_and_the_papers_dr_settings(e
         assert {k: v for k, v in hparams.items() if k not in own} == {k: v for k, v in paper.items() if k not in own}
         assert method_hparams(method, {"lr": 0.123}, preset="small", experiment=experiment)["lr"] == 0.123
     assert PRESETS["small"]["multimnist2"]["model"] == "lenet" and PRESETS["small"]["multimnist3"]["input_size"] == 28
-    assert method_hparams("moco", preset="small")["ema"] == SMALL_MOCO_EMA != method_hparams("moco")["ema"]
-    assert method_hparams("moco", {"ema": 0.95}, preset="small")["ema"] == 0.95
+    moco = method_hparams("moco", preset="small", experiment=experiment)
+    assert moco["ema"] == SMALL_MOCO_EMA[experiment] != method_hparams("moco")["ema"]
+    assert method_hparams("moco", {"ema": 0.95}, preset="small", experiment=experiment)["ema"] == 0.95
 
 
 def test_small_preset_runs_through_compare_with_variants(tmp_path: Path) -> None:
@@ -289,25 +290,77 @@ def _sweep_winners(table: Path, keys: tuple[str, ...]) -> dict[str, tuple[float,
     return {method: setting for method, (setting, _) in best.items()}
 
 
+def _clean_sweep_rows(table: Path) -> list[tuple[MethodVariant, int, float]]:
+    """(variant, seeds, mean clean validation accuracy) of each row of a sweep's table.csv, checking that
+    every run of the sweep was evaluated on the validation split of the small preset."""
+    if not table.is_file():
+        pytest.fail(f"{table} is missing: the small preset's settings must come with their sweep")
+    with table.open(newline="") as handle:
+        rows = [(parse_variants(row["method"])[0], int(row["seeds"]), float(row["mean_acc"]))
+                for row in csv.DictReader(handle) if float(row["eps"]) == 0.0]
+    configs = [json.loads(path.read_text()) for path in table.parent.glob("*/config.json")]
+    assert configs and all(c["eval_split"] == "validation" and c["preset"] == "small" for c in configs)
+    return rows
+
+
+def _clean_accuracy_by_rate(table: Path, seeds: set[int]) -> dict[str, dict[float, float]]:
+    """method -> trunk rate -> mean clean validation accuracy of one sweep stage, run on ``seeds``."""
+    accuracy: dict[str, dict[float, float]] = {}
+    for variant, count, mean in _clean_sweep_rows(table):
+        assert count == len(seeds), (variant, count)
+        accuracy.setdefault(variant.method, {})[float(variant.hparams["lr"])] = mean
+    assert {json.loads(path.read_text())["seed"] for path in table.parent.glob("*/config.json")} == seeds
+    return accuracy
+
+
+def _two_stage_winners(sweep: Path, excluded: set[str]) -> dict[str, float]:
+    """The rule of the small preset's learning-rate sweeps, fixed before the second stage ran.  Stage 1
+    (``sweep/table.csv``, seed 0): every rate of the grid.  Stage 2 (``sweep/runoff/table.csv``, seeds
+    1 and 2): each method's two best stage-1 rates (ties to the smaller).  Winner: the higher mean over
+    seeds 0-2, ties to the smaller rate.  Checks that stage 2 ran exactly those two rates."""
+    first = _clean_accuracy_by_rate(sweep / "table.csv", {0})
+    second = _clean_accuracy_by_rate(sweep / "runoff" / "table.csv", {1, 2})
+    assert set(second) == set(first) - excluded
+    winners: dict[str, float] = {}
+    for method, rates in second.items():
+        finalists = sorted(first[method], key=lambda lr: (-first[method][lr], lr))[:2]
+        assert sorted(rates) == sorted(finalists), method
+        three_seed_mean = {lr: (first[method][lr] + 2 * rates[lr]) / 3 for lr in finalists}
+        winners[method] = max(finalists, key=lambda lr: (three_seed_mean[lr], -lr))
+    return winners
+
+
+def _sweep_winners(table: Path, keys: tuple[str, ...]) -> dict[str, tuple[float, ...]]:
+    """The rule of MoCo's own 3-seed sweep: per method, the setting (the variant's ``keys``) with the
+    highest mean clean validation accuracy, ties to the smaller setting."""
+    best: dict[str, tuple[tuple[float, ...], float]] = {}
+    for variant, _, accuracy in _clean_sweep_rows(table):
+        setting = tuple(float(variant.hparams[key]) for key in keys)
+        known = best.get(variant.method)
+        if known is None or accuracy > known[1] or (accuracy == known[1] and setting < known[0]):
+            best[variant.method] = (setting, accuracy)
+    return {method: setting for method, (setting, _) in best.items()}
+
+
 @pytest.mark.parametrize("experiment", ["multimnist2", "multimnist3"])
 def test_small_preset_learning_rates_are_the_committed_sweeps_winners(experiment: str) -> None:
-    """SMALL_LR is what the rule picks from each experiment's committed validation sweep (on 2 digits every
-    method but MoCo, whose rate comes from its own sweep below)."""
-    table = RESULTS / f"{experiment}-small" / "lr-sweep" / "table.csv"
-    winners = _sweep_winners(table, ("lr",))
+    """SMALL_LR is what the two-stage rule picks from each experiment's committed validation sweep (on
+    2 digits every method but MoCo, whose rate comes from its own sweep below)."""
+    sweep = RESULTS / f"{experiment}-small" / "lr-sweep"
     own_sweep = {"moco"} if experiment == "multimnist2" else set()
-    assert {method: lr for method, (lr,) in winners.items() if method not in own_sweep} == {
-        method: lr for method, lr in SMALL_LR[experiment].items() if method not in own_sweep}
-    assert set(winners) == set(SMALL_LR[experiment])
-    configs = [json.loads(path.read_text()) for path in table.parent.glob("*/config.json")]
+    winners = _two_stage_winners(sweep, own_sweep)
+    assert winners == {method: lr for method, lr in SMALL_LR[experiment].items() if method not in own_sweep}
+    assert set(winners) | own_sweep == set(SMALL_LR[experiment])
+    configs = [json.loads(path.read_text()) for path in sweep.glob("**/config.json")]
     assert {c["experiment"] for c in configs} == {experiment}
     if experiment == "multimnist3":  # swept with the preset's MoCo tracking weight
-        assert {c["hparams"]["ema"] for c in configs if c["method"] == "moco"} == {SMALL_MOCO_EMA}
+        assert {c["hparams"]["ema"] for c in configs if c["method"] == "moco"} == {SMALL_MOCO_EMA[experiment]}
 
 
 def test_small_preset_moco_setting_is_its_sweeps_winner() -> None:
     """MoCo's (ema, lr) is the winner of its 3-seed sweep, and that sweep ran every setting on 3 seeds."""
     table = SMALL_RESULTS / "moco-sweep" / "table.csv"
-    assert _sweep_winners(table, ("ema", "lr")) == {"moco": (SMALL_MOCO_EMA, SMALL_LR["multimnist2"]["moco"])}
+    assert _sweep_winners(table, ("ema", "lr")) == {
+        "moco": (SMALL_MOCO_EMA["multimnist2"], SMALL_LR["multimnist2"]["moco"])}
     with table.open(newline="") as handle:
         assert {row["seeds"] for row in csv.DictReader(handle)} == {"3"}

@@ -224,8 +224,9 @@ def test_a_committed_small_run_reproduces_its_first_steps(run: str, tmp_path: Pa
     MKL_ENABLE_INSTRUCTIONS=AVX2; half the AVX-512 lanes) stays within 2 ulps of v64 here.  Plus 1 ulp,
     for v64's own rounding where the trainer logs it through float32 (balanced_grad_norm).
 
-    The check:  |v - v64| <= ulp(v64) + kappa lambda s  (measured here: 20 to 100 ulps, below 1e-5
-    relative, but for balanced_grad_norm: 309 ulps = 2.7e-5 at double-clip's step 2, and the case below).
+    The check:  |v - v64| <= ulp(v64) + kappa lambda s  (measured here when the bound was derived, on
+    double-clip's run at its first rate, 3.0: 20 to 100 ulps, below 1e-5 relative, but for
+    balanced_grad_norm: 309 ulps = 2.7e-5 at double-clip's step 2, and the case below).
     A 1e-4 relative change of a value (a learning rate 1 % off moves them by 1e-3 and more) must exceed
     that bound (POWER), so the test can still fail.  The case: the gradient
     passes max-pooling, whose choice is discontinuous where a window's two largest inputs lie within
