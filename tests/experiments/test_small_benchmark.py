@@ -290,9 +290,10 @@ def _sweep_winners(table: Path, keys: tuple[str, ...]) -> dict[str, tuple[float,
     return {method: setting for method, (setting, _) in best.items()}
 
 
-def _clean_sweep_rows(table: Path) -> list[tuple[MethodVariant, int, float]]:
-    """(variant, seeds, mean clean validation accuracy) of each row of a sweep's table.csv, checking that
-    every run of the sweep was evaluated on the validation split of the small preset."""
+def _clean_sweep_rows(table: Path) -> tuple[list[tuple[MethodVariant, int, float]], list[dict]]:
+    """(variant, seeds, mean clean validation accuracy) of each row of a sweep's table.csv, and the
+    config.json of each of its runs, checking that every run was evaluated on the validation split of
+    the small preset."""
     if not table.is_file():
         pytest.fail(f"{table} is missing: the small preset's settings must come with their sweep")
     with table.open(newline="") as handle:
@@ -300,26 +301,29 @@ def _clean_sweep_rows(table: Path) -> list[tuple[MethodVariant, int, float]]:
                 for row in csv.DictReader(handle) if float(row["eps"]) == 0.0]
     configs = [json.loads(path.read_text()) for path in table.parent.glob("*/config.json")]
     assert configs and all(c["eval_split"] == "validation" and c["preset"] == "small" for c in configs)
-    return rows
+    return rows, configs
 
 
-def _clean_accuracy_by_rate(table: Path, seeds: set[int]) -> dict[str, dict[float, float]]:
-    """method -> trunk rate -> mean clean validation accuracy of one sweep stage, run on ``seeds``."""
+def _clean_accuracy_by_rate(table: Path, seeds: set[int]) -> tuple[dict[str, dict[float, float]], list[dict]]:
+    """method -> trunk rate -> mean clean validation accuracy of one sweep stage, run on ``seeds``; and
+    its runs' configs."""
+    rows, configs = _clean_sweep_rows(table)
     accuracy: dict[str, dict[float, float]] = {}
-    for variant, count, mean in _clean_sweep_rows(table):
+    for variant, count, mean in rows:
         assert count == len(seeds), (variant, count)
         accuracy.setdefault(variant.method, {})[float(variant.hparams["lr"])] = mean
-    assert {json.loads(path.read_text())["seed"] for path in table.parent.glob("*/config.json")} == seeds
-    return accuracy
+    assert {c["seed"] for c in configs} == seeds
+    return accuracy, configs
 
 
-def _two_stage_winners(sweep: Path, excluded: set[str]) -> dict[str, float]:
+def _two_stage_winners(sweep: Path, excluded: set[str]) -> tuple[dict[str, float], list[dict]]:
     """The rule of the small preset's learning-rate sweeps, fixed before the second stage ran.  Stage 1
     (``sweep/table.csv``, seed 0): every rate of the grid.  Stage 2 (``sweep/runoff/table.csv``, seeds
     1 and 2): each method's two best stage-1 rates (ties to the smaller).  Winner: the higher mean over
-    seeds 0-2, ties to the smaller rate.  Checks that stage 2 ran exactly those two rates."""
-    first = _clean_accuracy_by_rate(sweep / "table.csv", {0})
-    second = _clean_accuracy_by_rate(sweep / "runoff" / "table.csv", {1, 2})
+    seeds 0-2, ties to the smaller rate.  Checks that stage 2 ran exactly those two rates.  Also returns
+    the configs of both stages' runs."""
+    first, first_configs = _clean_accuracy_by_rate(sweep / "table.csv", {0})
+    second, second_configs = _clean_accuracy_by_rate(sweep / "runoff" / "table.csv", {1, 2})
     assert set(second) == set(first) - excluded
     winners: dict[str, float] = {}
     for method, rates in second.items():
@@ -327,14 +331,14 @@ def _two_stage_winners(sweep: Path, excluded: set[str]) -> dict[str, float]:
         assert sorted(rates) == sorted(finalists), method
         three_seed_mean = {lr: (first[method][lr] + 2 * rates[lr]) / 3 for lr in finalists}
         winners[method] = max(finalists, key=lambda lr: (three_seed_mean[lr], -lr))
-    return winners
+    return winners, first_configs + second_configs
 
 
 def _sweep_winners(table: Path, keys: tuple[str, ...]) -> dict[str, tuple[float, ...]]:
     """The rule of MoCo's own 3-seed sweep: per method, the setting (the variant's ``keys``) with the
     highest mean clean validation accuracy, ties to the smaller setting."""
     best: dict[str, tuple[tuple[float, ...], float]] = {}
-    for variant, _, accuracy in _clean_sweep_rows(table):
+    for variant, _, accuracy in _clean_sweep_rows(table)[0]:
         setting = tuple(float(variant.hparams[key]) for key in keys)
         known = best.get(variant.method)
         if known is None or accuracy > known[1] or (accuracy == known[1] and setting < known[0]):
@@ -348,10 +352,9 @@ def test_small_preset_learning_rates_are_the_committed_sweeps_winners(experiment
     2 digits every method but MoCo, whose rate comes from its own sweep below)."""
     sweep = RESULTS / f"{experiment}-small" / "lr-sweep"
     own_sweep = {"moco"} if experiment == "multimnist2" else set()
-    winners = _two_stage_winners(sweep, own_sweep)
+    winners, configs = _two_stage_winners(sweep, own_sweep)
     assert winners == {method: lr for method, lr in SMALL_LR[experiment].items() if method not in own_sweep}
     assert set(winners) | own_sweep == set(SMALL_LR[experiment])
-    configs = [json.loads(path.read_text()) for path in sweep.glob("**/config.json")]
     assert {c["experiment"] for c in configs} == {experiment}
     if experiment == "multimnist3":  # swept with the preset's MoCo tracking weight
         assert {c["hparams"]["ema"] for c in configs if c["method"] == "moco"} == {SMALL_MOCO_EMA[experiment]}
