@@ -67,6 +67,7 @@ autograd graph that the compiled forward builds and runs its backward passes thr
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -75,13 +76,15 @@ from torch import Tensor
 
 from .jacobian import graph_leaves
 from .optim import NonFiniteStepError, available, create
-from .optim._base import MultiObjectiveOptimizer
+from .optim._base import MultiObjectiveOptimizer, check_flag
 
 LossesInput = Tensor | tuple[Tensor, Tensor] | Callable[[], Any]
 
 # Methods whose single-batch form runs several backward passes over the one graph of the losses
 # (one per batch of the multi-batch algorithm): the graph is kept for all but the last.
 _GRAPH_PASSES = {"modo": 3, "sdmgrad": 3, "double-loop": 3}
+# Methods whose lr is not eta's step size (Double-Loop's eta takes dual_lr): no warning about it.
+_LR_UNUSED = {"double-loop"}
 
 
 def _reaches(losses: Tensor, params: Iterable[Tensor]) -> bool:
@@ -103,12 +106,30 @@ class Balancer:
             ``divergence``, ``lr`` -- eta's step size here --, ``capturable``, ``backend``, ...).
     """
 
-    def __init__(self, method: str, shared_params: Iterable[Any], num_tasks: int, **hparams: Any) -> None:
+    def __init__(self, method: str, shared_params: Iterable[Any], num_tasks: int, *,
+                 optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
+                 **hparams: Any) -> None:
         if method not in available():
             raise ValueError(f"unknown method {method!r}; valid choices: {', '.join(available())}")
+        if optimizer is not None and "lr" in hparams:
+            raise ValueError(
+                "give either optimizer= (eta's step size follows the optimizer's learning rate, scheduler "
+                "included) or lr= (a fixed step size for eta), not both"
+            )
         self.method = method
         self._algorithm = create(method, shared_params, num_tasks, **hparams)
         self._algorithm.direction_mode = True
+        self._algorithm.allow_partial_shared = check_flag("allow_partial_shared", allow_partial_shared)
+        self._optimizer = optimizer
+        if optimizer is not None:
+            self._lr_group(optimizer)  # refuse an optimizer that does not hold the shared parameters now
+        elif "lr" not in hparams and method not in _LR_UNUSED:
+            warnings.warn(
+                f"drmoo.Balancer({method!r}): eta's step size is the method's default "
+                f"lr={self._algorithm.hyper('lr')!r}, not your optimizer's learning rate; pass optimizer=<the torch "
+                "optimizer that steps the shared parameters> (eta then follows its learning rate and scheduler) "
+                "or lr=<a fixed step size>", UserWarning, stacklevel=2,
+            )
 
     # ------------------------------------------------------------------------------ accessors
     @property
@@ -169,13 +190,23 @@ class Balancer:
         :class:`drmoo.optim.NonFiniteStepError` for NaN/Inf (without a scaler); nothing changes then.
         """
         algorithm = self._algorithm
+        drawn: list[Any] = []  # what every draw of this step returned (the overflow marker finds the heads in it)
         if isinstance(losses, (Tensor, tuple)):
             self._check_losses(losses)
             given = losses
+            drawn.append(given)
             closure: Callable[[], Any] = lambda: given  # noqa: E731
             graph_reuses = _GRAPH_PASSES.get(self.method, 1) - 1
+            algorithm.losses_origin = "Balancer.backward was given"
         elif callable(losses):
-            closure, graph_reuses = losses, 0
+            user_closure = losses
+
+            def closure() -> Any:
+                result = user_closure()
+                drawn.append(result)
+                return result
+
+            graph_reuses = 0
         else:
             raise TypeError(
                 f"Balancer.backward takes per-sample losses [B, {self.num_tasks}] (a Tensor), a pair "
@@ -190,6 +221,8 @@ class Balancer:
                 # scaler.step() requires ("did not use scaler.scale(loss)" otherwise); a host read.
                 one = torch.ones((), dtype=torch.float32, device=algorithm.device)
                 scale = float(scaler.scale(one))
+        if self._optimizer is not None:
+            self._follow_optimizer_lr(self._optimizer)
         algorithm.loss_scale = algorithm.grad_scale = scale
         algorithm.graph_reuses = graph_reuses
         try:
@@ -198,13 +231,43 @@ class Balancer:
         except NonFiniteStepError:
             if scaler is None or not scaler.is_enabled():
                 raise
-            self._hand_overflow_to(scaler)
+            self._hand_overflow_to(scaler, drawn)
             return torch.full((self.num_tasks,), float("nan"))
         finally:
             algorithm.loss_scale = algorithm.grad_scale = 1.0
             algorithm.graph_reuses = 0
             algorithm.jacobian_memo = None
+            algorithm.losses_origin = "the closure returned"
         return objectives
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The torch optimizer whose learning rate eta's step size follows (``optimizer=``), or None."""
+        return self._optimizer
+
+    def _lr_group(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's parameter group that holds the shared parameters (one lr for all of them)."""
+        shared = {id(param) for param in self._algorithm._shared_params()}
+        groups = [group for group in optimizer.param_groups if any(id(p) in shared for p in group["params"])]
+        if not groups:
+            raise ValueError(
+                "optimizer= holds none of the balancer's shared parameters: pass the torch optimizer that steps "
+                "them (eta's step size follows that optimizer's learning rate)"
+            )
+        rates = {float(group["lr"]) for group in groups}
+        if len(rates) > 1:
+            raise ValueError(
+                f"the shared parameters are in parameter groups with different learning rates {sorted(rates)}, "
+                "but eta has one step size: build the balancer with lr=<eta's step size> instead of optimizer="
+            )
+        return groups[0]
+
+    def _follow_optimizer_lr(self, optimizer: torch.optim.Optimizer) -> None:
+        """eta's step size = the current lr of the optimizer's group of the shared parameters, so that
+        the optimizer's scheduler reaches eta too (checked with the other hyperparameters by the step)."""
+        lr = self._lr_group(optimizer)["lr"]
+        for group in self._algorithm.param_groups:
+            group["lr"] = lr
 
     def _check_losses(self, losses: Tensor | tuple[Tensor, Tensor]) -> None:
         """Refuse what the method would misread, before anything runs: the shape, a graph that does
@@ -234,13 +297,29 @@ class Balancer:
                 "losses are computed from (e.g. model.trunk.parameters()) to drmoo.Balancer"
             )
 
-    def _hand_overflow_to(self, scaler: torch.amp.GradScaler) -> None:
-        """A non-finite step under a GradScaler: the balancer changed nothing; an Inf in the shared
-        parameters' ``.grad`` makes ``scaler.step`` skip the optimizer and ``scaler.update`` back off."""
+    def _hand_overflow_to(self, scaler: torch.amp.GradScaler, drawn: list[Any]) -> None:
+        """A non-finite step under a GradScaler: the balancer changed nothing; an Inf in the ``.grad``
+        of every parameter the step would have written makes ``scaler.step`` skip each optimizer and
+        ``scaler.update`` back off.
+
+        Every one, not just one shared parameter: with the heads in a second torch optimizer (torch's
+        multi-optimizer AMP loop) that optimizer's ``scaler.step`` must find an Inf too -- with no
+        gradient at all it fails ("No inf checks were recorded for this optimizer").  The heads are
+        the trainable leaves of the graphs of the losses this step drew.
+        """
         algorithm = self._algorithm
+        shared = algorithm._shared_params()
+        targets = {id(param): param for param in shared}
+        for result in drawn:
+            losses = result[0] if isinstance(result, tuple) and result else result
+            if isinstance(losses, Tensor) and losses.requires_grad:
+                for leaf in graph_leaves(losses):
+                    targets.setdefault(id(leaf), leaf)
         with torch.no_grad():
-            first = algorithm._shared_params()[0]
-            if first.grad is None:
-                first.grad = torch.zeros_like(first)
-            first.grad.view(-1)[:1].fill_(float("inf"))
+            for param in targets.values():
+                if not param.requires_grad or param.numel() == 0:
+                    continue
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                param.grad.view(-1)[:1].fill_(float("inf"))
         algorithm.stats = {"found_inf": torch.ones((), dtype=torch.float32)}

@@ -17,13 +17,15 @@ up to the order of floating-point sums.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_reduce_grads", "all_reduce_max", "all_reduce_mean", "is_distributed", "rank", "shard", "world_size"]
+__all__ = ["all_reduce_grads", "all_reduce_max", "all_reduce_mean", "check_same_on_every_rank", "fingerprint",
+           "is_distributed", "rank", "shard", "unequal_shards_message", "world_size"]
 
 
 def is_distributed() -> bool:
@@ -86,3 +88,45 @@ def all_reduce_grads(params: Iterable[Tensor]) -> None:
         for grad in grads:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+
+
+def fingerprint(value: object) -> int:
+    """A deterministic 32-bit digest of ``repr(value)`` (the same on every rank and run, unlike ``hash``
+    of a string), for comparing structured values across ranks with one integer."""
+    return zlib.crc32(repr(value).encode())
+
+
+def check_same_on_every_rank(quantities: dict[str, int], *, device: torch.device | str = "cpu") -> None:
+    """Raise ValueError on every rank, naming each quantity that differs between ranks, unless every
+    quantity is the same on all of them.
+
+    One fixed-size collective (a MAX all-reduce of [q, -q] per quantity): the ranks must call it with
+    the same keys, in the same order -- which is why it compares sizes that later collectives
+    depend on *before* those run.  Does nothing in a single process.
+    """
+    if not is_distributed():
+        return
+    values = torch.tensor([int(v) for v in quantities.values()], dtype=torch.int64, device=device)
+    extremes = all_reduce_max(torch.cat([values, -values])).tolist()
+    count = len(quantities)
+    differing = [
+        f"{name}: {-extremes[count + index]} to {extremes[index]}"
+        for index, name in enumerate(quantities)
+        if extremes[index] != -extremes[count + index]
+    ]
+    if differing:
+        raise ValueError(
+            f"the {world_size()} processes disagree on {'; '.join(differing)} (rank {rank()} has "
+            f"{', '.join(str(v) for v in quantities.values())}); every rank must build the balancer / optimizer "
+            "with the same shared parameters and num_tasks and pass equal shards of the global batch "
+            "(drmoo.distributed.shard)"
+        )
+
+
+def unequal_shards_message(fewest: int, most: int) -> str:
+    return (
+        f"the ranks passed unequal shards ({fewest} to {most} rows): the global statistics are the mean of the "
+        "ranks' means, which is the global batch's only when every rank holds the same number of rows; "
+        "split each global batch with drmoo.distributed.shard (a batch size divisible by the number of "
+        "processes, e.g. a DataLoader with drop_last=True)"
+    )

@@ -45,7 +45,7 @@ them, so that every ``.grad`` it leaves is the global batch's.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -73,7 +73,7 @@ MAX_TASKS = 4096
 # pickled / deep-copied optimizer (torch.optim.Optimizer keeps only defaults, state and
 # param_groups; drmoo keeps its configuration too, see __getstate__) and reset on unpickling.
 _SCRATCH_ATTRIBUTES = ("_head_grads_before", "_found_inf", "_ops", "_buffers", "batch_weight",
-                       "_hyperparameters_passed")
+                       "_hyperparameters_passed", "_shared_reach_checked", "_ranks_checked")
 
 
 class NonFiniteStepError(ValueError):
@@ -82,6 +82,15 @@ class NonFiniteStepError(ValueError):
     A ``ValueError``, so callers that treat it as bad input keep working; mixed-precision training
     catches it to skip an overflowing step, as a gradient scaler would.
     """
+
+
+def column_views_2d(shared: Sequence[Tensor], matrix: Tensor) -> list[Tensor]:
+    """The [m, numel] column blocks of a per-task matrix [m, n], one per shared parameter (J's layout)."""
+    blocks, offset = [], 0
+    for param in shared:
+        blocks.append(matrix[:, offset : offset + param.numel()])
+        offset += param.numel()
+    return blocks
 
 
 def check_count(name: str, value: int) -> int:
@@ -241,6 +250,13 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # cotangent is the same matrix, so it is handed out again instead of running m more backward
         # passes (MoDo, SDMGrad: m backward passes instead of 3m).  Cleared by the Balancer after its step.
         self.jacobian_memo: tuple[Tensor, Tensor, Tensor] | None = None
+        # A "shared" parameter that only some tasks reach is a head passed by mistake (its gradient
+        # would be scaled by w_i): refused at the first Jacobian unless allowed (see
+        # _refuse_partly_shared_params).  True keeps such parameters in the multi-objective update.
+        self.allow_partial_shared = False
+        # How the messages name where the losses came from: "the closure returned" for step(closure);
+        # the Balancer names its own argument when it was given the losses themselves.
+        self.losses_origin = "the closure returned"
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
             raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
         defaults = dict(defaults)
@@ -544,6 +560,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}.step needs a closure that draws a fresh batch and returns "
                 "per-sample losses [B, num_tasks]"
             )
+        origin = self.losses_origin
         result = closure()
         losses, weights = (result if isinstance(result, tuple) and len(result) == 2 else (result, None))
         m = self.num_tasks
@@ -553,26 +570,26 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             )
         if losses.dim() != 2:
             raise ValueError(
-                f"the closure returned losses of shape {tuple(losses.shape)}; expected per-sample losses "
+                f"{origin} losses of shape {tuple(losses.shape)}; expected per-sample losses "
                 f"[B, {m}] (one column per task, not averaged over the batch)"
             )
         if losses.shape[1] != m:
             raise ValueError(
-                f"the closure returned losses for {losses.shape[1]} tasks (shape {tuple(losses.shape)}), "
-                f"but the optimizer was built with num_tasks={m}"
+                f"{origin} losses for {losses.shape[1]} tasks (shape {tuple(losses.shape)}), "
+                f"but num_tasks={m} was given"
             )
         if losses.shape[0] == 0:
-            raise ValueError("the closure returned an empty batch (B = 0); the dual objective needs samples")
+            raise ValueError(f"{origin} an empty batch (B = 0); the dual objective needs samples")
         if losses.device != self.device:
             raise ValueError(
-                f"the closure returned losses on {losses.device}, but the shared parameters are on {self.device}; "
+                f"{origin} losses on {losses.device}, but the shared parameters are on {self.device}; "
                 "compute the losses on the parameters' device"
             )
         if not losses.is_floating_point():
             raise TypeError(f"per-sample losses must be floating point, got {losses.dtype}")
         if need_graph and not losses.requires_grad:
             raise ValueError(
-                "the closure returned losses with no autograd graph (computed under torch.no_grad(), "
+                f"{origin} losses with no autograd graph (computed under torch.no_grad(), "
                 "detached, or from parameters that do not require grad); the optimizer needs their "
                 "gradients"
             )
@@ -580,28 +597,57 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             if not isinstance(weights, Tensor) or tuple(weights.shape) != tuple(losses.shape):
                 shape = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
                 raise ValueError(
-                    f"the closure returned sample weights of shape {shape}; they must match the losses "
+                    f"{origin} sample weights of shape {shape}; they must match the losses "
                     f"{tuple(losses.shape)} (one importance weight per sample and task)"
                 )
             if weights.device != losses.device:
-                raise ValueError(f"the closure returned sample weights on {weights.device}, but the losses are "
+                raise ValueError(f"{origin} sample weights on {weights.device}, but the losses are "
                                  f"on {losses.device}")
             weights = weights.detach()
             valid = (torch.isfinite(weights) & (weights >= 0)).all()
             if self._found_inf is not None:  # capturable: invalid weights skip the step
                 self._found_inf.logical_or_(~valid)
             elif not bool(valid):
-                raise ValueError("the closure returned sample weights that are negative, NaN or Inf")
+                raise ValueError(f"{origin} sample weights that are negative, NaN or Inf")
         self.batch_weight = weights
         # Eager: one host sync per closure call, a NaN must stop the step before anything is
         # updated (on every rank: the flags are agreed on, so no rank waits forever in a collective).
         finite = torch.isfinite(losses.detach()).all(dim=0)
         if distributed.is_distributed():
-            finite = all_reduce_max((~finite).to(torch.int32)) == 0
+            finite = self._agree_across_ranks(losses, finite)
         self.require_finite(finite, lambda bad: (
             f"non-finite (NaN or Inf) per-sample losses for task(s) {bad} in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))
         return losses
+
+    def _agree_across_ranks(self, losses: Tensor, finite: Tensor) -> Tensor:
+        """Under torch.distributed: the losses' finite flags agreed on by every rank, after checking
+        that the ranks run the same problem on equal shards (a ValueError on every rank otherwise).
+
+        Once per optimizer: m, B and the shared parameters' shapes and dtype, with one fixed-size
+        collective (ranks that disagree on them would otherwise reach collectives of different
+        sizes: a gloo abort or a hang).  At every call: B, in the flags' own collective -- the global
+        statistics are means of the ranks' means, which is the global batch's only for equal shards.
+        """
+        shared = self._shared_params()
+        if not getattr(self, "_ranks_checked", False):
+            distributed.check_same_on_every_rank({
+                "the number of tasks m": self.num_tasks,
+                "the number of rows B of the losses (the shard size)": losses.shape[0],
+                "the number of shared parameters": len(shared),
+                "the shared parameters' shapes and dtype": distributed.fingerprint(
+                    [(tuple(p.shape), str(p.dtype)) for p in shared]),
+            }, device=losses.device)
+            self._ranks_checked = True
+        rows = losses.shape[0]
+        flags = torch.cat([(~finite).to(torch.int64),
+                           torch.tensor([rows, -rows], dtype=torch.int64, device=finite.device)])
+        flags = all_reduce_max(flags)
+        if not self.capturable:  # (a host read; eager steps read the flags right after anyway)
+            most, fewest = flags[-2:].tolist()
+            if most != -fewest:
+                raise ValueError(distributed.unequal_shards_message(-fewest, most))
+        return flags[:-2] == 0
 
     # ------------------------------------------------------------------------- checks and writes
     def require_finite(self, flags: Tensor, describe: Callable[[list[int]], str]) -> None:
@@ -740,14 +786,71 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             # that memoize (MoDo, SDMGrad) only read their Jacobians, so no copy of [m, n] is made.
             # The heads still get this draw's gradient, from a pass above them only.
             feed_head_grads(losses, heads, scaled, retain_graph=self.take_graph_reuse())
+            self.check_head_grads(heads)
             return memo[2]
         jacobian = task_jacobian(losses, scaled, shared, self._buffer(slot), strategy=self.jacobian_strategy,
                                  feed_heads=feed_heads, retain_graph=self.take_graph_reuse())
         if scale != 1.0:
             jacobian.div_(scale)
         jacobian = distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
+        self.check_head_grads(heads)
+        self._refuse_partly_shared_params(jacobian)
         self.jacobian_memo = (losses, cotangent.clone(), jacobian) if memoize and self.graph_reuses else None
         return jacobian
+
+    def check_head_grads(self, heads: Sequence[Tensor]) -> None:
+        """The heads' gradients this step fed must be finite before anything is written.
+
+        The shared parameters' Jacobian is checked through its Gram matrix, but the heads' ``.grad``
+        come from their own backward: an Inf there (a GradScaler's overflow in the heads only) must
+        abandon the step too, or the balancer would advance eta, w and its count while the scaler
+        skips the optimizer's step.  The heads' ``.grad`` hold this step's gradients only (set aside
+        by :meth:`set_aside_head_grads`).
+        """
+        fed = [head.grad for head in heads if head.grad is not None]
+        if not fed:
+            return
+        finite = torch.stack([torch.isfinite(grad).all() for grad in fed])
+        if distributed.is_distributed():  # every rank abandons the step, or none
+            finite = all_reduce_max((~finite.all()).to(torch.int32).reshape(1)) == 0
+        self.require_finite(finite, lambda bad: (
+            f"non-finite gradients of the task-specific parameters (the heads) in {self.failing_iteration}; "
+            "the step was abandoned and nothing was updated"))
+
+    def _refuse_partly_shared_params(self, jacobian: Tensor) -> None:
+        """Refuse a shared parameter that only some tasks reach (a head passed as shared), once.
+
+        Such a parameter's row entries are exactly zero for the tasks that do not reach it, so the
+        method's direction gives it w_i times its task's gradient (a head's learning rate silently
+        divided by about m).  Read off the first Jacobian (no extra backward): parameter p counts as
+        reached by task i when row i is nonzero on p's columns.  A task whose whole row is zero (all
+        its sample weights zero, a zero-initialised head in front of it) tells nothing and is left
+        out.  ``allow_partial_shared = True`` keeps such parameters (a deliberately partial sharing).
+        """
+        if getattr(self, "_shared_reach_checked", False) or getattr(self, "allow_partial_shared", False):
+            return
+        self._shared_reach_checked = True
+        shared = self._shared_params()
+        if self.num_tasks < 2 or jacobian.dim() != 2 or jacobian.shape[1] != sum(p.numel() for p in shared):
+            return  # one task, or not a Jacobian with respect to the shared parameters themselves
+        with torch.no_grad():
+            nonzero = jacobian != 0
+            reached = torch.stack([view.any(dim=1) for view in column_views_2d(shared, nonzero)], dim=1)  # [m, P]
+            informative = nonzero.any(dim=1)
+            table = reached[informative].tolist()
+        tasks = [task for task, ok in enumerate(informative.tolist()) if ok]
+        for index, param in enumerate(shared):
+            reaching = [task for task, row in zip(tasks, table) if row[index]]
+            if reaching and len(reaching) < len(tasks):
+                raise ValueError(
+                    f"shared parameter {index} (shape {tuple(param.shape)}) is reached only by the losses of "
+                    f"task(s) {reaching} of {self.num_tasks}: it looks like a task-specific head.  Pass only the "
+                    "parameters every task uses (e.g. model.trunk.parameters()) as the shared parameters -- each "
+                    "head then gets its own task's gradient in .grad; given as shared, its gradient would be "
+                    "scaled by that task's weight w_i.  If the parameter is meant to be shared by some tasks "
+                    "only, pass allow_partial_shared=True to drmoo.Balancer (or set "
+                    "optimizer.allow_partial_shared = True on a drmoo optimizer)"
+                )
 
     def dual_forward(self, losses: Tensor, eta: Tensor, lam: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
         """The ``dual_forward`` op on the latest batch (with its importance weights), over all ranks.

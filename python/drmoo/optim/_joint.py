@@ -179,6 +179,7 @@ class JointBaseline(MultiObjectiveOptimizer):
             self.set_aside_head_grads(heads)
             torch.autograd.backward(batch.losses, grad_tensors=(batch.cotangent * scale).to(batch.losses.dtype),
                                     inputs=heads, retain_graph=reuse)
+            self.check_head_grads(heads)
         if scale != 1.0:
             flat.div_(scale)
         return distributed.all_reduce_sum_(flat)  # shard gradients -> the global batch's
