@@ -2,8 +2,8 @@
 
 .. code-block:: python
 
-    balancer = drmoo.Balancer("double-clip", model.trunk.parameters(), num_tasks=2, lam=0.8, lr=1e-3)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)     # any torch optimizer, any groups
+    balancer = drmoo.Balancer("double-clip", model.trunk.parameters(), num_tasks=2, lam=0.8, optimizer=optimizer)
     for x, ys in loader:
         optimizer.zero_grad()
         losses = per_sample_losses(model(x), ys)                   # [B, m], one column per task
@@ -22,9 +22,16 @@ the method's ``step`` with that lr, to rounding (tested for every method).
 What ``lr`` means here.  theta's step size is the torch optimizer's.  The balancer's ``lr``
 hyperparameter is the step size of the dual variables eta (the baselines' joint (theta, eta) step
 and Double-Clip's eta step gamma * mu * (z (.) w) both use it); Double-Loop's eta has its own
-``dual_lr`` and its ``lr`` is unused.  Set it to the torch optimizer's (initial) learning rate for
-the paper's coupling.  Schedule it, if wanted, with a torch LR scheduler on
-:attr:`Balancer.algorithm` (a ``torch.optim.Optimizer``).
+``dual_lr`` and its ``lr`` is unused.  ``optimizer=opt`` gives the paper's coupling: every
+``backward`` first sets it to the current lr of ``opt``'s parameter group that holds the shared
+parameters, so a scheduler on ``opt`` schedules eta too.  ``lr=`` fixes it instead (schedule it,
+if wanted, with a torch LR scheduler on :attr:`Balancer.algorithm`); with neither, the method's
+default is used and the constructor warns.
+
+Shared means shared.  A parameter passed as shared that only some tasks' losses reach (a head,
+e.g. from ``model.parameters()``) would get w_i times its gradient; the first backward finds such
+parameters in the Jacobian it computes anyway and refuses them, naming their shapes and tasks.
+``allow_partial_shared=True`` accepts them (a deliberately partial sharing).
 
 What ``.grad`` receives.  The shared parameters: the method's direction d (Double-Clip: the clipped
 alpha * J^T w_t; Nash-MTL: clip * J^T alpha; the baselines: J^T w), *added* to any existing ``.grad``
@@ -47,8 +54,10 @@ Mixed precision.  Pass the losses *unscaled* (the dual objectives need their tru
 scaler.update()`` as usual.  The backward passes run on scaled cotangents (no fp16 underflow), the
 method's quantities are computed from the unscaled gradients, and ``.grad`` (shared and heads) is
 left scaled for ``scaler.step`` to unscale.  A non-finite step (an fp16 overflow) is then not an
-error: nothing of the balancer changes, the shared parameters' ``.grad`` receive an Inf so that
-the scaler skips the optimizer step and lowers its scale, and ``stats["found_inf"]`` is 1.
+error: nothing of the balancer changes, the ``.grad`` of every parameter it writes (shared and
+heads) receive an Inf so that the scaler skips every optimizer's step (the heads may be in a second
+optimizer) and lowers its scale, and ``stats["found_inf"]`` is 1.  An overflow in the heads'
+gradients alone counts the same: the balancer and the scaler skip the same steps.
 
 Data parallelism (torch.distributed, one process per device).  Every rank passes the losses of its
 shard of the global batch (:func:`drmoo.distributed.shard`); ``backward`` -- the method's step in
@@ -59,7 +68,10 @@ balancer does its own communication: use the model as it is, or wrap it in
 ``DistributedDataParallel`` and run its forward and ``backward`` inside ``ddp_model.no_sync()``:
 DDP's reducer must stay idle (where a backward pass accumulates into ``.grad``, e.g. FAMO's heads
 pass, it would start a reduction of its own that never completes, and DDP raises at the next
-forward).
+forward).  Every rank must pass a shard of the same size (with the same m and shared parameters):
+the first backward checks m and the shared shapes across ranks, and every backward the shard
+sizes, raising a ValueError on every rank instead of a collective that aborts, hangs or silently
+averages unequal shards.
 
 torch.compile.  A compiled model (``torch.compile(model)``) works as it is: the balancer walks the
 autograd graph that the compiled forward builds and runs its backward passes through it.
@@ -285,6 +297,13 @@ class Balancer:
             raise ValueError(
                 f"losses must be per-sample losses of shape [B, {m}] (one column per task, not averaged over "
                 f"the batch); got shape {tuple(losses.shape)}"
+            )
+        device = self._algorithm.device
+        if losses.device != device:
+            raise ValueError(
+                f"losses are on {losses.device}, but the balancer's shared parameters are on {device}: compute "
+                "the losses with the model on the parameters' device"
+                + (" (meta tensors hold no data: materialize the model first)" if losses.device.type == "meta" else "")
             )
         if not losses.requires_grad:
             raise ValueError(

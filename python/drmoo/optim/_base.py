@@ -267,6 +267,12 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         if not shared:
             raise ValueError("the optimizer got no parameters that require grad")
         self.device = shared[0].device
+        if self.device.type == "meta":
+            raise ValueError(
+                "the shared parameters are on the meta device (shapes without data, e.g. a model built under "
+                "torch.device('meta')): materialize and initialize them first (model.to_empty(device=...) "
+                "and the model's initialization), then build the optimizer / balancer"
+            )
         self.backend = resolve_backend(backend, self.device)
         self._ops = backend_module(self.backend)
         self._buffers: dict[str, Tensor] = {}
@@ -816,6 +822,19 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         self.require_finite(finite, lambda bad: (
             f"non-finite gradients of the task-specific parameters (the heads) in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))
+
+    def check_shared_reach_once(self, losses: Tensor, cotangent: Tensor) -> None:
+        """For a step that forms no per-task Jacobian (FAMO's one combined backward): the first step
+        computes one, once (m more backward passes, the graph kept), for
+        :meth:`_refuse_partly_shared_params`."""
+        if getattr(self, "_shared_reach_checked", False) or getattr(self, "allow_partial_shared", False):
+            return
+        shared = self._shared_params()
+        scratch = torch.empty(self.num_tasks, sum(p.numel() for p in shared), device=self.device,
+                              dtype=shared[0].dtype)
+        jacobian = task_jacobian(losses, cotangent, shared, scratch, strategy=self.jacobian_strategy,
+                                 feed_heads=False, retain_graph=True)
+        self._refuse_partly_shared_params(distributed.all_reduce_sum_(jacobian))
 
     def _refuse_partly_shared_params(self, jacobian: Tensor) -> None:
         """Refuse a shared parameter that only some tasks reach (a head passed as shared), once.
