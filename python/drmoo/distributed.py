@@ -110,16 +110,15 @@ def check_same_on_every_rank(quantities: dict[str, int], *, device: torch.device
     extremes = all_reduce_max(torch.cat([values, -values])).tolist()
     count = len(quantities)
     differing = [
-        f"{name}: {-extremes[count + index]} to {extremes[index]}"
-        for index, name in enumerate(quantities)
+        f"{name} (from {-extremes[count + index]} to {extremes[index]}; {value} on rank {rank()})"
+        for index, (name, value) in enumerate(quantities.items())
         if extremes[index] != -extremes[count + index]
     ]
     if differing:
         raise ValueError(
-            f"the {world_size()} processes disagree on {'; '.join(differing)} (rank {rank()} has "
-            f"{', '.join(str(v) for v in quantities.values())}); every rank must build the balancer / optimizer "
-            "with the same shared parameters and num_tasks and pass equal shards of the global batch "
-            "(drmoo.distributed.shard)"
+            f"the {world_size()} processes disagree on {'; '.join(differing)}: every rank must build the "
+            "balancer / optimizer with the same shared parameters and num_tasks, and pass an equal shard of "
+            "the global batch (drmoo.distributed.shard)"
         )
 
 
