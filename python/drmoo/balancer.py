@@ -80,8 +80,8 @@ autograd graph that the compiled forward builds and runs its backward passes thr
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal, cast, overload
 
 import torch
 from torch import Tensor
@@ -91,6 +91,11 @@ from .optim import NonFiniteStepError, available, create
 from .optim._base import MultiObjectiveOptimizer, check_flag
 
 LossesInput = Tensor | tuple[Tensor, Tensor] | Callable[[], Any]
+SharedParams = Iterable[Tensor] | Iterable[dict[str, Any]]
+# The registry names of drmoo.optim.available() (tests/typing checks that they agree).
+MethodName = Literal["double-clip", "double-loop", "mgda", "modo", "moco", "sdmgrad", "nashmtl", "famo"]
+JacobianMode = Literal["parameters", "features"]
+SolverName = Literal["one_step", "min_norm"]
 
 # Methods whose single-batch form runs several backward passes over the one graph of the losses
 # (one per batch of the multi-batch algorithm): the graph is kept for all but the last.
@@ -112,17 +117,92 @@ class Balancer:
 
     Args:
         method: a registry name of :func:`drmoo.optim.available` (``"double-clip"``, ``"mgda"``, ...).
-        shared_params: the shared parameters (an iterable of tensors, or parameter groups).
+        shared_params: the shared parameters (an iterable of tensors, or parameter groups): those
+            every task's losses depend on (the trunk), not the heads.
         num_tasks: m, the number of columns of the per-sample losses.
+        optimizer: the torch optimizer that steps the shared parameters; eta's step size then
+            follows the current lr of its group that holds them (its scheduler included).  Not
+            together with ``lr``.
+        allow_partial_shared: accept shared parameters that only some tasks reach (refused by
+            default: a head passed as shared would get w_i times its gradient).
+        jacobian: ``"parameters"`` (the per-task Jacobian of the shared parameters); other modes
+            are passed to the method's class.
         **hparams: the method's hyperparameters, as its optimizer class takes them (``lam``,
-            ``divergence``, ``lr`` -- eta's step size here --, ``capturable``, ``backend``, ...).
+            ``divergence``, ``lr`` -- eta's step size here --, ``capturable``, ``backend``, ...);
+            typed per method for type checkers.
     """
 
-    def __init__(self, method: str, shared_params: Iterable[Any], num_tasks: int, *,
+    # One signature per method (typing.overload): a type checker rejects an unknown method, a
+    # hyperparameter the method does not have and a value of the wrong type (lam="0.8").  The
+    # defaults are the method's class's (``...`` here); tests/typing checks these lists against the
+    # classes' constructors.
+    @overload
+    def __init__(self, method: Literal["double-clip"], shared_params: SharedParams, num_tasks: int, *,
                  optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
-                 **hparams: Any) -> None:
+                 jacobian: JacobianMode = "parameters",
+                 lr: float = ..., pref_lr: float = ..., rho: float = ..., c1: float = ..., c2: float = ...,
+                 f1: float = ..., f2: float = ..., lam: float = ..., divergence: str = ..., dual_scale: float = ...,
+                 resample: bool = ...,
+                 capturable: bool = False, backend: str | None = None) -> None: ...
+    @overload
+    def __init__(self, method: Literal["double-loop"], shared_params: SharedParams, num_tasks: int, *,
+                 optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
+                 jacobian: JacobianMode = "parameters",
+                 lr: float = ..., dual_lr: float = ..., pref_lr: float = ..., rho: float = ...,
+                 inner_steps: int = ..., lam: float = ..., divergence: str = ..., seed: int | None = ...,
+                 capturable: bool = False, backend: str | None = None) -> None: ...
+    @overload
+    def __init__(self, method: Literal["mgda"], shared_params: SharedParams, num_tasks: int, *,
+                 optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
+                 jacobian: JacobianMode = "parameters",
+                 lr: float = ..., pref_lr: float = ..., rho: float = ..., lam: float = ..., divergence: str = ...,
+                 solver: SolverName = ..., max_iter: int = ..., tol: float = ...,
+                 capturable: bool = False, backend: str | None = None) -> None: ...
+    @overload
+    def __init__(self, method: Literal["modo"], shared_params: SharedParams, num_tasks: int, *,
+                 optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
+                 jacobian: JacobianMode = "parameters",
+                 lr: float = ..., pref_lr: float = ..., rho: float = ..., lam: float = ..., divergence: str = ...,
+                 capturable: bool = False, backend: str | None = None) -> None: ...
+    @overload
+    def __init__(self, method: Literal["moco"], shared_params: SharedParams, num_tasks: int, *,
+                 optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
+                 jacobian: JacobianMode = "parameters",
+                 lr: float = ..., pref_lr: float = ..., rho: float = ..., ema: float = ..., lam: float = ...,
+                 divergence: str = ...,
+                 capturable: bool = False, backend: str | None = None) -> None: ...
+    @overload
+    def __init__(self, method: Literal["sdmgrad"], shared_params: SharedParams, num_tasks: int, *,
+                 optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
+                 jacobian: JacobianMode = "parameters",
+                 lr: float = ..., pref_lr: float = ..., rho: float = ..., sdm_lambda: float = ...,
+                 inner_steps: int = ..., momentum: float = ..., normalize: bool = ..., lam: float = ...,
+                 divergence: str = ...,
+                 capturable: bool = False, backend: str | None = None) -> None: ...
+    @overload
+    def __init__(self, method: Literal["nashmtl"], shared_params: SharedParams, num_tasks: int, *,
+                 optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
+                 jacobian: JacobianMode = "parameters",
+                 lr: float = ..., max_norm: float = ..., update_every: int = ..., solver_iters: int = ...,
+                 lam: float = ..., divergence: str = ...,
+                 capturable: bool = False, backend: str | None = None) -> None: ...
+    @overload
+    def __init__(self, method: Literal["famo"], shared_params: SharedParams, num_tasks: int, *,
+                 optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
+                 jacobian: JacobianMode = "parameters",
+                 lr: float = ..., pref_lr: float = ..., logit_decay: float = ...,
+                 loss_floor: float | Sequence[float] = ..., famo_eps: float = ..., lam: float = ...,
+                 divergence: str = ...,
+                 capturable: bool = False, backend: str | None = None) -> None: ...
+    def __init__(self, method: str, shared_params: SharedParams, num_tasks: int, *,
+                 optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
+                 jacobian: str = "parameters", **hparams: Any) -> None:
         if method not in available():
             raise ValueError(f"unknown method {method!r}; valid choices: {', '.join(available())}")
+        if jacobian != "parameters":
+            # JACOBIAN MODE HOOK: "features" (the Jacobian with respect to the trunk's output) is handed to
+            # the method's class as its ``jacobian`` hyperparameter; a class without it refuses it by name.
+            hparams["jacobian"] = jacobian
         if optimizer is not None and "lr" in hparams:
             raise ValueError(
                 "give either optimizer= (eta's step size follows the optimizer's learning rate, scheduler "
@@ -239,7 +319,7 @@ class Balancer:
         algorithm.graph_reuses = graph_reuses
         try:
             # A step that raises has already restored every .grad (the optimizer's all-or-nothing step).
-            objectives = algorithm.step(closure)
+            objectives = cast(Tensor, algorithm.step(closure))
         except NonFiniteStepError:
             if scaler is None or not scaler.is_enabled():
                 raise
