@@ -55,7 +55,8 @@ def test_heads_passed_as_shared_parameters_are_refused_by_the_balancer(method: s
     """Guards the trap: model.parameters() as the shared set gave each head w_i of its gradient silently."""
     model = ThreeTaskNet()
     balancer = drmoo.Balancer(method, model.parameters(), num_tasks=M, lr=0.01)
-    with pytest.raises(ValueError, match=r"shape \(1, 8\)\) is reached only by the losses of task\(s\) \[0\] of 3") as error:
+    refusal = r"shape \(1, 8\)\) is reached only by the losses of task\(s\) \[0\] of 3"
+    with pytest.raises(ValueError, match=refusal) as error:
         balancer.backward(losses_of(model))
     message = str(error.value)
     assert "model.trunk.parameters()" in message and "allow_partial_shared=True" in message
