@@ -50,7 +50,11 @@ def losses_of(model: nn.Module, seed: int = 1) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------- 1. heads
-@pytest.mark.parametrize("method", sorted(available()))
+# FAMO forms no per-task Jacobian (one combined backward per step): it has nothing to read this from.
+JACOBIAN_METHODS = sorted(set(available()) - {"famo"})
+
+
+@pytest.mark.parametrize("method", JACOBIAN_METHODS)
 def test_heads_passed_as_shared_parameters_are_refused_by_the_balancer(method: str) -> None:
     """Guards the trap: model.parameters() as the shared set gave each head w_i of its gradient silently."""
     model = ThreeTaskNet()
@@ -63,7 +67,7 @@ def test_heads_passed_as_shared_parameters_are_refused_by_the_balancer(method: s
     assert balancer.steps_taken == 0 and all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("method", ["mgda", "double-clip", "famo"])
+@pytest.mark.parametrize("method", ["mgda", "double-clip", "nashmtl"])
 def test_heads_passed_as_shared_parameters_are_refused_by_the_step_optimizers(method: str) -> None:
     model = ThreeTaskNet()
     optimizer = create(method, model.parameters(), M)

@@ -823,19 +823,6 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             f"non-finite gradients of the task-specific parameters (the heads) in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))
 
-    def check_shared_reach_once(self, losses: Tensor, cotangent: Tensor) -> None:
-        """For a step that forms no per-task Jacobian (FAMO's one combined backward): the first step
-        computes one, once (m more backward passes, the graph kept), for
-        :meth:`_refuse_partly_shared_params`."""
-        if getattr(self, "_shared_reach_checked", False) or getattr(self, "allow_partial_shared", False):
-            return
-        shared = self._shared_params()
-        scratch = torch.empty(self.num_tasks, sum(p.numel() for p in shared), device=self.device,
-                              dtype=shared[0].dtype)
-        jacobian = task_jacobian(losses, cotangent, shared, scratch, strategy=self.jacobian_strategy,
-                                 feed_heads=False, retain_graph=True)
-        self._refuse_partly_shared_params(distributed.all_reduce_sum_(jacobian))
-
     def _refuse_partly_shared_params(self, jacobian: Tensor) -> None:
         """Refuse a shared parameter that only some tasks reach (a head passed as shared), once.
 
@@ -845,6 +832,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         reached by task i when row i is nonzero on p's columns.  A task whose whole row is zero (all
         its sample weights zero, a zero-initialised head in front of it) tells nothing and is left
         out.  ``allow_partial_shared = True`` keeps such parameters (a deliberately partial sharing).
+        FAMO forms no per-task Jacobian (one combined backward per step), so it is not checked: the
+        check would cost it m more backward passes.
         """
         if getattr(self, "_shared_reach_checked", False) or getattr(self, "allow_partial_shared", False):
             return

@@ -164,7 +164,6 @@ class JointBaseline(MultiObjectiveOptimizer):
         gradient of sum_i L^i (unweighted, the convention for every method) from a second backward
         restricted to the head leaves, which only traverses the graph above them.
         """
-        self.check_shared_reach_once(batch.losses, batch.cotangent)  # FAMO forms no Jacobian of its own
         shared = self._shared_params()
         flat = self._vector(slot)
         heads = head_leaves(batch.losses, shared)
