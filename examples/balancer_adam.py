@@ -50,9 +50,9 @@ def main(steps: int = 300, method: str = "double-clip", batch_size: int = 64, se
     torch.manual_seed(seed)
     x_all, y_all = make_data(seed=seed)
     model = TwoTaskNet(features=x_all.shape[1])
-    # lr here is the step size of the dual variables eta; theta's is Adam's.
-    balancer = drmoo.Balancer(method, model.trunk.parameters(), num_tasks=NUM_TASKS, lam=0.8, lr=1e-2)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    # optimizer=: the dual variables eta step with Adam's (scheduled) learning rate too.
+    balancer = drmoo.Balancer(method, model.trunk.parameters(), num_tasks=NUM_TASKS, lam=0.8, optimizer=optimizer)
 
     with torch.no_grad():
         before = per_sample_losses(model(x_all), y_all).mean(dim=0)
