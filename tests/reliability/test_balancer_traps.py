@@ -180,3 +180,25 @@ def test_optimizer_and_lr_together_or_an_optimizer_without_the_shared_parameters
     with pytest.raises(ValueError, match="lr must be"):
         balancer.backward(losses_of(model))
     assert balancer.steps_taken == 0
+
+
+def test_a_refused_step_does_not_switch_the_check_off() -> None:
+    """Catching the refusal and going on must not train the heads silently at w_i of their gradient."""
+    model = ThreeTaskNet()
+    balancer = drmoo.Balancer("mgda", model.parameters(), num_tasks=M, lr=0.01)
+    for seed in (1, 2):
+        with pytest.raises(ValueError, match="looks like a task-specific head"):
+            balancer.backward(losses_of(model, seed))
+
+
+def test_a_task_unseen_in_the_first_jacobian_is_checked_in_a_later_one() -> None:
+    """Task 0's rows are all zero on the first batch (its sample weights are): the heads are found
+    on the next batch, where every task is seen."""
+    model = ThreeTaskNet()
+    balancer = drmoo.Balancer("mgda", [*model.trunk.parameters(), *model.heads[0].parameters()], num_tasks=M,
+                              lr=0.01)
+    weights = torch.ones(16, M, dtype=torch.float64)
+    weights[:, 0] = 0.0
+    balancer.backward((losses_of(model), weights))  # nothing tells head 0 apart from the trunk yet
+    with pytest.raises(ValueError, match=r"reached only by the losses of task\(s\) \[0\]"):
+        balancer.backward(losses_of(model, 2))

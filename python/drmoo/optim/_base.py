@@ -69,6 +69,10 @@ SOLVERS = ("one_step", "min_norm")
 # mistake (a sample count passed as num_tasks), not a problem to allocate for.
 MAX_TASKS = 4096
 
+# How many Jacobians at most are read for shared parameters that only some tasks reach (heads passed
+# as shared): the first one whose every row is nonzero settles it (one pass over J, one host read).
+_SHARED_REACH_CHECKS = 10
+
 # Attributes that only live during one step or cache what the next step rebuilds: left out of a
 # pickled / deep-copied optimizer (torch.optim.Optimizer keeps only defaults, state and
 # param_groups; drmoo keeps its configuration too, see __getstate__) and reset on unpickling.
@@ -831,13 +835,14 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         divided by about m).  Read off the first Jacobian (no extra backward): parameter p counts as
         reached by task i when row i is nonzero on p's columns.  A task whose whole row is zero (all
         its sample weights zero, a zero-initialised head in front of it) tells nothing and is left
-        out.  ``allow_partial_shared = True`` keeps such parameters (a deliberately partial sharing).
+        out; the check is repeated (up to ``_SHARED_REACH_CHECKS`` Jacobians) until every task has
+        been seen.  ``allow_partial_shared = True`` keeps such parameters (a deliberately partial sharing).
         FAMO forms no per-task Jacobian (one combined backward per step), so it is not checked: the
         check would cost it m more backward passes.
         """
-        if getattr(self, "_shared_reach_checked", False) or getattr(self, "allow_partial_shared", False):
+        checks_done = getattr(self, "_shared_reach_checked", 0)
+        if checks_done >= _SHARED_REACH_CHECKS or getattr(self, "allow_partial_shared", False):
             return
-        self._shared_reach_checked = True
         shared = self._shared_params()
         if self.num_tasks < 2 or jacobian.dim() != 2 or jacobian.shape[1] != sum(p.numel() for p in shared):
             return  # one task, or not a Jacobian with respect to the shared parameters themselves
@@ -847,6 +852,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             informative = nonzero.any(dim=1)
             table = reached[informative].tolist()
         tasks = [task for task, ok in enumerate(informative.tolist()) if ok]
+        # Done once every task has been seen (or after a few Jacobians); a refused step checks again.
+        passed = _SHARED_REACH_CHECKS if len(tasks) == self.num_tasks else checks_done + 1
         for index, param in enumerate(shared):
             reaching = [task for task, row in zip(tasks, table) if row[index]]
             if reaching and len(reaching) < len(tasks):
@@ -859,6 +866,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                     "only, pass allow_partial_shared=True to drmoo.Balancer (or set "
                     "optimizer.allow_partial_shared = True on a drmoo optimizer)"
                 )
+        self._shared_reach_checked = passed
 
     def dual_forward(self, losses: Tensor, eta: Tensor, lam: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
         """The ``dual_forward`` op on the latest batch (with its importance weights), over all ranks.
