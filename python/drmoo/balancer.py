@@ -204,6 +204,8 @@ class Balancer:
             # JACOBIAN MODE HOOK: "features" (the Jacobian with respect to the trunk's output) is handed to
             # the method's class as its ``jacobian`` hyperparameter; a class without it refuses it by name.
             hparams["jacobian"] = jacobian
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if optimizer is not None and "lr" in hparams:
             raise ValueError(
                 "give either optimizer= (eta's step size follows the optimizer's learning rate, scheduler "
