@@ -167,7 +167,7 @@ def test_neither_optimizer_nor_lr_warns_once_and_either_is_silent() -> None:
 def test_optimizer_and_lr_together_or_an_optimizer_without_the_shared_parameters_are_refused() -> None:
     model = ThreeTaskNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got StepLR"):
+    with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer, got StepLR"):
         drmoo.Balancer("mgda", model.trunk.parameters(), num_tasks=M,
                        optimizer=torch.optim.lr_scheduler.StepLR(optimizer, 1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not both"):
