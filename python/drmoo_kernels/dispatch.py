@@ -49,7 +49,11 @@ def _load(name: str) -> tuple[ModuleType | None, str | None]:
 
 
 def why_unavailable(name: str) -> str | None:
-    """``None`` if backend ``name`` can run here, else a sentence saying why it cannot."""
+    """``None`` if backend ``name`` can run here, else a sentence saying why it cannot.
+
+    Args:
+        name: one of :data:`BACKENDS`; another name raises ValueError.
+    """
     if name not in _MODULES:
         raise ValueError(f"unknown backend {name!r}; valid choices: {', '.join(BACKENDS)}")
     return _load(name)[1]
@@ -61,7 +65,12 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend(requested: str | None, device: torch.device | str) -> str:
-    """The backend to use for tensors on ``device``: explicit, else ``DRMOO_BACKEND``, else auto."""
+    """The backend to use for tensors on ``device``: explicit, else ``DRMOO_BACKEND``, else auto.
+
+    Args:
+        requested: a backend name, or None for ``DRMOO_BACKEND`` or else the fastest one available.
+        device: where the tensors are; a named backend that cannot run there raises RuntimeError.
+    """
     device = torch.device(device)
     name = requested or os.environ.get("DRMOO_BACKEND") or None
     if name is not None:
