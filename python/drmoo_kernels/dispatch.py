@@ -21,6 +21,8 @@ from types import ModuleType
 
 import torch
 
+from ._warnings import only_asking
+
 __all__ = ["BACKENDS", "available_backends", "backend_module", "resolve_backend", "why_unavailable"]
 
 BACKENDS: tuple[str, ...] = ("reference", "cpp", "cuda", "triton")
@@ -60,8 +62,12 @@ def why_unavailable(name: str) -> str | None:
 
 
 def available_backends() -> list[str]:
-    """The backends that can run on this machine, in :data:`BACKENDS` order."""
-    return [name for name in BACKENDS if why_unavailable(name) is None]
+    """The backends that can run on this machine, in :data:`BACKENDS` order.
+
+    Only a question: a kernel load that fails here warns at the first use of a backend, not here.
+    """
+    with only_asking():
+        return [name for name in BACKENDS if why_unavailable(name) is None]
 
 
 def resolve_backend(requested: str | None, device: torch.device | str) -> str:
