@@ -322,6 +322,14 @@ def test_license_citation_changelog_and_type_markers_are_there() -> None:
         assert _pyproject()["tool"]["setuptools"]["package-data"][package] == ["py.typed"]
 
 
+def test_the_changelog_names_the_version() -> None:
+    """The version of _version.py has a dated heading in CHANGELOG.md (``## 0.2.0 — 2026-11-27``): the changes
+    that make it up are tagged with it, not left under "Unreleased"."""
+    headings = re.findall(r"^## (.+)$", (REPO / "CHANGELOG.md").read_text(), re.M)
+    tagged = [h for h in headings if re.fullmatch(rf"{re.escape(_version())} — \d{{4}}-\d{{2}}-\d{{2}}", h)]
+    assert len(tagged) == 1, headings
+
+
 def test_the_wheel_carries_license_type_markers_and_metadata(tmp_path: Path) -> None:
     """A real (pure-Python, kernels off) wheel built by pip from this checkout: seconds, no network."""
     done = subprocess.run(
