@@ -192,3 +192,16 @@ def test_math_markup_is_safe_inside_markdown() -> None:
     assert converted.endswith("</math></span> and `drmoo.x` *word*")
     formula = converted[: converted.index("</span>")]
     assert not set("*_[]`\\") & set(formula), formula
+
+
+def test_signatures_are_wrapped_code_blocks_not_heading_lines(api_page: str) -> None:
+    """A signature inside a heading is one line that cannot wrap or scroll, and ran past the page
+    (``Balancer(method, params, num_tasks, ..., **hparams)``); mkdocs.yml puts it in a code block
+    under the heading, formatted to 80 columns."""
+    headings = re.findall(r'<h\d id="[\w.]+" class="doc doc-heading">(.*?)</h\d>', api_page, flags=re.S)
+    with_signature = [heading for heading in headings if "(" in re.sub(r"<[^>]+>", "", heading)]
+    assert not with_signature, with_signature[:3]
+    signatures = re.findall(r'<div class="doc-signature highlight"><pre>(.*?)</pre>', api_page, flags=re.S)
+    assert len(signatures) >= 25
+    lines = [line for block in signatures for line in html.unescape(re.sub(r"<[^>]+>", "", block)).splitlines()]
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
