@@ -227,6 +227,38 @@ def test_a_stale_per_python_build_in_build_lib_is_not_packed(tmp_path: Path) -> 
     assert f"drmoo: removed {stale}, an older build that would shadow the new abi3 one" in _drmoo_lines(done.stderr)
 
 
+def test_an_earlier_builds_cuda_kernels_in_build_lib_are_not_packed(tmp_path: Path) -> None:
+    """pip builds in the tree, reusing build/lib*: after a DRMOO_BUILD_CUDA=1 build, a CPU-only build's wheel
+    still carried the old _C_cuda.abi3.so (found by scripts/build_wheel.sh: 4.0 MB instead of 1.4 MB)."""
+    out = tmp_path / "out"
+    stale = out / "drmoo_kernels" / "_C_cuda.abi3.so"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"the CUDA kernels of an earlier build")
+    fake_cxx = _fake_gxx(tmp_path)
+    env = {"DRMOO_BUILD_KERNELS": "", "DRMOO_BUILD_CUDA": "0", "CC": str(fake_cxx), "CXX": str(fake_cxx),
+           "MAX_JOBS": "1"}
+    done = _run_setup(["build_ext", "--build-lib", str(out), "--build-temp", str(tmp_path / "tmp")], env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.name for p in out.rglob("_C*.so")] == ["_C.abi3.so"]
+    assert any(line.startswith(f"drmoo: removed {stale}, left by an earlier build") for line in
+               _drmoo_lines(done.stderr)), done.stderr[-3000:]
+
+
+def test_after_a_failed_compile_no_earlier_kernels_are_packed(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "drmoo_kernels").mkdir(parents=True)
+    for name in ("_C.abi3.so", "_C_cuda.abi3.so"):
+        (out / "drmoo_kernels" / name).write_bytes(b"an earlier build")
+    fake = tmp_path / "fake-c++"
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "fake 1.0"; exit 0; }\nexit 1\n')
+    fake.chmod(0o755)
+    env = {"DRMOO_BUILD_KERNELS": "", "DRMOO_BUILD_CUDA": "0", "CC": str(fake), "CXX": str(fake)}
+    done = _run_setup(["build_ext", "--build-lib", str(out), "--build-temp", str(tmp_path / "tmp")], env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "were skipped: compiling csrc/ failed" in done.stderr
+    assert not list(out.rglob("_C*.so"))
+
+
 def test_a_cuda_compile_error_costs_only_the_cuda_kernels(tmp_path: Path) -> None:
     """A GPU machine whose nvcc cannot compile: one line, and the stable CPU extension is still built.
 
