@@ -334,6 +334,13 @@ def _optional_build_command(mode: str) -> type:
             for path in shadowing_builds(package_dir):
                 os.remove(path)
                 _say(f"drmoo: removed {path}, an older build that would shadow the new abi3 one")
+            if not self.inplace:
+                # ... and an extension an earlier build made but this one does not (the CUDA kernels
+                # of a DRMOO_BUILD_CUDA=1 build, any kernels after a failed compile) would ship too.
+                built = {ext.name.rsplit(".", 1)[-1] for ext in self.extensions}
+                for path in unbuilt_extensions(package_dir, built):
+                    os.remove(path)
+                    _say(f"drmoo: removed {path}, left by an earlier build: this build does not make it")
 
         def run(self) -> None:
             try:
@@ -361,9 +368,11 @@ def _optional_build_command(mode: str) -> type:
                 f"compiling csrc/ failed ({_first_line(failure)})",
                 "rerun with DRMOO_BUILD_KERNELS=1 and pip's -v to see the compiler's error",
             ))
-            # Nothing of the failed extensions may be installed: no outputs, no in-place copy.
+            # Nothing of the failed extensions may be installed: no outputs, no in-place copy, no
+            # earlier build's copy in build/lib.
             self.extensions = []
             self.distribution.ext_modules = []
+            self._remove_shadowing_builds()
 
     return OptionalKernelsBuild
 
@@ -375,6 +384,16 @@ def shadowing_builds(package_dir: str) -> list[str]:
     found = []
     for name in ("_C", "_C_cuda"):
         found += sorted(glob.glob(os.path.join(package_dir, f"{name}.cpython-*.so")))
+    return found
+
+
+def unbuilt_extensions(package_dir: str, built: set[str]) -> list[str]:
+    """The compiled extensions in ``package_dir`` (``_C.abi3.so``, ``_C_cuda.abi3.so``, any tag) whose module
+    is not in ``built`` (``{"_C"}`` for a CPU-only build): an earlier build's, which a wheel would pack."""
+    found = []
+    for name in ("_C", "_C_cuda"):
+        if name not in built:
+            found += sorted(glob.glob(os.path.join(package_dir, f"{name}.*.so")))
     return found
 
 

@@ -1,9 +1,17 @@
 """A Griffe extension for the API reference: the docstrings' reStructuredText markup read as Markdown.
 
 drmoo's docstrings are Google-style with Sphinx roles (``:func:`name```, ``:math:`...```) and
-``.. code-block::`` directives, which Markdown would show verbatim.  A role becomes a code span
-(its target text) and a directive line is dropped, leaving its indented block as a Markdown code
-block.  Only what the site shows changes; the docstrings stay as they are.
+``.. code-block::`` directives, which Markdown would show verbatim.
+
+* ``:math:`...``` becomes MathML, converted here at build time (latex2mathml, pure Python): browsers
+  draw MathML themselves, so the site needs no JavaScript renderer, no web font and no CDN, and
+  shows its formulas offline.  The characters Markdown would act on (``*`` for emphasis, ``_``,
+  brackets, backslashes, backticks) are written as character references, so a formula such as
+  :math:`f^{*\\prime}` is never turned into italics.
+* Any other role becomes a code span (its target text).
+* A directive line is dropped, leaving its indented block as a Markdown code block.
+
+Only what the site shows changes; the docstrings stay as they are.
 """
 
 from __future__ import annotations
@@ -12,13 +20,26 @@ import re
 from typing import Any
 
 import griffe
+from latex2mathml.converter import convert as latex_to_mathml
 
-_ROLE = re.compile(r":(?:func|class|meth|mod|data|attr|exc|obj|math):`~?([^`]+)`")
+_MATH = re.compile(r":math:`([^`]+)`")
+_ROLE = re.compile(r":(?:func|class|meth|mod|data|attr|exc|obj):`~?([^`]+)`")
 _DIRECTIVE = re.compile(r"^[ \t]*\.\. code-block::.*\n", re.MULTILINE)
+# Markdown's inline syntax characters (emphasis, links, code spans, escapes, line breaks) -> character
+# references, which Markdown passes through and the browser reads as the characters themselves.
+_MARKDOWN_ACTIVE = str.maketrans({char: f"&#{ord(char)};" for char in "*_[]`\\!\n"})
+
+
+def math_to_html(latex: str) -> str:
+    """Inline MathML for a LaTeX formula, safe to embed in Markdown text."""
+    # In a <span>: a paragraph that opened with a bare <math> element would be taken for a block of raw HTML.
+    return f"<span class=\"math\">{latex_to_mathml(latex.strip()).translate(_MARKDOWN_ACTIVE)}</span>"
 
 
 def rst_to_markdown(text: str) -> str:
-    return _ROLE.sub(lambda match: f"`{match[1]}`", _DIRECTIVE.sub("", text))
+    text = _DIRECTIVE.sub("", text)
+    text = _MATH.sub(lambda match: math_to_html(match[1]), text)
+    return _ROLE.sub(lambda match: f"`{match[1]}`", text)
 
 
 def _convert(obj: griffe.Object) -> None:

@@ -6,8 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The CUDA kernels are compiled only where a GPU is visible (setup.py's default; DRMOO_BUILD_CUDA=1
-# forces them, as CI does).
-bash scripts/setup_env.sh
+# forces them, as CI does).  DRMOO_SETUP=demo: the runtime, the `experiments` extra and the build
+# tools only -- not the test, lint and docs toolchain, which the demo never uses.
+DRMOO_SETUP=demo bash scripts/setup_env.sh
 venv="${DRMOO_VENV:-.venv}"
 "$venv/bin/drmoo" compare --experiment multimnist2 --methods all --preset small --seeds 0 \
     --eps 0,0.01,0.03,0.05,0.08,0.1,0.15,0.2 --jobs "$(nproc)" --out runs/demo "$@"

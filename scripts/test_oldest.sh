@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CI matrix's second leg (.ci/run runs it after scripts/test.sh): the oldest supported torch and
 # Triton (requirements-oldest.txt = the lower bounds in pyproject.toml) in a second venv, with the
-# wheel that scripts/setup_env.sh built against the pinned torch installed there -- not rebuilt: the
-# CPU kernels are built on torch's stable ABI for torch 2.11, so that one wheel must load here -- and
+# wheel that scripts/setup_env.sh built against the pinned torch (scripts/build_wheel.sh: repaired to
+# a manylinux tag) installed there with --no-deps, as a user installs it -- not rebuilt: the CPU
+# kernels are built on torch's stable ABI for torch 2.11, so that one wheel must load here -- and
 # the tests of the ops, their autograd plumbing and the optimizers, with the compiled `cpp` backend
 # required.  Extra arguments go to pytest.  The wheel: $DRMOO_WHEEL, default the one in dist/.
 # The venv ($DRMOO_OLDEST_VENV, default .venv-oldest, gitignored) is created once (5.2 GB: PyPI's

@@ -93,6 +93,17 @@ def test_every_code_block_is_declared() -> None:
     assert any(block.path.parent.name == "docs" for block in PYTHON_BLOCKS)
 
 
+def test_every_examples_page_is_executed_and_in_the_nav() -> None:
+    """docs/examples/: each page is a program the suite runs (AMP, DDP, torch.compile, Lightning), and the
+    site's navigation lists it (mkdocs --strict would only warn about a page left out)."""
+    pages = sorted((ROOT / "docs" / "examples").glob("*.md"))
+    assert {page.stem for page in pages} >= {"amp", "ddp", "compile", "lightning"}
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    for page in pages:
+        assert sum(block.path == page for block in PYTHON_BLOCKS) >= 1, f"{page.name} has no executed block"
+        assert f": examples/{page.name}\n" in nav, f"{page.name} is not in mkdocs.yml's nav"
+
+
 def test_the_fence_parser() -> None:
     lines = ["text", "```python", "a = 1", "```", "* item", "  ```bash", "  echo x", "  ```", "~~~~text", "```",
              "~~~~"]

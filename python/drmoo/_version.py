@@ -4,4 +4,4 @@ pyproject.toml reads it statically (``[tool.setuptools.dynamic]``) and ``drmoo -
 this file alone, so neither needs torch.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

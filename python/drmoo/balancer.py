@@ -262,7 +262,11 @@ class Balancer:
         return self._algorithm.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by this method for the same problem (validated before anything changes)."""
+        """Load a state saved by this method for the same problem (validated before anything changes).
+
+        Args:
+            state_dict: a ``state_dict()`` of a Balancer of the same method for the same problem.
+        """
         self._algorithm.load_state_dict(state_dict)
 
     def __repr__(self) -> str:

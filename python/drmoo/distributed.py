@@ -41,7 +41,12 @@ def rank() -> int:
 
 
 def shard(rows: Tensor) -> Tensor:
-    """This rank's share of a global batch of row indices (every W-th, starting at the rank)."""
+    """This rank's share of a global batch of row indices (every W-th, starting at the rank).
+
+    Args:
+        rows: the global batch's row indices, the same on every rank; their number must be divisible by
+            the number of processes W.
+    """
     size = world_size()
     if size == 1:
         return rows
@@ -51,7 +56,11 @@ def shard(rows: Tensor) -> Tensor:
 
 
 def all_reduce_mean(*tensors: Tensor) -> None:
-    """In place: each tensor becomes its mean over ranks (one collective for all of them)."""
+    """In place: each tensor becomes its mean over ranks (one collective for all of them).
+
+    Args:
+        tensors: the tensors to average; each keeps its shape and dtype.
+    """
     if not is_distributed() or not tensors:
         return
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
@@ -70,14 +79,22 @@ def all_reduce_sum_(tensor: Tensor) -> Tensor:
 
 
 def all_reduce_max(value: Tensor) -> Tensor:
-    """Elementwise maximum over ranks (used to agree on flags: a failure anywhere is a failure everywhere)."""
+    """Elementwise maximum over ranks (used to agree on flags: a failure anywhere is a failure everywhere).
+
+    Args:
+        value: reduced in place and returned.
+    """
     if is_distributed():
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value
 
 
 def all_reduce_grads(params: Iterable[Tensor]) -> None:
-    """Sum the ``.grad`` of parameters outside the multi-objective update (the heads) over ranks."""
+    """Sum the ``.grad`` of parameters outside the multi-objective update (the heads) over ranks.
+
+    Args:
+        params: the heads' parameters; those without a ``.grad`` are skipped.
+    """
     if not is_distributed():
         return
     grads = [p.grad for p in params if p.grad is not None]

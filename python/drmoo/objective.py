@@ -81,15 +81,21 @@ def dual_objective(
 
     :math:`L^i = \lambda\,\mathrm{mean}_b[\omega_b^i f^*((\ell_b^i - s\eta^i)/\lambda)] + s\eta^i`.
 
-    Args:
-        losses: per-sample losses ``[B, m]`` (differentiable; gradients flow to theta through them).
-        eta: dual variables ``[m]`` (differentiable).
-        lam: lambda > 0.  divergence: a name or :class:`~drmoo_kernels.Divergence`.
-        scale: s, the dual scale of the rescaled objective.  sample_weight: importance weights
-            omega ``[B, m]`` (None = 1).
+    Its gradients, with :math:`u_b^i = (\ell_b^i - s\eta^i)/\lambda`, are
+    :math:`\partial L^i/\partial \ell_b^i = \omega_b^i f^{*\prime}(u_b^i) / B` and
+    :math:`\partial L^i/\partial \eta^i = s\,(1 - \mathrm{mean}_b\,\omega_b^i f^{*\prime}(u_b^i))`.
 
-    Returns ``[m]`` in float32.  Gradients: dL^i/dl_b^i = omega_b^i f*'(u_b^i) / B and
-    dL^i/deta^i = s (1 - mean_b omega_b^i f*'(u_b^i)), with u = (l - s eta)/lambda.
+    Args:
+        losses: per-sample losses :math:`\ell` ``[B, m]`` (differentiable; gradients flow to theta through
+            them).
+        eta: dual variables :math:`\eta` ``[m]`` (differentiable).
+        lam: :math:`\lambda > 0`.
+        divergence: a name (``drmoo_kernels.DIVERGENCE_NAMES``) or a :class:`~drmoo_kernels.Divergence`.
+        scale: :math:`s`, the dual scale of the rescaled objective.
+        sample_weight: importance weights :math:`\omega` ``[B, m]`` (None = all 1).
+
+    Returns:
+        The objectives :math:`L` ``[m]``, in float32.
     """
     _check(losses, eta, lam, scale, sample_weight)
     objective, _, _ = _DualObjective.apply(
@@ -101,7 +107,18 @@ def dual_objective(
 def worst_case_weights(
     losses: Tensor, eta: Tensor, lam: float, divergence: str | Divergence = "chi2", scale: float = 1.0
 ) -> Tensor:
-    """The worst-case density ratios f*'((l - s eta)/lambda) ``[B, m]`` (mean ~ 1 at the optimal eta)."""
+    r"""The worst-case density ratios :math:`f^{*\prime}((\ell - s\eta)/\lambda)` of the dual's inner maximum.
+
+    Args:
+        losses: per-sample losses :math:`\ell` ``[B, m]`` (read only: no gradient flows through the result).
+        eta: dual variables :math:`\eta` ``[m]``.
+        lam: :math:`\lambda > 0`.
+        divergence: a name (``drmoo_kernels.DIVERGENCE_NAMES``) or a :class:`~drmoo_kernels.Divergence`.
+        scale: :math:`s`, the dual scale of the rescaled objective.
+
+    Returns:
+        The weights ``[B, m]``, each column's mean about 1 at the optimal :math:`\eta`.
+    """
     _check(losses, eta, lam, scale, None)
     _, _, weights = dual_forward(losses.detach(), eta.detach(), float(lam), float(scale), get_divergence(divergence))
     return weights * losses.shape[0]

@@ -1,6 +1,6 @@
 """drmoo_kernels: the numerical core of drmoo, independent of models and data.
 
-* :mod:`~drmoo_kernels.divergences` - f*, f*' (and f) of every supported f-divergence;
+* :mod:`~drmoo_kernels.divergences` - ``f*``, ``f*'`` (and ``f``) of every supported f-divergence;
 * :mod:`~drmoo_kernels.reference`   - the pure-torch reference of every op (the contract);
 * :mod:`~drmoo_kernels.dispatch`    - backend selection (reference, cpp, cuda, triton).
 """

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from ._warnings import KernelsUnavailableWarning
+from ._warnings import KernelsUnavailableWarning, caller_stacklevel, only_asking_now
 from .divergences import Divergence
 
 __all__ = [
@@ -172,14 +172,25 @@ def _load(extension: str) -> str | None:
                 "its pure-torch 'reference' backend (about 2x slower per optimizer step on the CPU)"
                 if extension == EXTENSION else "the 'triton' or 'reference' backend on the GPU"
             )
-            warnings.warn(
+            _pending_warnings[extension] = (
                 f"drmoo's {kind} are not available, so drmoo falls back to {fallback}: {reason}. "
-                f"(DRMOO_BACKEND=reference chooses that backend explicitly and silences this.)",
-                KernelsUnavailableWarning,
-                stacklevel=3,
+                f"(DRMOO_BACKEND=reference chooses that backend explicitly and silences this.)"
             )
         _load_reasons[extension] = reason
+    warn_pending()
     return _load_reasons[extension]
+
+
+# Each extension's failed load, until it is warned about: at once, or, when it was found while
+# available_backends() only asked (_warnings.only_asking), at the first use after that.
+_pending_warnings: dict[str, str] = {}
+
+
+def warn_pending() -> None:
+    """Issue the warnings of failed loads not issued yet, pointing at the user's line; not while only asking."""
+    if _pending_warnings and not only_asking_now():
+        for extension in list(_pending_warnings):
+            warnings.warn(_pending_warnings.pop(extension), KernelsUnavailableWarning, stacklevel=caller_stacklevel())
 
 
 def load() -> str | None:
@@ -216,6 +227,8 @@ def availability(device_type: str) -> str | None:
     """
     if device_type not in _availability_cache:
         _availability_cache[device_type] = _find_availability(device_type)
+    if _pending_warnings:  # found while available_backends() asked: this is the first use
+        warn_pending()
     return _availability_cache[device_type]
 
 

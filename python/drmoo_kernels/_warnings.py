@@ -4,6 +4,11 @@ through it, Triton when it is installed; ``import drmoo_kernels`` must stay ligh
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
 __all__ = ["KernelsUnavailableWarning"]
 
 
@@ -15,3 +20,46 @@ class KernelsUnavailableWarning(RuntimeWarning):
     Choosing ``DRMOO_BACKEND=reference`` (or ``backend="reference"``) never loads the extension and
     so never warns; ``warnings.filterwarnings("ignore", category=KernelsUnavailableWarning)`` silences it.
     """
+
+
+# ------------------------------------------------------------------------- where a warning points
+_PACKAGES_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds drmoo_kernels/ and drmoo/
+_OWN_DIRS = tuple(os.path.join(_PACKAGES_DIR, package) + os.sep for package in ("drmoo_kernels", "drmoo"))
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by this function's caller point at the user's line.
+
+    That is the first frame outside drmoo, drmoo_kernels, torch (whose optimizer wrapper calls
+    ``step``) and the import machinery: a fixed ``stacklevel`` would point at whichever drmoo line the
+    first use happened to come through (``_ops.py`` for an optimizer built with the default backend).
+    """
+    torch = sys.modules.get("torch")
+    skipped = _OWN_DIRS + ((os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,) if torch else ())
+    frame = sys._getframe(1)  # the caller's frame: stacklevel 1
+    level = 1
+    while frame.f_back is not None and (
+            os.path.abspath(frame.f_code.co_filename).startswith(skipped) or frame.f_code.co_filename.startswith("<")):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+# ----------------------------------------------------------------- questions that must not warn
+_questions_asked = 0
+
+
+@contextlib.contextmanager
+def only_asking() -> Iterator[None]:
+    """Inside: the kernels' availability is only asked about (``available_backends()``), so a failed load
+    is not warned about yet; the warning comes at the first real use, pointing there."""
+    global _questions_asked
+    _questions_asked += 1
+    try:
+        yield
+    finally:
+        _questions_asked -= 1
+
+
+def only_asking_now() -> bool:
+    return _questions_asked > 0

@@ -21,6 +21,8 @@ from types import ModuleType
 
 import torch
 
+from ._warnings import only_asking
+
 __all__ = ["BACKENDS", "available_backends", "backend_module", "resolve_backend", "why_unavailable"]
 
 BACKENDS: tuple[str, ...] = ("reference", "cpp", "cuda", "triton")
@@ -49,19 +51,32 @@ def _load(name: str) -> tuple[ModuleType | None, str | None]:
 
 
 def why_unavailable(name: str) -> str | None:
-    """``None`` if backend ``name`` can run here, else a sentence saying why it cannot."""
+    """``None`` if backend ``name`` can run here, else a sentence saying why it cannot.
+
+    Args:
+        name: one of :data:`BACKENDS`; another name raises ValueError.
+    """
     if name not in _MODULES:
         raise ValueError(f"unknown backend {name!r}; valid choices: {', '.join(BACKENDS)}")
     return _load(name)[1]
 
 
 def available_backends() -> list[str]:
-    """The backends that can run on this machine, in :data:`BACKENDS` order."""
-    return [name for name in BACKENDS if why_unavailable(name) is None]
+    """The backends that can run on this machine, in :data:`BACKENDS` order.
+
+    Only a question: a kernel load that fails here warns at the first use of a backend, not here.
+    """
+    with only_asking():
+        return [name for name in BACKENDS if why_unavailable(name) is None]
 
 
 def resolve_backend(requested: str | None, device: torch.device | str) -> str:
-    """The backend to use for tensors on ``device``: explicit, else ``DRMOO_BACKEND``, else auto."""
+    """The backend to use for tensors on ``device``: explicit, else ``DRMOO_BACKEND``, else auto.
+
+    Args:
+        requested: a backend name, or None for ``DRMOO_BACKEND`` or else the fastest one available.
+        device: where the tensors are; a named backend that cannot run there raises RuntimeError.
+    """
     device = torch.device(device)
     name = requested or os.environ.get("DRMOO_BACKEND") or None
     if name is not None:

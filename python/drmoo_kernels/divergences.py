@@ -117,7 +117,9 @@ _VALID = "chi2, kl, cvar_smooth(alpha) with 0 < alpha < 1, cressie_read(k) with 
 class Divergence:
     """One f-divergence: ``name`` among :data:`DIVERGENCE_NAMES` and its single parameter.
 
-    ``param`` is alpha for ``cvar_smooth``, k for ``cressie_read`` and unused (0.0) otherwise.
+    Args:
+        name: one of :data:`DIVERGENCE_NAMES`.
+        param: alpha for ``cvar_smooth``, k for ``cressie_read``; unused (0.0) otherwise.
     """
 
     name: str
@@ -139,15 +141,27 @@ class Divergence:
         return _FAMILIES[self.name].code
 
     def conj(self, u: Tensor) -> Tensor:
-        """f*(u), the convex conjugate."""
+        r""":math:`f^*(u)`, the convex conjugate.
+
+        Args:
+            u: any tensor; the result has its shape.
+        """
         return _FAMILIES[self.name].conj(u, self.param)
 
     def conj_grad(self, u: Tensor) -> Tensor:
-        """f*'(u) >= 0: the density ratio of the worst-case distribution at u."""
+        r""":math:`f^{*\prime}(u) \ge 0`: the density ratio of the worst-case distribution at :math:`u`.
+
+        Args:
+            u: any tensor; the result has its shape.
+        """
         return _FAMILIES[self.name].conj_grad(u, self.param)
 
     def primal(self, t: Tensor) -> Tensor:
-        """f(t), +inf outside its domain."""
+        """:math:`f(t)`, +inf outside its domain.
+
+        Args:
+            t: any tensor; the result has its shape.
+        """
         return _FAMILIES[self.name].primal(t, self.param)
 
     def __str__(self) -> str:
@@ -165,6 +179,10 @@ def get_divergence(spec: str | Divergence, param: float | None = None) -> Diverg
     parameter) or a call-like string (``"cvar_smooth(0.2)"``, ``"cressie_read(k=3)"``); ``param``
     overrides the parameter.  Unknown names and invalid parameters raise ``ValueError`` listing the
     valid choices.
+
+    Args:
+        spec: a :class:`Divergence`, a name or a call-like string.
+        param: the divergence's parameter, overriding the one ``spec`` gives (None = keep it).
     """
     if isinstance(spec, Divergence):
         return spec if param is None else Divergence(spec.name, float(param))

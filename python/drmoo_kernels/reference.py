@@ -212,6 +212,9 @@ def project_simplex(v: Tensor) -> Tensor:
     The input is first shifted by its maximum: projection onto {w >= 0, sum w = 1} is invariant to
     adding a constant to every coordinate, and the shift keeps the cumulative sums small so that
     huge entries (1e30) do not swallow the "- 1" of the threshold in floating point.
+
+    Args:
+        v: ``[..., m]``; each row along the last dimension is projected.
     """
     if v.shape[-1] == 0:
         raise ValueError("cannot project an empty vector onto the simplex")

@@ -79,7 +79,14 @@ def available() -> dict[str, type[MultiObjectiveOptimizer]]:
 
 
 def create(name: str, params: ParamsT, num_tasks: int, **overrides: Any) -> MultiObjectiveOptimizer:
-    """Build the optimizer registered as ``name`` (see :func:`available`)."""
+    """Build the optimizer registered as ``name`` (see :func:`available`).
+
+    Args:
+        name: a registry name, e.g. ``"double-clip"``.
+        params: the shared parameters (or parameter groups), as for the class itself.
+        num_tasks: the number of tasks m.
+        overrides: hyperparameters of that class's constructor, e.g. ``lr=1e-3``.
+    """
     try:
         cls = _REGISTRY[name]
     except KeyError:

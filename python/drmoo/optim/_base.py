@@ -219,7 +219,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
     @classmethod
     def preset(cls, name: str) -> dict[str, Any]:
         """Constructor keyword arguments of a named paper setting (``cls.PRESETS``), e.g.
-        ``DoubleClipMGDA(params, m, **DoubleClipMGDA.preset("multimnist"))``."""
+        ``DoubleClipMGDA(params, m, **DoubleClipMGDA.preset("multimnist"))``.
+
+        Args:
+            name: a key of ``cls.PRESETS``; another name raises ValueError listing them.
+        """
         try:
             return dict(cls.PRESETS[name])
         except KeyError:
@@ -327,7 +331,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------------------- params
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; its hyperparameters are checked like the constructor's and must match the first group's."""
+        """Add a group; its hyperparameters are checked like the constructor's and must match the first group's.
+
+        Args:
+            param_group: ``{"params": ..., **hyperparameters}``, as for ``torch.optim.Optimizer``.
+        """
         if not isinstance(param_group, dict):
             raise TypeError(f"a parameter group must be a dict, got {type(param_group).__name__}")
         checked = dict(param_group)
@@ -543,7 +551,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by the same method for the same problem (validated first: see
         :meth:`validate_state_dict`).  ``capturable`` stays as constructed: it is a property of
-        how this process runs the optimizer, not of the training state."""
+        how this process runs the optimizer, not of the training state.
+
+        Args:
+            state_dict: a ``state_dict()`` of the same method for the same problem.
+        """
         self.validate_state_dict(state_dict)
         capturable = self.defaults.get("capturable")
         dtypes = {key: value.dtype for key, value in self.state_entries().items() if isinstance(value, Tensor)}

@@ -126,6 +126,11 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One iteration of Algorithm 2; calls ``closure`` twice (once if ``resample=False``).
 
+        Args:
+            closure: draws a fresh batch and returns its per-sample losses ``[B, m]`` with their graph,
+                or ``(losses, sample_weight)`` (the closure protocol of :mod:`drmoo.optim`); required
+                (None raises ValueError).
+
         Returns the per-task dual objectives at (theta_t, eta_{t+1}) on the gradient batch.
         Nothing (theta, eta, w) changes if any check fails.
         """

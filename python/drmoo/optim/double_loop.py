@@ -125,7 +125,11 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a DoubleLoopMGDA state; one saved with the former torch index generator
-        (``rng_state``) continues with a generator seeded from that state's bytes."""
+        (``rng_state``) continues with a generator seeded from that state's bytes.
+
+        Args:
+            state_dict: a ``state_dict()`` of a DoubleLoopMGDA for the same problem.
+        """
         saved = state_dict.get("state", {}).get(STATE_KEY) if isinstance(state_dict, dict) else None
         if isinstance(saved, dict) and "index_rng_state" not in saved and isinstance(saved.get("rng_state"), Tensor):
             legacy = saved["rng_state"].detach().cpu().contiguous().numpy().tobytes()
@@ -143,6 +147,11 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One outer iteration of Algorithm 1; calls ``closure`` inner_steps + 3 times.
+
+        Args:
+            closure: draws a fresh batch and returns its per-sample losses ``[B, m]`` with their graph,
+                or ``(losses, sample_weight)`` (the closure protocol of :mod:`drmoo.optim`); required
+                (None raises ValueError).
 
         Returns the per-task dual objectives at (theta_t, eta_{t,d}) on batch xi.  Nothing (theta,
         eta, w) changes if any check fails.

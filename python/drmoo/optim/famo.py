@@ -62,7 +62,7 @@ class FAMO(JointBaseline):
       through ``WeightMethod.backward`` of ``methods/weight_methods.py``, which runs the same clip
       *before* ``loss.backward()`` (after the trainer's ``zero_grad``), where it does nothing.  Here
       no clip: the paper's update, for which the DR paper's learning rates were chosen.
-    * The floor (deliberate).  Official D_i = L^i - l*_i + 1e-8, unguarded: a loss below l* takes
+    * The floor (deliberate).  Official ``D_i = L^i - l*_i + 1e-8``, unguarded: a loss below ``l*`` takes
       the log of a negative number (NaN).  Here D is clamped at eps and ``below_floor`` says so.
     * The parameter step (the DR setting).  theta and eta take a plain gradient step of size
       ``lr`` here; the official class leaves the step to the caller's optimizer (Adam in its demo).
@@ -176,7 +176,11 @@ class FAMO(JointBaseline):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a FAMO state; one saved when ``adam_steps`` was an int is accepted (made a tensor), one
-        saved before the next-batch form existed gets no pending logit update."""
+        saved before the next-batch form existed gets no pending logit update.
+
+        Args:
+            state_dict: a ``state_dict()`` of a FAMO optimizer for the same problem.
+        """
         saved = state_dict.get("state", {}).get(STATE_KEY) if isinstance(state_dict, dict) else None
         if isinstance(saved, dict):
             upgraded = dict(saved)
@@ -203,7 +207,16 @@ class FAMO(JointBaseline):
         self, closure: Closure | None = None, reevaluate: ReevaluateFn | None = None
     ) -> Tensor:
         """One FAMO iteration: one fresh batch, and the logit update -- on a re-evaluation of that
-        batch (same-batch form) or deferred to the next step (next-batch form).  See the class docstring."""
+        batch (same-batch form) or deferred to the next step (next-batch form).  See the class docstring.
+
+        Args:
+            closure: draws a fresh batch and returns its per-sample losses ``[B, m]`` with their graph,
+                or ``(losses, sample_weight)`` (the closure protocol of :mod:`drmoo.optim`); required
+                (None raises ValueError).
+            reevaluate: recomputes the per-sample losses of the batch ``closure`` just drew, at the
+                stepped parameters (same-batch form); None = ``closure(same_batch=True)`` when the closure
+                takes that keyword, else the next-batch form.
+        """
         h = self.param_groups[0]
         state = self.state[STATE_KEY]
         if reevaluate is None and closure is not None and not self.direction_mode and _accepts_same_batch(closure):

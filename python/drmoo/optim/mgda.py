@@ -322,7 +322,13 @@ class MGDA(JointBaseline):
         super().__init__(params, num_tasks, defaults, backend)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
-        """One MGDA iteration; calls ``closure`` once.  Nothing changes if a check fails."""
+        """One MGDA iteration; calls ``closure`` once.  Nothing changes if a check fails.
+
+        Args:
+            closure: draws a fresh batch and returns its per-sample losses ``[B, m]`` with their graph,
+                or ``(losses, sample_weight)`` (the closure protocol of :mod:`drmoo.optim`); required
+                (None raises ValueError).
+        """
         h = self.param_groups[0]
         self.begin_step()
         batch = self.task_gradients(closure, "J", feed_heads=True)

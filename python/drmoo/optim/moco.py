@@ -112,7 +112,13 @@ class MoCo(JointBaseline):
         }
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
-        """One MoCo iteration; calls ``closure`` once.  Nothing changes if a check fails."""
+        """One MoCo iteration; calls ``closure`` once.  Nothing changes if a check fails.
+
+        Args:
+            closure: draws a fresh batch and returns its per-sample losses ``[B, m]`` with their graph,
+                or ``(losses, sample_weight)`` (the closure protocol of :mod:`drmoo.optim`); required
+                (None raises ValueError).
+        """
         h = self.param_groups[0]
         state = self.state[STATE_KEY]
         tracked = state["tracking"].shape[1]

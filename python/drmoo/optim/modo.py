@@ -92,7 +92,13 @@ class MoDo(JointBaseline):
         super().__init__(params, num_tasks, {**defaults, "capturable": check_flag("capturable", capturable)}, backend)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
-        """One MoDo iteration; calls ``closure`` three times.  Nothing changes if a check fails."""
+        """One MoDo iteration; calls ``closure`` three times.  Nothing changes if a check fails.
+
+        Args:
+            closure: draws a fresh batch and returns its per-sample losses ``[B, m]`` with their graph,
+                or ``(losses, sample_weight)`` (the closure protocol of :mod:`drmoo.optim`); required
+                (None raises ValueError).
+        """
         h = self.param_groups[0]
         self.begin_step()
         first = self.task_gradients(closure, "G1", feed_heads=False)

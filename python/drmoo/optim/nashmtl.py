@@ -169,7 +169,13 @@ class NashMTL(JointBaseline):
         return {"alpha": torch.ones(self.num_tasks, device=self.device, dtype=torch.float64)}
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
-        """One Nash-MTL iteration; calls ``closure`` once.  Nothing changes if a check fails."""
+        """One Nash-MTL iteration; calls ``closure`` once.  Nothing changes if a check fails.
+
+        Args:
+            closure: draws a fresh batch and returns its per-sample losses ``[B, m]`` with their graph,
+                or ``(losses, sample_weight)`` (the closure protocol of :mod:`drmoo.optim`); required
+                (None raises ValueError).
+        """
         h = self.param_groups[0]
         state = self.state[STATE_KEY]
         self.begin_step()

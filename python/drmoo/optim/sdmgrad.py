@@ -138,7 +138,13 @@ class SDMGrad(JointBaseline):
         return {"momentum_buffer": torch.zeros(self.num_tasks, device=self.device, dtype=torch.float64)}
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
-        """One SDMGrad iteration; calls ``closure`` three times.  Nothing changes if a check fails."""
+        """One SDMGrad iteration; calls ``closure`` three times.  Nothing changes if a check fails.
+
+        Args:
+            closure: draws a fresh batch and returns its per-sample losses ``[B, m]`` with their graph,
+                or ``(losses, sample_weight)`` (the closure protocol of :mod:`drmoo.optim`); required
+                (None raises ValueError).
+        """
         h = self.param_groups[0]
         state = self.state[STATE_KEY]
         m = self.num_tasks
