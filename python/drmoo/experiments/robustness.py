@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import functools
 import math
-import multiprocessing
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -33,6 +29,7 @@ from drmoo.store import (
 from . import multimnist
 from .checkpoints import CHECKPOINT, result_matches_checkpoint
 from .evaluation import evaluate_robustness
+from .jobs import run_in_workers
 from .multimnist import build_multimnist
 from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
@@ -43,6 +40,9 @@ from .variants import run_dir_name
 
 __all__ = ["balancing_table", "compare", "ensure_trained", "eval_table", "preference_trace", "robustness_table",
            "train_and_evaluate"]
+
+
+MAX_JOBS = 256  # worker processes of one comparison (drmoo.cli.MAX_JOBS checks the option against it)
 
 
 def eval_table(report: dict[str, Any]) -> str:
@@ -242,44 +242,48 @@ def diverged_note(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _worker_threads(threads: int) -> None:
-    """A comparison worker's torch threads: the cores shared out, so that N jobs do not oversubscribe them."""
-    torch.set_num_threads(threads)
-
-
 def _run_all(configs: list[RunConfig], run_dirs: list[Path], eps_values: list[float], eps_space: str, jobs: int,
              progress: bool) -> list[tuple[dict[str, Any], dict[str, list[float]] | None]]:
     """:func:`train_and_evaluate` of every config, in this process or in ``jobs`` worker processes.
 
     Small models gain little from torch's intra-op threads: on a 2-core CPU two one-thread runs side
     by side finish a comparison of MultiLeNets about twice as fast as one two-thread run at a time.
-    Each worker gets ``cores // jobs`` threads.  The first failure stops the comparison (the runs
-    already finished are kept and reused by the next call).
+    Each worker gets ``cores // jobs`` threads, shows its training progress through the parent (one
+    bar per running job) and dies with the parent (see :mod:`drmoo.experiments.jobs`).  The first
+    failure stops the comparison (the runs already finished are kept and reused by the next call).
     """
     if jobs == 1 or len(configs) == 1:
         return [train_and_evaluate(config, run_dir, eps_values, eps_space, progress)
                 for config, run_dir in tqdm(list(zip(configs, run_dirs)), desc="compare", disable=not progress)]
-    results: list[Any] = [None] * len(configs)
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    context = multiprocessing.get_context("spawn")  # no fork of a process that holds torch's thread pools
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_worker_threads,
-                             initargs=(threads,)) as pool:
-        futures = {pool.submit(train_and_evaluate, config, run_dir, eps_values, eps_space, False): index
-                   for index, (config, run_dir) in enumerate(zip(configs, run_dirs))}
-        with tqdm(total=len(futures), desc=f"compare ({jobs} jobs)", disable=not progress) as bar:
-            try:
-                for future in as_completed(futures):
-                    results[futures[future]] = future.result()
-                    bar.update(1)
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
-    return results
+    calls = [(config, run_dir, eps_values, eps_space, progress) for config, run_dir in zip(configs, run_dirs)]
+    names = [f"{config.name} seed {config.seed}" for config in configs]
+    return run_in_workers(train_and_evaluate, calls, jobs, names, progress=progress)
+
+
+def _effective_settings(config: RunConfig) -> dict[str, Any]:
+    """What a run trains with, whatever its label says: every field but the label, and the method's
+    hyperparameters with the optimizer's own defaults filled in (``lam=0.8`` given or left out alike)."""
+    import inspect
+
+    from drmoo.optim import available
+
+    settings = asdict(config)
+    settings.pop("label")
+    hparams = dict(settings["hparams"])
+    optimizer = available().get(config.method)
+    if optimizer is not None:
+        for name, parameter in inspect.signature(optimizer.__init__).parameters.items():
+            if parameter.default is not inspect.Parameter.empty and name not in ("self", "backend"):
+                hparams.setdefault(name, parameter.default)
+    settings["hparams"] = hparams
+    return settings
 
 
 def check_distinct(configs: list[RunConfig]) -> None:
-    """Refuse a comparison that lists a row and seed twice: it would be one run counted as two."""
+    """Refuse a comparison that lists one run twice: a row and seed given twice, or two rows whose
+    settings are the same under different labels (``double-clip`` and ``double-clip[lam=0.8]`` when
+    0.8 is the default; ``mgda[solver='min_norm']`` and ``mgda[solver=min_norm]``): either would be
+    one run trained and counted as two."""
     names = [run_dir_name(c.name, c.seed) for c in configs]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if not configs:
@@ -287,6 +291,15 @@ def check_distinct(configs: list[RunConfig]) -> None:
     if repeated:
         raise UsageError(f"the comparison lists {', '.join(repeated)} twice (or two variants share its directory): "
                          "give each method, variant and seed once")
+    seen: list[tuple[dict[str, Any], RunConfig]] = []
+    for config in configs:
+        settings = _effective_settings(config)
+        twin = next((other for known, other in seen if known == settings), None)
+        if twin is not None:
+            raise UsageError(f"--methods: {twin.name} and {config.name} are the same settings (every hyperparameter "
+                             "and run length alike, defaults included) and would train the same run twice under "
+                             "two labels: give only one of them")
+        seen.append((settings, config))
 
 
 def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progress: bool = True,
@@ -300,8 +313,8 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
     Rows are labelled by :attr:`RunConfig.name` (a variant's label, else the method).  ``jobs`` > 1
     trains that many runs at once in worker processes (see :func:`_run_all`).
     """
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= 256:
-        raise UsageError(f"--jobs must be an integer in [1, 256], got {jobs!r}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= MAX_JOBS:
+        raise UsageError(f"--jobs must be an integer in [1, {MAX_JOBS}], got {jobs!r}")
     check_distinct(configs)
     names = [run_dir_name(config.name, config.seed) for config in configs]
     make_directory(out)
@@ -362,7 +375,8 @@ def _multimnist_experiment(name: str) -> Experiment:
 
     presets = {preset: values[name] for preset, values in multimnist.PRESETS.items()}
     hparams = functools.partial(multimnist.method_hparams, experiment=name)
-    return Experiment(name, build_multimnist, presets, hparams, evaluate, eval_table, compare_runs)
+    return Experiment(name, build_multimnist, presets, hparams, evaluate, eval_table, compare_runs,
+                      check_data=multimnist.check_digit_source)
 
 
 for _name in multimnist.EXPERIMENTS:  # registered on import (drmoo.experiments.registry looks them up)
