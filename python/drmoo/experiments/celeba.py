@@ -26,8 +26,9 @@ from drmoo.store import make_directory, save_result, write_csv, write_text
 
 from .evaluation import load_trained_run
 from .registry import Experiment, register
-from .robustness import check_distinct, diverged_note, ensure_trained, mean_std, reusable_result
+from .robustness import check_distinct, diverged_note, ensure_trained, reusable_result
 from .run_config import RunConfig
+from .summaries import mean_std, mean_std_text
 from .training import read_diverged
 from .variants import run_dir_name
 
@@ -174,7 +175,7 @@ def table_two(reports: list[dict[str, Any]], header: str) -> tuple[str, list[dic
             values = [100 * r[key] for r in mine if r[key] is not None and not math.isnan(r[key])]
             mean, std = mean_std(values) if values else (math.nan, math.nan)
             row[key], row[key.replace("mean_", "std_")] = mean, std
-            cells.append("n/a" if not values else f"{mean:.2f} ± {std:.2f}" if len(values) > 1 else f"{mean:.2f}")
+            cells.append("n/a" if not values else mean_std_text(mean, std, len(values)))
         rows.append(row)
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n", rows

@@ -34,7 +34,7 @@ from .multimnist import build_multimnist
 from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
 from .run_config import RunConfig, config_differences, read_run_config
-from .summaries import fgsm_comparison
+from .summaries import fgsm_comparison, mean_std, mean_std_text
 from .training import DIVERGED, read_diverged, train
 from .variants import run_dir_name
 
@@ -61,12 +61,6 @@ def eval_table(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for a single value)."""
-    mean = sum(values) / len(values)
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1))
-
-
 def robustness_table(reports: list[dict[str, Any]], eps_values: list[float], header: str) -> tuple[str, list[dict]]:
     """Table 1 layout: methods x eps, mean ± std over seeds of the task-averaged accuracy (%)."""
     methods = list(dict.fromkeys(r["method"] for r in reports))
@@ -79,7 +73,7 @@ def robustness_table(reports: list[dict[str, Any]], eps_values: list[float], hea
             values = [100 * res["mean_acc"] for r in reports if r["method"] == method
                       for res in r["results"] if abs(res["eps"] - eps) < 1e-12]
             mean, std = mean_std(values)
-            cells.append(f"{mean:.2f} ± {std:.2f}" if len(values) > 1 else f"{mean:.2f}")
+            cells.append(mean_std_text(mean, std, len(values)))
             rows.append({"method": method, "eps": eps, "mean_acc": mean, "std_acc": std, "seeds": len(values)})
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n", rows
