@@ -376,3 +376,26 @@ def test_small_preset_moco_setting_is_its_sweeps_winner() -> None:
         "moco": (SMALL_MOCO_EMA["multimnist2"], SMALL_LR["multimnist2"]["moco"])}
     with table.open(newline="") as handle:
         assert {row["seeds"] for row in csv.DictReader(handle)} == {"3"}
+
+
+def test_robustness_figure_draws_a_std_band_over_seeds() -> None:
+    """Issue 28 item 6: robustness.png showed no spread over seeds; each row's mean now lies in a ±1 std band."""
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
+
+    from drmoo.experiments.robustness import robustness_figure
+
+    rows = [{"method": "mgda", "eps": eps, "mean_acc": mean, "std_acc": std, "seeds": 3}
+            for eps, mean, std in ((0.0, 90.0, 1.0), (0.1, 70.0, 2.0))]
+    rows += [{"method": "modo", "eps": eps, "mean_acc": 80.0, "std_acc": 0.0, "seeds": 1} for eps in (0.0, 0.1)]
+    figure = robustness_figure(rows, "test")
+    try:
+        (axis,) = figure.axes
+        bands = [c for c in axis.collections if isinstance(c, PolyCollection)]
+        assert len(bands) == 1  # mgda's; modo ran one seed
+        low, high = bands[0].get_paths()[0].vertices[:, 1].min(), bands[0].get_paths()[0].vertices[:, 1].max()
+        assert (low, high) == (68.0, 91.0)
+        assert [line.get_label() for line in axis.lines] == ["mgda", "modo"]
+        assert "band ±1 std" in axis.get_title()
+    finally:
+        plt.close(figure)

@@ -38,8 +38,8 @@ from .summaries import fgsm_comparison, mean_std, mean_std_text
 from .training import DIVERGED, read_diverged, train
 from .variants import run_dir_name
 
-__all__ = ["balancing_table", "compare", "ensure_trained", "eval_table", "preference_trace", "robustness_table",
-           "train_and_evaluate"]
+__all__ = ["MAX_JOBS", "balancing_table", "check_distinct", "compare", "ensure_trained", "eval_table",
+           "preference_trace", "robustness_figure", "robustness_table", "train_and_evaluate"]
 
 
 MAX_JOBS = 256  # worker processes of one comparison (drmoo.cli.MAX_JOBS checks the option against it)
@@ -79,7 +79,12 @@ def robustness_table(reports: list[dict[str, Any]], eps_values: list[float], hea
     return "\n".join(lines) + "\n", rows
 
 
-def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def robustness_figure(rows: list[dict[str, Any]], title: str) -> Any:
+    """robustness.png's figure: per row, the mean accuracy over seeds against eps, in a ±1 std band over seeds.
+
+    ``rows`` are :func:`compare`'s table.csv rows (``method``, ``eps``, ``mean_acc``, ``std_acc``,
+    ``seeds``).  A row trained with one seed has no band.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,20 +94,33 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     # Up to 10 rows: tab10; more: tab20, so that no two rows share a colour.  Variants (NAME[...]) dashed.
     palette = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
     fig, axis = plt.subplots(figsize=(6.5 if len(labels) <= 8 else 9.0, 4.2), constrained_layout=True)
+    seeds = max((int(r["seeds"]) for r in rows), default=1)
     for index, label in enumerate(labels):
-        mine = [r for r in rows if r["method"] == label]
-        xs, ys, err = [r["eps"] for r in mine], [r["mean_acc"] for r in mine], [r["std_acc"] for r in mine]
-        axis.errorbar(xs, ys, yerr=err if any(r["seeds"] > 1 for r in mine) else None, marker="o", ms=3,
-                      capsize=2, label=label, linewidth=1.2, color=palette(index % palette.N),
-                      linestyle="--" if "[" in label else "-")
+        mine = sorted((r for r in rows if r["method"] == label), key=lambda r: r["eps"])
+        xs, ys = [r["eps"] for r in mine], [r["mean_acc"] for r in mine]
+        color = palette(index % palette.N)
+        axis.plot(xs, ys, marker="o", ms=3, label=label, linewidth=1.2, color=color,
+                  linestyle="--" if "[" in label else "-")
+        if any(r["seeds"] > 1 for r in mine):
+            spread = [r["std_acc"] if r["seeds"] > 1 else 0.0 for r in mine]
+            axis.fill_between(xs, [y - s for y, s in zip(ys, spread)], [y + s for y, s in zip(ys, spread)],
+                              color=color, alpha=0.15, linewidth=0)
     axis.set_xlabel("FGSM eps")
     axis.set_ylabel("mean task accuracy (%)")
-    axis.set_title(title, fontsize=10)
+    band = f"; mean over {seeds} seeds, band ±1 std" if seeds > 1 else ""
+    axis.set_title(title + band, fontsize=10)
     axis.grid(alpha=0.3)
     if len(labels) <= 8:
         axis.legend(fontsize=8)
     else:  # beside the axes: inside, a dozen entries would hide the curves
         axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return fig
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = robustness_figure(rows, title)
     write_figure(fig, path, dpi=120)
     plt.close(fig)
 
