@@ -82,3 +82,18 @@ def test_a_run_that_cannot_grow_is_not_blamed_on_resume(tmp_path: Path, tiny_arg
     code, err = run_cli([*base, "--epochs", "2", "--max-steps", "1", *tiny_args()], capsys)
     assert_one_line_refusal(code, err, "nothing to train", "--max-steps 1")
     assert "--resume" not in err
+
+
+def test_a_run_checkpoint_is_read_through_the_documented_public_function(trained_run: Path) -> None:
+    """Issue 28 item 7: run checkpoints could be read only through an undocumented function."""
+    import drmoo.experiments
+    from drmoo.experiments import read_checkpoint
+    from drmoo.experiments.checkpoints import read_checkpoint as defined
+
+    assert read_checkpoint is defined and "read_checkpoint" in drmoo.experiments.__all__
+    state = read_checkpoint(str(trained_run))  # a path as text, as a user types it
+    assert state["step"] == 1 and state["config"]["method"] == "double-clip" and "model" in state
+    documented = read_checkpoint.__doc__ or ""
+    assert all(part in documented for part in ("Args:", "run_dir:", "Returns:", "Raises:"))
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "drmoo.experiments.read_checkpoint" in readme
