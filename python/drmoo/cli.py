@@ -46,17 +46,29 @@ COMMANDS_WITH_KERNELS = ("synthetic", "train", "eval", "compare", "bench-iter", 
 
 
 def _check_backend_environment(args: argparse.Namespace) -> None:
-    """``DRMOO_BACKEND`` refused with one line, as ``--backend`` is, when no backend of that name can run here.
+    """``DRMOO_BACKEND`` refused with one line, as ``--backend`` is, when it cannot run here or on the device.
 
-    Whether it fits the run's device is checked with ``--backend`` once the device is known
-    (:func:`drmoo.experiments.devices.check_backend`, the one validator of both).
+    The device is the command's where it is known now: the CPU for ``synthetic`` (and the linear and
+    wine ablations), ``--device`` for ``train``, ``compare``, ``bench-iter`` and the Multi-MNIST
+    ablation.  ``eval`` runs on the run's device, unknown until the run is read: there only the
+    backend's availability is checked here, and the trainer checks it again on the device
+    (:func:`drmoo.experiments.devices.check_backend` is the one validator of both the option and the
+    variable).
     """
     import os
 
-    if getattr(args, "backend", None) is None and os.environ.get("DRMOO_BACKEND"):
-        from drmoo.experiments.devices import check_backend
+    if getattr(args, "backend", None) is not None or not os.environ.get("DRMOO_BACKEND"):
+        return
+    import torch
 
-        check_backend(None, None)
+    from drmoo.experiments.devices import check_backend, resolve_device
+
+    device: torch.device | None = None
+    if args.command == "synthetic" or (args.command == "ablate" and args.experiment != "multimnist2"):
+        device = torch.device("cpu")
+    elif args.command in ("train", "compare", "bench-iter", "ablate"):
+        device = resolve_device(args.device)
+    check_backend(None, device)
 
 
 class _Parser(argparse.ArgumentParser):
