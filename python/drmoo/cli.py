@@ -599,8 +599,9 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                         help="the row the paired differences are taken against: a row of --methods, by its label "
                         "(default: double-clip, when it is a row)")
     parser.add_argument("--jobs", type=_jobs, default=1,
-                        help="runs trained at once in worker processes, each with cores/jobs torch threads "
-                        "(default 1; small models on a CPU: the number of cores)")
+                        help="runs trained at once in worker processes (1 to 256), each with cores/jobs torch threads, "
+                        "each showing its progress, all ending with the comparison (default 1; small models on a CPU: "
+                        "the number of cores)")
     _add_eps_space(parser)
     parser.add_argument("--out", type=_path, required=True, help="output directory (finished runs in it are reused)")
     parser.set_defaults(handler=_run_compare)
