@@ -47,6 +47,7 @@ def check_backend(backend: str | None, device: torch.device | None) -> None:
     that chose it.  ``device`` None checks only that the backend can run on this machine at all (the
     device is not known yet, e.g. ``drmoo eval`` before it reads the run).
     """
+    name: str | None
     if backend is not None:
         name, source = backend, f"--backend {backend}"
     else:

@@ -40,7 +40,9 @@ class MethodVariant:
 
 def _split_top_level(text: str) -> list[str]:
     """Split at the commas that are not inside [...]."""
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in text:
         if char == "[":
             depth += 1
