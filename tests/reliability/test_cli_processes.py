@@ -120,15 +120,15 @@ def test_progress_from_inside_each_job_is_shown_when_not_a_terminal(tmp_path: Pa
         from drmoo.experiments import jobs
         if __name__ == "__main__":
             jobs.LOG_INTERVAL_S = 0.0  # a line at every poll: the test reads them, not their timing
-            print(jobs.run_in_workers(fake_jobs.counted, [(6, 0.3), (4, 0.3)], 2, ["first", "second"]))
+            print(jobs.run_in_workers(fake_jobs.counted, [(8, 0.3), (6, 0.3)], 2, ["first", "second"]))
     """)
     result = subprocess.run([sys.executable, "-c", script], env=_environment(tmp_path), cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[6, 4]"
+    assert result.stdout.strip() == "[8, 6]"
     lines = result.stderr.splitlines()
+    assert any("running:" in line and "fake run of 8" in line and "/8" in line for line in lines), result.stderr
     assert any("running:" in line and "fake run of 6" in line and "/6" in line for line in lines), result.stderr
-    assert any("running:" in line and "fake run of 4" in line and "/4" in line for line in lines), result.stderr
     assert any("first finished" in line for line in lines) and any("second finished" in line for line in lines)
     assert "\r" not in result.stderr  # no redrawn bars in a log
 
