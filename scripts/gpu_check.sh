@@ -82,17 +82,20 @@ fi
 if [ "$what" != tests ]; then
     step bandwidth 90 "$python" scripts/gpu_bandwidth.py --out "$logs"
     step bench 150 env DRMOO_BENCH_BUDGET_S="${DRMOO_BENCH_BUDGET_S:-0.1}" "$python" bench/run.py
-    step bench_iter 150 bash -c "$python -m drmoo bench-iter --experiment multimnist2 --methods all \
+    # Paths reach the inner shell as its arguments ("$1"), never spliced into its text: a PYTHON or
+    # TMPDIR with a space (or a quote) in it stays one word.
+    step bench_iter 150 bash -c '"$1" -m drmoo bench-iter --experiment multimnist2 --methods all \
         --batch-size 256 --repeats 20 --warmup 3 --out results/wallclock --quiet && \
-        $python -m drmoo bench-iter --experiment multimnist2 --methods double-clip,mgda,nashmtl \
-        --batch-size 32 --repeats 20 --warmup 3 --out results/wallclock --quiet"
+        "$1" -m drmoo bench-iter --experiment multimnist2 --methods double-clip,mgda,nashmtl \
+        --batch-size 32 --repeats 20 --warmup 3 --out results/wallclock --quiet' bench_iter "$python"
 fi
 if [ "$what" = all ]; then
     round_trip=$(mktemp -d)
-    step cuda_round_trip 60 bash -c "set -e; $python -m drmoo train --experiment multimnist2 --method double-clip \
-        --preset quick --device cuda --max-steps 2 --out $round_trip/run --quiet; \
-        $python -m drmoo train --resume $round_trip/run --max-steps 4 --quiet; \
-        $python -m drmoo eval --run $round_trip/run --eps 0,0.03 --quiet; cat $round_trip/run/eval.json"
+    step cuda_round_trip 60 bash -c 'set -e; "$1" -m drmoo train --experiment multimnist2 --method double-clip \
+        --preset quick --device cuda --max-steps 2 --out "$2/run" --quiet; \
+        "$1" -m drmoo train --resume "$2/run" --max-steps 4 --quiet; \
+        "$1" -m drmoo eval --run "$2/run" --eps 0,0.03 --quiet; cat "$2/run/eval.json"' \
+        cuda_round_trip "$python" "$round_trip"
 fi
 
 echo "[gpu_check] done in $(( $(date +%s) - start ))s, exit status $status" | tee -a "$summary"

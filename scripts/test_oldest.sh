@@ -26,7 +26,14 @@ venv_python="$(cd "$venv" && pwd)/bin/python"
 versions=$(cd / && "$venv_python" -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")')
 echo "[oldest] $versions ($(( installed - start ))s)"
 
-wheel="${DRMOO_WHEEL:-$(ls dist/drmoo-*.whl 2>/dev/null | head -n 1)}"
+# A glob, not `ls | head`: under `set -o pipefail` a failing ls (no wheel) ended the script with
+# status 2 and no message, before the check below could say what is missing.
+wheel="${DRMOO_WHEEL:-}"
+if [ -z "$wheel" ]; then
+    for candidate in dist/drmoo-*.whl; do
+        [ -f "$candidate" ] && { wheel=$candidate; break; }
+    done
+fi
 if [ -z "$wheel" ] || [ ! -f "$wheel" ]; then
     echo "[oldest] no drmoo wheel in dist/: run scripts/setup_env.sh (or scripts/test.sh) first, or set DRMOO_WHEEL" >&2
     exit 1

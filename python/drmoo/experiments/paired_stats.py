@@ -13,52 +13,18 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["paired_differences", "paired_markdown", "student_t_cdf_two_sided", "t_quantile"]
-
-
-def student_t_cdf_two_sided(t: float, dof: int) -> float:
-    """P(|T| < t) for Student's t with an integer number of degrees of freedom ``dof`` >= 1, t >= 0.
-
-    The closed forms for integer dof (Abramowitz & Stegun 26.7.3 / 26.7.4), with
-    theta = atan(t / sqrt(dof)): odd dof, (2/pi)(theta + sin(theta) cos(theta) S); even dof,
-    sin(theta) S, where S is a finite series in cos^2(theta).  Exact up to rounding.
-    """
-    if isinstance(dof, bool) or not isinstance(dof, int) or dof < 1:
-        raise ValueError(f"dof must be an integer >= 1, got {dof!r}")
-    if t < 0 or math.isnan(t):
-        raise ValueError(f"t must be >= 0, got {t!r}")
-    theta = math.atan(t / math.sqrt(dof))
-    cos2 = math.cos(theta) ** 2
-    if dof % 2 == 1:
-        series, term = (0.0, 1.0) if dof > 1 else (0.0, 0.0)
-        for k in range(1, (dof - 1) // 2 + 1):  # 1 + (2/3) c^2 + (2*4)/(3*5) c^4 + ... (dof - 1)/2 terms
-            series += term
-            term *= cos2 * (2 * k) / (2 * k + 1)
-        return (2 / math.pi) * (theta + math.sin(theta) * math.cos(theta) * series)
-    series, term = 0.0, 1.0
-    for k in range(1, dof // 2 + 1):  # 1 + (1/2) c^2 + (1*3)/(2*4) c^4 + ... dof/2 terms
-        series += term
-        term *= cos2 * (2 * k - 1) / (2 * k)
-    return math.sin(theta) * series
+__all__ = ["paired_differences", "paired_markdown", "t_quantile"]
 
 
 def t_quantile(probability: float, dof: int) -> float:
-    """The ``probability`` quantile (> 0.5) of Student's t with ``dof`` degrees of freedom, by bisection."""
-    if not 0.5 < probability < 1:
-        raise ValueError(f"probability must be in (0.5, 1), got {probability!r}")
-    target = 2 * probability - 1  # P(|T| < q)
-    low, high = 0.0, 1.0
-    while student_t_cdf_two_sided(high, dof) < target:
-        high *= 2
-    for _ in range(200):
-        middle = (low + high) / 2
-        if student_t_cdf_two_sided(middle, dof) < target:
-            low = middle
-        else:
-            high = middle
-        if high - low <= 1e-12 * high:
-            break
-    return (low + high) / 2
+    """The ``probability`` quantile of Student's t with ``dof`` degrees of freedom (:func:`scipy.stats.t.ppf`)."""
+    if not 0 < probability < 1:
+        raise ValueError(f"probability must be in (0, 1), got {probability!r}")
+    if isinstance(dof, bool) or not isinstance(dof, int) or dof < 1:
+        raise ValueError(f"dof must be an integer >= 1, got {dof!r}")
+    from scipy import stats
+
+    return float(stats.t.ppf(probability, dof))
 
 
 def paired_differences(

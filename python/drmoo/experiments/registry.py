@@ -36,6 +36,8 @@ class Experiment:
     ``evaluate(run_dir, eps=..., progress=..., device=...)`` writes and returns eval.json's report,
     ``eval_table(report)`` prints it, ``compare(configs, out, eps=..., progress=...)`` trains and
     evaluates every config and returns the markdown table.  ``eps`` matters to FGSM experiments only.
+    ``check_data(config)`` raises (FileNotFoundError / ValueError, one line) when the config's data
+    cannot be found: the command line calls it before anything is written or torchrun is launched.
     """
 
     name: str
@@ -46,6 +48,7 @@ class Experiment:
     eval_table: Callable[[dict[str, Any]], str]
     compare: Callable[..., str]
     sample_weight: Callable[[Tensor], Tensor] | None = None  # labels [B, m] -> importance weights [B, m]
+    check_data: Callable[[RunConfig], None] | None = None
 
 
 def register(experiment: Experiment) -> Experiment:

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import functools
 import math
-import multiprocessing
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -33,16 +29,20 @@ from drmoo.store import (
 from . import multimnist
 from .checkpoints import CHECKPOINT, result_matches_checkpoint
 from .evaluation import evaluate_robustness
+from .jobs import run_in_workers
 from .multimnist import build_multimnist
 from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
 from .run_config import RunConfig, config_differences, read_run_config
-from .summaries import fgsm_comparison
+from .summaries import fgsm_comparison, mean_std, mean_std_text
 from .training import DIVERGED, read_diverged, train
 from .variants import run_dir_name
 
-__all__ = ["balancing_table", "compare", "ensure_trained", "eval_table", "preference_trace", "robustness_table",
-           "train_and_evaluate"]
+__all__ = ["MAX_JOBS", "balancing_table", "check_distinct", "compare", "ensure_trained", "eval_table",
+           "preference_trace", "robustness_figure", "robustness_table", "train_and_evaluate"]
+
+
+MAX_JOBS = 256  # worker processes of one comparison (drmoo.cli.MAX_JOBS checks the option against it)
 
 
 def eval_table(report: dict[str, Any]) -> str:
@@ -61,12 +61,6 @@ def eval_table(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for a single value)."""
-    mean = sum(values) / len(values)
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1))
-
-
 def robustness_table(reports: list[dict[str, Any]], eps_values: list[float], header: str) -> tuple[str, list[dict]]:
     """Table 1 layout: methods x eps, mean ± std over seeds of the task-averaged accuracy (%)."""
     methods = list(dict.fromkeys(r["method"] for r in reports))
@@ -79,13 +73,18 @@ def robustness_table(reports: list[dict[str, Any]], eps_values: list[float], hea
             values = [100 * res["mean_acc"] for r in reports if r["method"] == method
                       for res in r["results"] if abs(res["eps"] - eps) < 1e-12]
             mean, std = mean_std(values)
-            cells.append(f"{mean:.2f} ± {std:.2f}" if len(values) > 1 else f"{mean:.2f}")
+            cells.append(mean_std_text(mean, std, len(values)))
             rows.append({"method": method, "eps": eps, "mean_acc": mean, "std_acc": std, "seeds": len(values)})
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n", rows
 
 
-def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def robustness_figure(rows: list[dict[str, Any]], title: str) -> Any:
+    """robustness.png's figure: per row, the mean accuracy over seeds against eps, in a ±1 std band over seeds.
+
+    ``rows`` are :func:`compare`'s table.csv rows (``method``, ``eps``, ``mean_acc``, ``std_acc``,
+    ``seeds``).  A row trained with one seed has no band.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,20 +94,33 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     # Up to 10 rows: tab10; more: tab20, so that no two rows share a colour.  Variants (NAME[...]) dashed.
     palette = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
     fig, axis = plt.subplots(figsize=(6.5 if len(labels) <= 8 else 9.0, 4.2), constrained_layout=True)
+    seeds = max((int(r["seeds"]) for r in rows), default=1)
     for index, label in enumerate(labels):
-        mine = [r for r in rows if r["method"] == label]
-        xs, ys, err = [r["eps"] for r in mine], [r["mean_acc"] for r in mine], [r["std_acc"] for r in mine]
-        axis.errorbar(xs, ys, yerr=err if any(r["seeds"] > 1 for r in mine) else None, marker="o", ms=3,
-                      capsize=2, label=label, linewidth=1.2, color=palette(index % palette.N),
-                      linestyle="--" if "[" in label else "-")
+        mine = sorted((r for r in rows if r["method"] == label), key=lambda r: r["eps"])
+        xs, ys = [r["eps"] for r in mine], [r["mean_acc"] for r in mine]
+        color = palette(index % palette.N)
+        axis.plot(xs, ys, marker="o", ms=3, label=label, linewidth=1.2, color=color,
+                  linestyle="--" if "[" in label else "-")
+        if any(r["seeds"] > 1 for r in mine):
+            spread = [r["std_acc"] if r["seeds"] > 1 else 0.0 for r in mine]
+            axis.fill_between(xs, [y - s for y, s in zip(ys, spread)], [y + s for y, s in zip(ys, spread)],
+                              color=color, alpha=0.15, linewidth=0)
     axis.set_xlabel("FGSM eps")
     axis.set_ylabel("mean task accuracy (%)")
-    axis.set_title(title, fontsize=10)
+    band = f"; mean over {seeds} seeds, band ±1 std" if seeds > 1 else ""
+    axis.set_title(title + band, fontsize=10)
     axis.grid(alpha=0.3)
     if len(labels) <= 8:
         axis.legend(fontsize=8)
     else:  # beside the axes: inside, a dozen entries would hide the curves
         axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return fig
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = robustness_figure(rows, title)
     write_figure(fig, path, dpi=120)
     plt.close(fig)
 
@@ -242,44 +254,48 @@ def diverged_note(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _worker_threads(threads: int) -> None:
-    """A comparison worker's torch threads: the cores shared out, so that N jobs do not oversubscribe them."""
-    torch.set_num_threads(threads)
-
-
 def _run_all(configs: list[RunConfig], run_dirs: list[Path], eps_values: list[float], eps_space: str, jobs: int,
              progress: bool) -> list[tuple[dict[str, Any], dict[str, list[float]] | None]]:
     """:func:`train_and_evaluate` of every config, in this process or in ``jobs`` worker processes.
 
     Small models gain little from torch's intra-op threads: on a 2-core CPU two one-thread runs side
     by side finish a comparison of MultiLeNets about twice as fast as one two-thread run at a time.
-    Each worker gets ``cores // jobs`` threads.  The first failure stops the comparison (the runs
-    already finished are kept and reused by the next call).
+    Each worker gets ``cores // jobs`` threads, shows its training progress through the parent (one
+    bar per running job) and dies with the parent (see :mod:`drmoo.experiments.jobs`).  The first
+    failure stops the comparison (the runs already finished are kept and reused by the next call).
     """
     if jobs == 1 or len(configs) == 1:
         return [train_and_evaluate(config, run_dir, eps_values, eps_space, progress)
                 for config, run_dir in tqdm(list(zip(configs, run_dirs)), desc="compare", disable=not progress)]
-    results: list[Any] = [None] * len(configs)
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    context = multiprocessing.get_context("spawn")  # no fork of a process that holds torch's thread pools
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_worker_threads,
-                             initargs=(threads,)) as pool:
-        futures = {pool.submit(train_and_evaluate, config, run_dir, eps_values, eps_space, False): index
-                   for index, (config, run_dir) in enumerate(zip(configs, run_dirs))}
-        with tqdm(total=len(futures), desc=f"compare ({jobs} jobs)", disable=not progress) as bar:
-            try:
-                for future in as_completed(futures):
-                    results[futures[future]] = future.result()
-                    bar.update(1)
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
-    return results
+    calls = [(config, run_dir, eps_values, eps_space, progress) for config, run_dir in zip(configs, run_dirs)]
+    names = [f"{config.name} seed {config.seed}" for config in configs]
+    return run_in_workers(train_and_evaluate, calls, jobs, names, progress=progress)
+
+
+def _effective_settings(config: RunConfig) -> dict[str, Any]:
+    """What a run trains with, whatever its label says: every field but the label, and the method's
+    hyperparameters with the optimizer's own defaults filled in (``lam=0.8`` given or left out alike)."""
+    import inspect
+
+    from drmoo.optim import available
+
+    settings = asdict(config)
+    settings.pop("label")
+    hparams = dict(settings["hparams"])
+    optimizer = available().get(config.method)
+    if optimizer is not None:
+        for name, parameter in inspect.signature(optimizer.__init__).parameters.items():
+            if parameter.default is not inspect.Parameter.empty and name not in ("self", "backend"):
+                hparams.setdefault(name, parameter.default)
+    settings["hparams"] = hparams
+    return settings
 
 
 def check_distinct(configs: list[RunConfig]) -> None:
-    """Refuse a comparison that lists a row and seed twice: it would be one run counted as two."""
+    """Refuse a comparison that lists one run twice: a row and seed given twice, or two rows whose
+    settings are the same under different labels (``double-clip`` and ``double-clip[lam=0.8]`` when
+    0.8 is the default; ``mgda[solver='min_norm']`` and ``mgda[solver=min_norm]``): either would be
+    one run trained and counted as two."""
     names = [run_dir_name(c.name, c.seed) for c in configs]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if not configs:
@@ -287,6 +303,15 @@ def check_distinct(configs: list[RunConfig]) -> None:
     if repeated:
         raise UsageError(f"the comparison lists {', '.join(repeated)} twice (or two variants share its directory): "
                          "give each method, variant and seed once")
+    seen: list[tuple[dict[str, Any], RunConfig]] = []
+    for config in configs:
+        settings = _effective_settings(config)
+        twin = next((other for known, other in seen if known == settings), None)
+        if twin is not None:
+            raise UsageError(f"--methods: {twin.name} and {config.name} are the same settings (every hyperparameter "
+                             "and run length alike, defaults included) and would train the same run twice under "
+                             "two labels: give only one of them")
+        seen.append((settings, config))
 
 
 def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progress: bool = True,
@@ -300,8 +325,8 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
     Rows are labelled by :attr:`RunConfig.name` (a variant's label, else the method).  ``jobs`` > 1
     trains that many runs at once in worker processes (see :func:`_run_all`).
     """
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= 256:
-        raise UsageError(f"--jobs must be an integer in [1, 256], got {jobs!r}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= MAX_JOBS:
+        raise UsageError(f"--jobs must be an integer in [1, {MAX_JOBS}], got {jobs!r}")
     check_distinct(configs)
     names = [run_dir_name(config.name, config.seed) for config in configs]
     make_directory(out)
@@ -362,7 +387,8 @@ def _multimnist_experiment(name: str) -> Experiment:
 
     presets = {preset: values[name] for preset, values in multimnist.PRESETS.items()}
     hparams = functools.partial(multimnist.method_hparams, experiment=name)
-    return Experiment(name, build_multimnist, presets, hparams, evaluate, eval_table, compare_runs)
+    return Experiment(name, build_multimnist, presets, hparams, evaluate, eval_table, compare_runs,
+                      check_data=multimnist.check_digit_source)
 
 
 for _name in multimnist.EXPERIMENTS:  # registered on import (drmoo.experiments.registry looks them up)

@@ -15,7 +15,7 @@ from typing import Any
 
 from drmoo.store import read_json, write_figure
 
-__all__ = ["aggregate_curves", "agreement_markdown", "fgsm_comparison", "kendall_tau_b", "mean_std",
+__all__ = ["aggregate_curves", "agreement_markdown", "fgsm_comparison", "kendall_tau_b", "mean_std", "mean_std_text",
            "plot_convergence", "ranks", "side_by_side", "summary_table", "training_progress"]
 
 
@@ -27,8 +27,7 @@ def aggregate_curves(records: list[dict[str, Any]], key: str = "balanced_grad_no
     curves = []
     for (method, iteration), rows in sorted(groups.items()):
         values = [float(r[key]) for r in rows]
-        mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1))
+        mean, std = mean_std(values)
         curves.append({
             "method": method,
             "iteration": iteration,
@@ -109,44 +108,29 @@ def summary_table(summary: dict[str, Any]) -> str:
 def kendall_tau_b(x: Sequence[float], y: Sequence[float]) -> float:
     """Kendall's tau-b of two equally long sequences (ties in either corrected for); NaN when undefined.
 
-    tau_b = (C - D) / sqrt((C + D + T_x) (C + D + T_y)) over all pairs i < j, where C counts the
-    pairs ordered alike, D those ordered oppositely, T_x the pairs tied in x only and T_y those
-    tied in y only (pairs tied in both count nowhere).  Undefined (NaN) with fewer than two
-    items or when every pair is tied in x or in y.  O(n^2): the tables rank eight methods.
+    :func:`scipy.stats.kendalltau` with ``variant="b"``.  Undefined (NaN) with fewer than two items
+    or when every pair is tied in x or in y.
     """
     if len(x) != len(y):
         raise ValueError(f"kendall_tau_b needs sequences of one length, got {len(x)} and {len(y)}")
-    concordant = discordant = tied_x = tied_y = 0
-    for i in range(len(x)):
-        for j in range(i + 1, len(x)):
-            dx, dy = x[i] - x[j], y[i] - y[j]
-            if dx == 0 and dy == 0:
-                continue
-            if dx == 0:
-                tied_x += 1
-            elif dy == 0:
-                tied_y += 1
-            elif (dx > 0) == (dy > 0):
-                concordant += 1
-            else:
-                discordant += 1
-    denominator = math.sqrt((concordant + discordant + tied_x) * (concordant + discordant + tied_y))
-    return (concordant - discordant) / denominator if denominator > 0 else math.nan
+    if len(x) < 2:
+        return math.nan
+    import warnings
+
+    from scipy import stats
+
+    with warnings.catch_warnings():  # a constant sequence: NaN is the answer, not a warning
+        warnings.simplefilter("ignore")
+        return float(stats.kendalltau(x, y, variant="b").statistic)
 
 
 def ranks(values: dict[str, float]) -> dict[str, float]:
     """Rank of each key by value, 1 = the highest; ties share their mean rank; NaN values get no rank."""
-    finite = sorted(((v, k) for k, v in values.items() if not math.isnan(v)), key=lambda item: -item[0])
-    result: dict[str, float] = {}
-    start = 0
-    while start < len(finite):
-        stop = start
-        while stop + 1 < len(finite) and finite[stop + 1][0] == finite[start][0]:
-            stop += 1
-        for position in range(start, stop + 1):
-            result[finite[position][1]] = (start + stop) / 2 + 1
-        start = stop + 1
-    return result
+    from scipy import stats
+
+    finite = {key: value for key, value in values.items() if not math.isnan(value)}
+    ordered = stats.rankdata([-value for value in finite.values()], method="average")
+    return {key: float(rank) for key, rank in zip(finite, ordered)}
 
 
 def _rank_text(rank: float | None) -> str:
@@ -156,11 +140,16 @@ def _rank_text(rank: float | None) -> str:
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one value); NaN, NaN for none."""
+    """Mean and sample standard deviation (0 for one value); NaN, NaN for none.  Every table's one copy."""
     if not values:
         return math.nan, math.nan
     mean = sum(values) / len(values)
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1))
+
+
+def mean_std_text(mean: float, std: float, seeds: int) -> str:
+    """A table cell: ``mean ± std`` (2 decimals) over several seeds, the mean alone for one."""
+    return f"{mean:.2f} ± {std:.2f}" if seeds > 1 else f"{mean:.2f}"
 
 
 def side_by_side(
@@ -222,8 +211,7 @@ def side_by_side(
             if math.isnan(mean):
                 cells.append("n/a")
             else:
-                spread = f" ± {std:.2f}" if seeds[method][key] > 1 else ""
-                cells.append(f"{mean:.2f}{spread} ({_rank_text(rank)})")
+                cells.append(f"{mean_std_text(mean, std, seeds[method][key])} ({_rank_text(rank)})")
             rows.append({"method": method, "column": key, "mean": mean, "std": std, "seeds": seeds[method][key],
                          "rank": rank, "paper": paper[key].get(method), "paper_rank": paper_ranks[key].get(method)})
         for key, _ in in_paper:

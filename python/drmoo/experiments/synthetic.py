@@ -27,7 +27,7 @@ from drmoo.optim import available, create
 from drmoo.store import UsageError, make_directory, read_csv, read_json, write_csv, write_json, write_text
 
 from .problems import BatchStream, Problem, make_linear_problem, make_wine_problem
-from .summaries import aggregate_curves, plot_convergence, summary_table
+from .summaries import aggregate_curves, mean_std, plot_convergence, summary_table
 
 __all__ = ["PAPER_PRESETS", "PROBLEMS", "SyntheticConfig", "run_synthetic"]
 
@@ -268,8 +268,5 @@ def _saved_meta(path: Path) -> Any:
 
 
 def _mean_std(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": math.nan, "std": math.nan}
-    mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
-    return {"mean": mean, "std": math.sqrt(var)}
+    mean, std = mean_std(values)
+    return {"mean": mean, "std": std}

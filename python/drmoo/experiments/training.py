@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from drmoo import distributed
 from drmoo.optim import NonFiniteStepError, create
@@ -53,6 +52,7 @@ from drmoo.store import (
 from .checkpoints import CHECKPOINT, read_checkpoint, write_checkpoint
 from .devices import agreed, check_backend, setup_distributed
 from .evaluation import accuracy
+from .jobs import progress_bar
 from .run_config import RunConfig, check_run_dir
 
 __all__ = ["AMP_DTYPES", "DIVERGED", "IndexStream", "TrainingInterrupted", "per_sample_losses", "read_diverged",
@@ -323,8 +323,9 @@ def _check_extends(run: _Run, saved: dict[str, Any]) -> None:
         # asked to go further, but the other limit stops the run where it is
         limit = (f"--max-steps {config.max_steps}" if config.max_steps is not None and config.max_steps == total
                  else f"--epochs {config.epochs}")
-        raise UsageError(f"--resume {run.run_dir}: nothing to train: the run has {step} steps and its {limit} stops "
-                         "it there; raise that setting too to go further")
+        # Named by the setting that stops it, not by --resume: compare extends runs without one.
+        raise UsageError(f"{run.run_dir}: nothing to train: the run has {step} steps already and {limit} stops it "
+                         "there; raise that setting too to go further")
 
 
 def _save(run: _Run) -> None:
@@ -394,8 +395,8 @@ class _BatchLosses:
 
 def _loop(run: _Run, closure: _BatchLosses, progress: bool) -> None:
     """Train from ``run.step`` to ``run.total``; each epoch's end is saved, evaluated, saved; a signal saves, stops."""
-    bar = tqdm(total=run.total, initial=run.step, desc=f"{run.config.method} seed {run.config.seed}",
-               disable=not progress or not run.is_main, dynamic_ncols=True, mininterval=1.0)
+    bar = progress_bar(total=run.total, initial=run.step, desc=f"{run.config.name} seed {run.config.seed}",
+                       disable=not progress or not run.is_main, dynamic_ncols=True, mininterval=1.0)
     run.model.train()
     skipped: list[dict[str, Any]] = []  # fp16 steps abandoned on overflow
     with bar, _StopFlag() as stop:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RUN_KEYS", "MethodVariant", "parse_variants", "run_dir_name"]
+__all__ = ["RUN_KEYS", "MethodVariant", "expand_all", "parse_variants", "run_dir_name"]
 
 RUN_KEYS = ("epochs", "max_steps")  # keys that set the run's length instead of a hyperparameter
 _MAX_TEXT = 2000  # a --methods value longer than this is a mistake, not a comparison
@@ -39,7 +40,9 @@ class MethodVariant:
 
 def _split_top_level(text: str) -> list[str]:
     """Split at the commas that are not inside [...]."""
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in text:
         if char == "[":
             depth += 1
@@ -108,6 +111,23 @@ def parse_variants(text: str) -> list[MethodVariant]:
     if duplicates:
         raise ValueError(f"--methods names {', '.join(duplicates)} more than once (each row must be a different run)")
     return variants
+
+
+def expand_all(text: str, methods: Sequence[str]) -> str:
+    """``text`` with its item ``all`` replaced by every method in ``methods`` (in their order).
+
+    ``all,mgda[pref_lr=0]`` is every method plus one variant.  ``all+VARIANT`` (an older help's
+    spelling) is refused with the spelling that works, not read as a method's name.
+    """
+    items = _split_top_level(text)
+    for item in items:
+        if item.startswith("all+"):
+            raise ValueError(f"cannot read {item!r}: write all,{item[len('all+'):]} (all, then each variant to add, "
+                             "separated by commas)")
+    expanded: list[str] = []
+    for item in items:
+        expanded.extend(methods if item == "all" else [item])
+    return ",".join(expanded)
 
 
 def run_dir_name(label: str, seed: int) -> str:
