@@ -24,6 +24,8 @@
 #include <atomic>
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "../checks.h"
@@ -134,18 +136,34 @@ inline void write_f64(const Tensor& t, const double* values) {
   });
 }
 
-// The value of a one-element tensor (mu, lr) as float64.
+// The value of a one-element floating CPU tensor (mu, lr; check_one_value passed) as float64, which
+// must be finite and >= 0.
 inline double scalar_f64(const char* op, const char* name, const Tensor& t) {
-  check_one_value(op, name, t);
-  const ScalarType type = t.scalar_type();
-  if (t.is_cpu() && is_supported_float(type)) {
-    double value = 0.0;
-    read_f64(t, &value);
-    return value;
-  }
-  // other dtypes or devices: a float64 CPU copy (the slower path)
-  const Tensor copy = torch::stable::to(t, ScalarType::Double, std::nullopt, torch::stable::Device(DeviceType::CPU));
-  return *copy.const_data_ptr<double>();
+  double value = 0.0;
+  read_f64(t, &value);
+  check_number(op, name, value, /*allow_zero=*/true);
+  return value;
+}
+
+// sample_weight (importance weights, any stride) must be finite and >= 0: read on the host, which the
+// CPU kernels do anyway, so a direct op call is refused like the backends' (the CUDA kernels do not
+// read it: that would synchronise the device).
+inline void check_sample_weight_values(const char* op, const Tensor& weights) {
+  const int64_t rows = weights.size(0), cols = weights.size(1);
+  const int64_t row_stride = weights.stride(0), col_stride = weights.stride(1);
+  bool valid = true;
+  dispatch_floating(weights.scalar_type(), op, [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    const scalar_t* data = weights.const_data_ptr<scalar_t>();
+    for (int64_t b = 0; b < rows; ++b) {
+      for (int64_t i = 0; i < cols; ++i) {
+        const double value = static_cast<double>(data[b * row_stride + i * col_stride]);
+        valid &= value >= 0.0 && value <= std::numeric_limits<double>::max();  // NaN fails both
+      }
+    }
+  });
+  DRMOO_CHECK(valid, "drmoo.", op,
+              ": sample_weight (importance weights) must be finite and >= 0; it has negative, NaN or Inf entries");
 }
 
 // A new contiguous CPU tensor of the given shape in a math dtype (float32 or float64).
@@ -164,7 +182,17 @@ inline Tensor new_cpu_tensor(std::initializer_list<int64_t> shape, ScalarType dt
   const AOTITorchError status = aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
                                                          strides.data(), code, aoti_torch_device_type_cpu(), 0,
                                                          &handle);
-  DRMOO_CHECK(status == AOTI_TORCH_SUCCESS, "drmoo: allocating a CPU tensor failed");
+  if (status != AOTI_TORCH_SUCCESS) {
+    int64_t elements = 1;
+    std::string shape_text = "[";
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      elements *= sizes[k];
+      shape_text += (k > 0 ? ", " : "") + std::to_string(sizes[k]);
+    }
+    const int64_t bytes = elements * (dtype == ScalarType::Double ? 8 : 4);
+    throw std::runtime_error(message::concat("drmoo: allocating a CPU tensor of shape ", shape_text, "] (",
+                                             dtype_str(dtype), ", ", bytes, " bytes) failed: out of memory?"));
+  }
   return Tensor(handle);
 }
 
