@@ -202,51 +202,73 @@ inline void check_divergence(const char* op, int64_t code, double param, double 
 }
 
 // ------------------------------------------------------------------------------------------ memory
-// Whether two elements of `t` share an address for sure: a dimension of size > 1 with stride 0 (what
-// expand() gives; torch's own "internal overlap" test says yes in exactly these cases).
-template <typename Tensor>
-bool has_internal_overlap(const Tensor& t) {
-  for (int64_t k = 0; k < t.dim(); ++k) {
-    if (t.size(k) > 1 && t.stride(k) == 0) return true;
-  }
-  return false;
-}
-
-// The bytes [begin, end) that `t`'s elements span; empty for a tensor without elements.  Two tensors
-// whose spans intersect are treated as sharing memory (interleaved views of one buffer, which do not
-// touch the same elements, are refused too: a conservative rule, as torch's own is for TOO_HARD).
-struct Span {
+// The bytes [begin, end) that a tensor's elements span (empty without elements), and whether two of
+// its elements share an address for sure: a dimension of size > 1 with stride 0 (what expand() gives;
+// torch's own "internal overlap" test says yes in exactly these cases).  Two tensors whose spans
+// intersect are treated as sharing memory (interleaved views of one buffer, which touch different
+// elements, are refused too: the conservative rule, as torch's is for overlaps it cannot decide).
+// One pass over sizes() and strides(): these checks run on every call (an optimizer step's combine
+// walks every parameter), and each query of a stable-ABI tensor is a call into libtorch.
+struct Layout {
   uintptr_t begin = 0, end = 0;
+  bool repeats_elements = false;
   bool empty() const { return begin == end; }
-  bool intersects(const Span& other) const {
+  bool intersects(const Layout& other) const {
     return !empty() && !other.empty() && begin < other.end && other.begin < end;
   }
 };
 
-template <typename Tensor>
-Span span_of(const Tensor& t) {
-  if (t.numel() == 0) return {};
-  int64_t last = 0;  // the offset of the last element, in elements (torch's strides are >= 0)
-  for (int64_t k = 0; k < t.dim(); ++k) last += (t.size(k) - 1) * t.stride(k);
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  return {begin, begin + static_cast<uintptr_t>((last + 1) * static_cast<int64_t>(t.element_size()))};
+inline int64_t float_bytes(ScalarType t) {
+  return t == ScalarType::Double ? 8 : (t == ScalarType::Float ? 4 : 2);  // the four floating dtypes
 }
 
-// `t` is written in place: none of its elements may share an address.
+// `t` holds one of the four floating dtypes (checked before).
+template <typename Tensor>
+Layout layout_of(const Tensor& t) {
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  Layout layout;
+  int64_t last = 0;  // the offset of the last element, in elements (torch's strides are >= 0)
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    if (sizes[k] == 0) return {};
+    if (sizes[k] > 1 && strides[k] == 0) layout.repeats_elements = true;
+    last += (sizes[k] - 1) * strides[k];
+  }
+  layout.begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  layout.end = layout.begin + static_cast<uintptr_t>((last + 1) * float_bytes(t.scalar_type()));
+  return layout;
+}
+
+// `t` (shape `shape`) is written in place: none of its elements may share an address.
+inline void check_writable(const char* op, const std::string& name, const Layout& layout, const std::string& shape) {
+  DRMOO_CHECK(!layout.repeats_elements, "drmoo.", op, ": ", name,
+              " is written in place, but several of its elements share memory (an expanded or stride-0 tensor, "
+              "shape ", shape, "); pass ", name, ".clone()");
+}
+
 template <typename Tensor>
 void check_writable(const char* op, const std::string& name, const Tensor& t) {
-  DRMOO_CHECK(!has_internal_overlap(t), "drmoo.", op, ": ", name,
-              " is written in place, but several of its elements share memory (an expanded or stride-0 tensor, "
-              "shape ", shape_str(t), "); pass ", name, ".clone()");
+  const Layout layout = layout_of(t);
+  if (layout.repeats_elements) check_writable(op, name, layout, shape_str(t));
 }
 
-// `written` (written in place) and `other` (another argument) share no memory.
+// Another argument of the op, as the alias checks see it.
+struct Input {
+  const char* name;
+  Layout layout;
+  bool on_device;  // on the written tensors' device: addresses on different devices (a CPU lr beside
+                   // CUDA parameters) never refer to the same memory
+};
+
 template <typename Tensor>
-void check_no_alias(const char* op, const std::string& written_name, const Tensor& written, const char* other_name,
-                    const Tensor& other) {
-  // Addresses on different devices (a CPU lr beside CUDA parameters) never refer to the same memory.
-  DRMOO_CHECK(!same_device(written, other) || !span_of(written).intersects(span_of(other)), "drmoo.", op, ": ", written_name,
-              " shares memory with ", other_name, "; the op writes ", written_name, " while it reads ", other_name,
+Input input(const char* name, const Tensor& t, const Tensor& ref) {
+  return {name, layout_of(t), same_device(t, ref)};
+}
+
+// `written` (written in place) shares no memory with `other`.
+inline void check_no_alias(const char* op, const std::string& written_name, const Layout& written, const Input& other) {
+  DRMOO_CHECK(!other.on_device || !written.intersects(other.layout), "drmoo.", op, ": ", written_name,
+              " shares memory with ", other.name, "; the op writes ", written_name, " while it reads ", other.name,
               ": pass a copy (.clone()) of one of them");
 }
 
@@ -285,9 +307,10 @@ void check_dual_step_inputs(const Tensor& losses, const Tensor& eta, const Tenso
   check_number(op, "f1", f1);
   check_number(op, "f2", f2);
   check_writable(op, "eta", eta);
-  check_no_alias(op, "eta", eta, "losses", losses);
-  check_no_alias(op, "eta", eta, "w", w);
-  if (sample_weight != nullptr) check_no_alias(op, "eta", eta, "sample_weight", *sample_weight);
+  const Layout eta_layout = layout_of(eta);
+  check_no_alias(op, "eta", eta_layout, input("losses", losses, eta));
+  check_no_alias(op, "eta", eta_layout, input("w", w, eta));
+  if (sample_weight != nullptr) check_no_alias(op, "eta", eta_layout, input("sample_weight", *sample_weight, eta));
 }
 
 // J [m, n] with m >= 1.  The kernels walk each row with unit stride and step between rows by
@@ -313,48 +336,49 @@ inline std::string indexed(const char* name, size_t index) { return message::con
 
 // params (written in place): tensors on J's device with J's dtype whose numels add up to n = J.size(1),
 // none with repeated elements, none sharing memory with another parameter or with `inputs` (the
-// other tensor arguments, with their names).  All of it before the first write.
+// op's other tensor arguments).  All of it before the first write.
 template <typename Tensor, typename TensorList>
-void check_params(const char* op, const Tensor& J, const TensorList& params,
-                  std::initializer_list<std::pair<const char*, const Tensor*>> inputs) {
+void check_params(const char* op, const Tensor& J, const TensorList& params, std::initializer_list<Input> inputs) {
+  const ScalarType dtype = J.scalar_type();
   int64_t total = 0;
+  // (layout, index) of every parameter with elements
+  std::vector<std::pair<Layout, size_t>> layouts;
+  layouts.reserve(params.size());
   for (size_t k = 0; k < params.size(); ++k) {
     const Tensor& p = params[k];
     DRMOO_CHECK(same_device(p, J), "drmoo.", op, ": params[", k, "] is on ", device_str(p.device()),
                 " but J is on ", device_str(J.device()));
-    DRMOO_CHECK(p.scalar_type() == J.scalar_type(), "drmoo.", op, ": params[", k, "] has dtype ",
-                dtype_str(p.scalar_type()), " but J has ", dtype_str(J.scalar_type()),
-                "; the compiled kernels need the parameters in J's dtype");
+    const ScalarType type = p.scalar_type();
+    DRMOO_CHECK(type == dtype, "drmoo.", op, ": params[", k, "] has dtype ", dtype_str(type), " but J has ",
+                dtype_str(dtype), "; the compiled kernels need the parameters in J's dtype");
     total += p.numel();
+    const Layout layout = layout_of(p);
+    if (layout.repeats_elements) check_writable(op, indexed("params", k), layout, shape_str(p));
+    if (!layout.empty()) layouts.emplace_back(layout, k);
   }
   DRMOO_CHECK(total == J.size(1), "drmoo.", op, ": J has ", J.size(1), " columns but the parameters hold ", total,
               " elements");
-  // The parameters' spans, sorted by start: two of them share memory iff one starts before an
-  // earlier one (in that order) ends.
-  std::vector<std::pair<Span, size_t>> spans;
-  spans.reserve(params.size());
-  for (size_t k = 0; k < params.size(); ++k) {
-    const Tensor& p = params[k];
-    check_writable(op, indexed("params", k), p);
-    for (const auto& input : inputs) check_no_alias(op, indexed("params", k), p, input.first, *input.second);
-    const Span span = span_of(p);
-    if (!span.empty()) spans.emplace_back(span, k);
+  for (const auto& [layout, k] : layouts) {
+    for (const Input& other : inputs) {
+      if (other.on_device && layout.intersects(other.layout)) check_no_alias(op, indexed("params", k), layout, other);
+    }
   }
-  std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) {
+  // Sorted by start, two spans intersect iff one starts before the furthest end so far.
+  std::sort(layouts.begin(), layouts.end(), [](const auto& a, const auto& b) {
     return a.first.begin != b.first.begin ? a.first.begin < b.first.begin : a.second < b.second;
   });
-  for (size_t s = 1, widest = 0; s < spans.size(); ++s) {
-    const auto& [span, k] = spans[s];
-    const auto& [earlier, j] = spans[widest];
-    if (span.begin < earlier.end) {
+  for (size_t s = 1, widest = 0; s < layouts.size(); ++s) {
+    const auto& [layout, k] = layouts[s];
+    const auto& [earlier, j] = layouts[widest];
+    if (layout.begin < earlier.end) {
       const size_t first = std::min(j, k), second = std::max(j, k);
-      const bool same = span.begin == earlier.begin && span.end == earlier.end;
+      const bool same = layout.begin == earlier.begin && layout.end == earlier.end;
       DRMOO_CHECK(!same, "drmoo.", op, ": params[", second, "] is params[", first,
                   "] again (the same memory): it would be updated twice");
       DRMOO_CHECK(false, "drmoo.", op, ": params[", second, "] and params[", first,
                   "] share memory (overlapping views of one tensor): the shared elements would be updated twice");
     }
-    if (span.end > earlier.end) widest = s;
+    if (layout.end > earlier.end) widest = s;
   }
 }
 
@@ -364,7 +388,7 @@ void check_combine_inputs(const Tensor& J, const Tensor& w, const TensorList& pa
   const char* op = "combine";
   check_vector(op, "w", w, J.size(0), J);
   check_one_value(op, "lr", lr, J);
-  check_params(op, J, params, {{"J", &J}, {"w", &w}, {"lr", &lr}});
+  check_params(op, J, params, {input("J", J, J), input("w", w, J), input("lr", lr, J)});
 }
 
 // gram_step's arguments: J (validated by the caller), w [m] and z [m], mu, the scalars, params; w is
@@ -383,10 +407,11 @@ void check_gram_step_inputs(const Tensor& J, const Tensor& w, const TensorList& 
   check_number(op, "beta", beta, /*allow_zero=*/true);
   check_number(op, "rho", rho, /*allow_zero=*/true);
   check_writable(op, "w", w);
-  check_no_alias(op, "w", w, "J", J);
-  check_no_alias(op, "w", w, "z", z);
-  check_no_alias(op, "w", w, "mu", mu);
-  check_params(op, J, params, {{"J", &J}, {"w", &w}, {"z", &z}, {"mu", &mu}});
+  const Input J_in = input("J", J, J), w_in = input("w", w, J), z_in = input("z", z, J), mu_in = input("mu", mu, J);
+  check_no_alias(op, "w", w_in.layout, J_in);
+  check_no_alias(op, "w", w_in.layout, z_in);
+  check_no_alias(op, "w", w_in.layout, mu_in);
+  check_params(op, J, params, {J_in, w_in, z_in, mu_in});
 }
 
 // The value of lr or mu (read by the CPU kernels, which need it on the host anyway): finite and >= 0.

@@ -205,7 +205,8 @@ CASES = [
          r"J must be the \[m, n\] per-task gradient matrix"),
     Case("SW13", "meta-int64-J", "gram", lambda: {"J": torch.ones(3, 10, dtype=torch.int64, device="meta")},
          "J must be float32, float64, float16 or bfloat16"),
-    Case("SW13", "all-meta-bad-eta-shape", "dual_forward", lambda: _meta(dual_args(eta=torch.zeros(4)), "losses", "eta"),
+    Case("SW13", "all-meta-bad-eta-shape", "dual_forward",
+         lambda: _meta(dual_args(eta=torch.zeros(4)), "losses", "eta"),
          r"eta must have shape \[3\]|'cpp' backend runs on cpu tensors, but losses is on meta"),
     # SW-19: memory shared where the op writes.
     Case("SW19", "overlapping-params", "combine", _shared_buffer_params,
@@ -240,7 +241,8 @@ CASES = [
     Case("SW24", "stride0-w", "gram_step", lambda: gram_step_args(w=torch.full((1,), 1 / 3).expand(3)),
          "w is written in place, but several of its elements share memory"),
     # A later parameter that cannot be written: the earlier one must not be updated either.
-    Case("SW24", "later-stride0-param", "combine", lambda: combine_args(params=[torch.zeros(4), torch.zeros(1).expand(6)]),
+    Case("SW24", "later-stride0-param", "combine",
+         lambda: combine_args(params=[torch.zeros(4), torch.zeros(1).expand(6)]),
          r"params\[1\] is written in place, but several of its elements share memory"),
     Case("SW24", "later-stride0-param", "gram_step",
          lambda: gram_step_args(params=[torch.zeros(4), torch.zeros(1).expand(6)]),
