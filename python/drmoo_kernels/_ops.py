@@ -17,9 +17,12 @@ The wrappers take the reference's arguments (a :class:`~drmoo_kernels.divergence
 one [m, n] tensor or a list of [m, n_k] blocks, ``mu``/``lr`` as a float or a tensor) and translate
 them to the schemas' (``code, param`` for the divergence, 0-d tensors for ``mu``/``lr``).  Every
 argument is validated first, in Python, by :mod:`drmoo_kernels._checks` (the same checks as the
-reference backend's, raising ValueError/TypeError); the kernels check shapes, dtypes and devices
-again (csrc/checks.h; a RuntimeError, the one exception type of the stable ABI) for callers of
-``torch.ops.drmoo`` itself.
+reference backend's, raising ValueError/TypeError).  A caller of ``torch.ops.drmoo`` itself meets
+the same rules: the kernels check shapes, dtypes, devices, the scalars' values, the divergence's
+range and memory shared where they write (csrc/checks.h, before anything is written; a RuntimeError,
+the one exception type of the stable ABI; the CPU kernels also the values of sample_weight, lr and mu,
+which the CUDA kernels do not read on the host), and the fake kernels, which a call with ``meta``
+tensors reaches, run the shapes, dtypes and devices checks of :mod:`drmoo_kernels._checks`.
 """
 
 from __future__ import annotations
