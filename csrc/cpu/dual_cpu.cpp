@@ -84,13 +84,12 @@ void check_dual_cpu(const char* op, const Tensor& losses, const Tensor& eta, con
 
 // The checked inputs with contiguous rows, in the math dtype.
 DualInputs prepare(const Tensor& losses, const std::optional<Tensor>& sample_weight) {
-  DualInputs in{losses.is_contiguous() ? losses : torch::stable::contiguous(losses), std::nullopt,
+  DualInputs in{losses.is_contiguous() ? losses : contiguous_copy(losses, losses.scalar_type()), std::nullopt,
                 acc_dtype(losses.scalar_type())};
   if (sample_weight.has_value()) {
     const Tensor& given = *sample_weight;
-    in.sample_weight = given.scalar_type() == in.acc && given.is_contiguous()
-                           ? given
-                           : torch::stable::contiguous(torch::stable::to(given, in.acc));
+    in.sample_weight =
+        given.scalar_type() == in.acc && given.is_contiguous() ? given : contiguous_copy(given, in.acc);
   }
   return in;
 }

@@ -155,7 +155,7 @@ void combine_impl(const scalar_t* J, int64_t ld, int64_t m, const std::vector<op
     const Tensor& param = params[k];
     const int64_t count = param.numel();
     copied[k] = count != 0 && !param.is_contiguous();
-    targets.push_back(copied[k] ? torch::stable::contiguous(param) : param);
+    targets.push_back(copied[k] ? contiguous_copy(param, param.scalar_type()) : param);
     outs[k] = count == 0 ? nullptr : targets.back().mutable_data_ptr<scalar_t>();
     offsets[k] = offset;
     for (int64_t first = 0; first < count; first += kCombineGrain) {

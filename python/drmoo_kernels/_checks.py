@@ -162,7 +162,7 @@ def _values_readable(tensor: Tensor) -> bool:
 
 
 def _span(tensor: Tensor) -> tuple[int, int] | None:
-    """The bytes [begin, end) that ``tensor``'s elements span; None without elements (csrc/checks.h span_of)."""
+    """The bytes [begin, end) that ``tensor``'s elements span; None without elements (csrc/checks.h layout_of)."""
     if tensor.numel() == 0:
         return None
     last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
@@ -177,14 +177,18 @@ def _shares_memory(first: Tensor, second: Tensor) -> bool:
     return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
 
 
+def _alias_error(op: str, written_name: str, other_name: str) -> ValueError:
+    return ValueError(
+        f"drmoo.{op}: {written_name} shares memory with {other_name}; the op writes {written_name} while it reads "
+        f"{other_name}: pass a copy (.clone()) of one of them"
+    )
+
+
 def _no_alias(op: str, written_name: str, written: Tensor, others: Sequence[tuple[str, Any]]) -> None:
     """``written`` (written in place) shares memory with none of ``others`` (name, tensor or other value)."""
     for other_name, other in others:
         if isinstance(other, Tensor) and _shares_memory(written, other):
-            raise ValueError(
-                f"drmoo.{op}: {written_name} shares memory with {other_name}; the op writes {written_name} while "
-                f"it reads {other_name}: pass a copy (.clone()) of one of them"
-            )
+            raise _alias_error(op, written_name, other_name)
 
 
 def _shape(tensor: Tensor) -> str:
@@ -364,12 +368,18 @@ def _check_params(
         _writable(op, f"params[{index}]", param)
     if _structural_only():
         return
+    # The other arguments' spans, once (J may come as one block per parameter).
+    others = [(name, span) for name, other in inputs
+              if isinstance(other, Tensor) and other.device == device and (span := _span(other)) is not None]
     spans = []
     for index, param in enumerate(params):
-        _no_alias(op, f"params[{index}]", param, inputs)
         span = _span(param)
-        if span is not None:
-            spans.append((span, index))
+        if span is None:
+            continue
+        for name, other in others:
+            if span[0] < other[1] and other[0] < span[1]:
+                raise _alias_error(op, f"params[{index}]", name)
+        spans.append((span, index))
     # Sorted by start, two spans intersect iff one starts before the furthest end so far.
     spans.sort()
     widest = None

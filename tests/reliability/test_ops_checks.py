@@ -314,6 +314,22 @@ def test_u6_a_failed_allocation_names_its_size(capfd: pytest.CaptureFixture[str]
     assert "frame #" not in capfd.readouterr().err
 
 
+def test_u6_a_copy_that_cannot_be_allocated_names_its_size(capfd: pytest.CaptureFixture[str]) -> None:
+    """The kernels' own copies (non-contiguous losses, J or parameters) went through torch's dispatcher,
+    whose allocation failure read "torch_call_dispatcher(...) API call failed" under torch 2.11 and came
+    behind a C++ backtrace under 2.14.  (Losses of 2^45 rows, one stride-0 row: a copy of 384 TiB, more
+    than any address space.)"""
+    if not HAS_CPP:
+        pytest.skip("the compiled ops are not available")
+    rows = 2**45
+    losses = torch.zeros(1, 3).expand(rows, 3)
+    with pytest.raises(RuntimeError, match=rf"allocating a CPU tensor of shape \[{rows}, 3\] \(Float, "
+                                           rf"{rows * 12} bytes\) failed") as info:
+        torch.ops.drmoo.dual_forward(losses, torch.zeros(3), 1.0, 1.0, 0, 0.0, None)
+    assert "API call failed" not in str(info.value)
+    assert "frame #" not in capfd.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------- SW-20
 @pytest.mark.parametrize("backend", [name for name in ("reference", "cpp") if name in BACKENDS])
 @pytest.mark.parametrize(
