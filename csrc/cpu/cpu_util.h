@@ -23,7 +23,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <initializer_list>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "../checks.h"
@@ -134,43 +137,97 @@ inline void write_f64(const Tensor& t, const double* values) {
   });
 }
 
-// The value of a one-element tensor (mu, lr) as float64.
+// The value of a one-element floating CPU tensor (mu, lr; check_one_value passed) as float64, which
+// must be finite and >= 0.
 inline double scalar_f64(const char* op, const char* name, const Tensor& t) {
-  check_one_value(op, name, t);
-  const ScalarType type = t.scalar_type();
-  if (t.is_cpu() && is_supported_float(type)) {
-    double value = 0.0;
-    read_f64(t, &value);
-    return value;
-  }
-  // other dtypes or devices: a float64 CPU copy (the slower path)
-  const Tensor copy = torch::stable::to(t, ScalarType::Double, std::nullopt, torch::stable::Device(DeviceType::CPU));
-  return *copy.const_data_ptr<double>();
+  double value = 0.0;
+  read_f64(t, &value);
+  check_number(op, name, value, /*allow_zero=*/true);
+  return value;
 }
 
-// A new contiguous CPU tensor of the given shape in a math dtype (float32 or float64).
+// sample_weight (importance weights, any stride) must be finite and >= 0: read on the host, which the
+// CPU kernels do anyway, so a direct op call is refused like the backends' (the CUDA kernels do not
+// read it: that would synchronise the device).
+inline void check_sample_weight_values(const char* op, const Tensor& weights) {
+  const int64_t rows = weights.size(0), cols = weights.size(1);
+  const int64_t row_stride = weights.stride(0), col_stride = weights.stride(1);
+  bool valid = true;
+  dispatch_floating(weights.scalar_type(), op, [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    const scalar_t* data = weights.const_data_ptr<scalar_t>();
+    for (int64_t b = 0; b < rows; ++b) {
+      for (int64_t i = 0; i < cols; ++i) {
+        const double value = static_cast<double>(data[b * row_stride + i * col_stride]);
+        valid &= value >= 0.0 && value <= std::numeric_limits<double>::max();  // NaN fails both
+      }
+    }
+  });
+  DRMOO_CHECK(valid, "drmoo.", op,
+              ": sample_weight (importance weights) must be finite and >= 0; it has negative, NaN or Inf entries");
+}
+
+// A new contiguous CPU tensor of the given shape in one of the four floating dtypes.
 // Through the C shim's aoti_torch_empty_strided (part of the stable C ABI that
 // torch::stable::Tensor itself is built on) rather than torch::stable::empty, which boxes its
 // arguments and goes through the dispatcher: measured here, that costs ~4 us per tensor, more than
-// the small ops' own work, and every op allocates one to three outputs per optimizer step.
-inline Tensor new_cpu_tensor(std::initializer_list<int64_t> shape, ScalarType dtype) {
-  const std::vector<int64_t> sizes(shape);
+// the small ops' own work, and every op allocates one to three outputs per optimizer step.  The shim
+// also returns a failure as a status, so the error can name the size (a failure inside a dispatcher
+// call would reach the user as "API call failed" under torch 2.11, behind a backtrace under 2.14).
+inline Tensor new_cpu_tensor(const std::vector<int64_t>& sizes, ScalarType dtype) {
   std::vector<int64_t> strides(sizes.size(), 1);
   for (size_t k = sizes.size(); k-- > 1;) strides[k - 1] = strides[k] * std::max<int64_t>(sizes[k], 1);
-  DRMOO_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double,
-              "drmoo: the CPU kernels allocate float32 or float64 outputs, not ", dtype_str(dtype));
-  const int32_t code = dtype == ScalarType::Double ? aoti_torch_dtype_float64() : aoti_torch_dtype_float32();
+  int32_t code = aoti_torch_dtype_float32();
+  switch (dtype) {
+    case ScalarType::Double:
+      code = aoti_torch_dtype_float64();
+      break;
+    case ScalarType::Half:
+      code = aoti_torch_dtype_float16();
+      break;
+    case ScalarType::BFloat16:
+      code = aoti_torch_dtype_bfloat16();
+      break;
+    default:
+      DRMOO_CHECK(dtype == ScalarType::Float, "drmoo: the CPU kernels allocate floating tensors, not ",
+                  dtype_str(dtype));
+  }
   AtenTensorHandle handle = nullptr;
   const AOTITorchError status = aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
                                                          strides.data(), code, aoti_torch_device_type_cpu(), 0,
                                                          &handle);
-  DRMOO_CHECK(status == AOTI_TORCH_SUCCESS, "drmoo: allocating a CPU tensor failed");
+  if (status != AOTI_TORCH_SUCCESS) {
+    double bytes = static_cast<double>(float_bytes(dtype));
+    std::string shape_text = "[";
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      bytes *= static_cast<double>(sizes[k]);
+      shape_text += (k > 0 ? ", " : "") + std::to_string(sizes[k]);
+    }
+    char bytes_text[32];
+    std::snprintf(bytes_text, sizeof(bytes_text), "%.0f", bytes);
+    throw std::runtime_error(message::concat("drmoo: allocating a CPU tensor of shape ", shape_text, "] (",
+                                             dtype_str(dtype), ", ", bytes_text, " bytes) failed: out of memory?"));
+  }
   return Tensor(handle);
+}
+
+inline Tensor new_cpu_tensor(std::initializer_list<int64_t> shape, ScalarType dtype) {
+  return new_cpu_tensor(std::vector<int64_t>(shape), dtype);
+}
+
+// A contiguous copy of `t` in `dtype`: allocated by new_cpu_tensor (a failure names its size), filled
+// by copy_, which cannot fail on checked arguments.  Instead of torch::stable::contiguous / to, whose
+// allocation failure would lose its cause (see above).
+inline Tensor contiguous_copy(const Tensor& t, ScalarType dtype) {
+  const auto sizes = t.sizes();
+  Tensor out = new_cpu_tensor(std::vector<int64_t>(sizes.begin(), sizes.end()), dtype);
+  torch::stable::copy_(out, t);
+  return out;
 }
 
 // The CPU kernels read J row by row with unit stride: a J whose columns are not adjacent is copied.
 inline Tensor with_unit_column_stride(const Tensor& J) {
-  return J.stride(1) == 1 ? J : torch::stable::contiguous(J);
+  return J.stride(1) == 1 ? J : contiguous_copy(J, J.scalar_type());
 }
 
 inline void check_cpu(const char* op, const Tensor& t) {

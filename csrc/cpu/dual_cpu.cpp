@@ -73,17 +73,23 @@ struct DualInputs {
   ScalarType acc;
 };
 
-DualInputs prepare(const char* op, const Tensor& losses, const Tensor& eta, const std::optional<Tensor>& sample_weight,
-                   int64_t code, double param, double lam) {
+// Checks every argument of a dual op (check_dual_inputs; the sample weights' values too) before
+// anything is converted or written.
+void check_dual_cpu(const char* op, const Tensor& losses, const Tensor& eta, const std::optional<Tensor>& sample_weight,
+                    int64_t code, double param, double lam, double scale) {
   check_cpu(op, losses);
-  check_dual_inputs(op, losses, eta, sample_weight.has_value() ? &*sample_weight : nullptr, code, param, lam);
-  DualInputs in{losses.is_contiguous() ? losses : torch::stable::contiguous(losses), std::nullopt,
+  check_dual_inputs(op, losses, eta, sample_weight.has_value() ? &*sample_weight : nullptr, code, param, lam, scale);
+  if (sample_weight.has_value()) check_sample_weight_values(op, *sample_weight);
+}
+
+// The checked inputs with contiguous rows, in the math dtype.
+DualInputs prepare(const Tensor& losses, const std::optional<Tensor>& sample_weight) {
+  DualInputs in{losses.is_contiguous() ? losses : contiguous_copy(losses, losses.scalar_type()), std::nullopt,
                 acc_dtype(losses.scalar_type())};
   if (sample_weight.has_value()) {
     const Tensor& given = *sample_weight;
-    in.sample_weight = given.scalar_type() == in.acc && given.is_contiguous()
-                           ? given
-                           : torch::stable::contiguous(torch::stable::to(given, in.acc));
+    in.sample_weight =
+        given.scalar_type() == in.acc && given.is_contiguous() ? given : contiguous_copy(given, in.acc);
   }
   return in;
 }
@@ -97,7 +103,8 @@ const acc_t* weights_ptr(const DualInputs& in) {
 std::tuple<Tensor, Tensor, Tensor> dual_forward_cpu(const Tensor& losses_in, const Tensor& eta, double lam,
                                                     double scale, int64_t code, double param,
                                                     const std::optional<Tensor>& sample_weight) {
-  DualInputs in = prepare("dual_forward", losses_in, eta, sample_weight, code, param, lam);
+  check_dual_cpu("dual_forward", losses_in, eta, sample_weight, code, param, lam, scale);
+  DualInputs in = prepare(losses_in, sample_weight);
   const int64_t batch = in.losses.size(0), m = in.losses.size(1);
   Tensor objective = new_cpu_tensor({m}, in.acc);
   Tensor grad_eta = new_cpu_tensor({m}, in.acc);
@@ -131,9 +138,10 @@ std::tuple<Tensor, Tensor, Tensor> dual_forward_cpu(const Tensor& losses_in, con
 std::tuple<Tensor, Tensor, Tensor> dual_step_cpu(const Tensor& losses_in, const Tensor& eta, const Tensor& w,
                                                  double lam, double scale, int64_t code, double param, double gamma,
                                                  double f1, double f2, const std::optional<Tensor>& sample_weight) {
-  DualInputs in = prepare("dual_step", losses_in, eta, sample_weight, code, param, lam);
+  check_dual_cpu("dual_step", losses_in, eta, sample_weight, code, param, lam, scale);
+  check_dual_step_inputs(losses_in, eta, w, sample_weight.has_value() ? &*sample_weight : nullptr, gamma, f1, f2);
+  DualInputs in = prepare(losses_in, sample_weight);
   const int64_t batch = in.losses.size(0), m = in.losses.size(1);
-  check_vector("dual_step", "w", w, m, in.losses);
   Tensor z_out = new_cpu_tensor({m}, in.acc);
   Tensor mu_out = new_cpu_tensor({}, in.acc);
   Tensor weights = new_cpu_tensor({batch, m}, in.acc);

@@ -155,7 +155,7 @@ void combine_impl(const scalar_t* J, int64_t ld, int64_t m, const std::vector<op
     const Tensor& param = params[k];
     const int64_t count = param.numel();
     copied[k] = count != 0 && !param.is_contiguous();
-    targets.push_back(copied[k] ? torch::stable::contiguous(param) : param);
+    targets.push_back(copied[k] ? contiguous_copy(param, param.scalar_type()) : param);
     outs[k] = count == 0 ? nullptr : targets.back().mutable_data_ptr<scalar_t>();
     offsets[k] = offset;
     for (int64_t first = 0; first < count; first += kCombineGrain) {
@@ -194,15 +194,15 @@ Tensor float_scalar(double value) {
   return out;
 }
 
-// J validated for `op`, with rows of unit column stride.
-Tensor cpu_jacobian(const char* op, const Tensor& J) {
+// J checked for `op` (on the CPU).
+void check_cpu_jacobian(const char* op, const Tensor& J) {
   check_jacobian(op, J);
   check_cpu(op, J);
-  return with_unit_column_stride(J);
 }
 
 Tensor gram_cpu(const Tensor& J_in) {
-  const Tensor J = cpu_jacobian("gram", J_in);
+  check_cpu_jacobian("gram", J_in);
+  const Tensor J = with_unit_column_stride(J_in);
   const int64_t m = J.size(0), n = J.size(1);
   Tensor out = new_cpu_tensor({m, m}, acc_dtype(J.scalar_type()));
   dispatch_floating(J.scalar_type(), "gram", [&](auto tag) {
@@ -215,11 +215,12 @@ Tensor gram_cpu(const Tensor& J_in) {
 
 // params are declared mutated (Tensor(a!)[]): their values are written through their data pointers.
 void combine_cpu(const Tensor& J_in, const Tensor& w, const std::vector<Tensor>& params, const Tensor& lr) {
-  const Tensor J = cpu_jacobian("combine", J_in);
-  const int64_t m = J.size(0);
-  check_vector("combine", "w", w, m, J);
-  check_params("combine", J, params);
+  // Everything is checked before the first parameter is written (and before J is copied).
+  check_cpu_jacobian("combine", J_in);
+  check_combine_inputs(J_in, w, params, lr);
   const double lr_value = scalar_f64("combine", "lr", lr);
+  const Tensor J = with_unit_column_stride(J_in);
+  const int64_t m = J.size(0);
   dispatch_floating(J.scalar_type(), "combine", [&](auto tag) {
     using scalar_t = typename decltype(tag)::type;
     using acc_t = opmath_t<scalar_t>;
@@ -232,12 +233,11 @@ void combine_cpu(const Tensor& J_in, const Tensor& w, const std::vector<Tensor>&
 std::tuple<Tensor, Tensor, Tensor> gram_step_cpu(const Tensor& J_in, const Tensor& w, const std::vector<Tensor>& params,
                                                  double gamma, double c1, double c2, double beta, double rho,
                                                  const Tensor& mu, const Tensor& z) {
-  const Tensor J = cpu_jacobian("gram_step", J_in);
-  const int64_t m = J.size(0), n = J.size(1);
-  check_vector("gram_step", "w", w, m, J);
-  check_vector("gram_step", "z", z, m, J);
-  check_params("gram_step", J, params);
+  check_cpu_jacobian("gram_step", J_in);
+  check_gram_step_inputs(J_in, w, params, gamma, c1, c2, beta, rho, mu, z);
   const double mu_value = scalar_f64("gram_step", "mu", mu);
+  const Tensor J = with_unit_column_stride(J_in);
+  const int64_t m = J.size(0), n = J.size(1);
   Tensor gram = new_cpu_tensor({m, m}, acc_dtype(J.scalar_type()));
   GramStepResult result{};
   dispatch_floating(J.scalar_type(), "gram_step", [&](auto tag) {

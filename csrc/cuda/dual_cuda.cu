@@ -209,9 +209,10 @@ struct DualInputs {
 };
 
 DualInputs prepare(const char* op, const at::Tensor& losses, const at::Tensor& eta,
-                   const c10::optional<at::Tensor>& sample_weight, int64_t code, double param, double lam) {
+                   const c10::optional<at::Tensor>& sample_weight, int64_t code, double param, double lam,
+                   double scale) {
   check_cuda(op, losses);
-  check_dual_inputs(op, losses, eta, sample_weight.has_value() ? &*sample_weight : nullptr, code, param, lam);
+  check_dual_inputs(op, losses, eta, sample_weight.has_value() ? &*sample_weight : nullptr, code, param, lam, scale);
   DualInputs in;
   in.losses = losses.contiguous();  // no copy (and no ATen call beyond a flag check) when contiguous
   in.acc = acc_dtype(losses.scalar_type());
@@ -224,7 +225,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_forward_cuda(const at::Tenso
                                                                  double param,
                                                                  const c10::optional<at::Tensor>& sample_weight) {
   const c10::cuda::OptionalCUDAGuard guard(losses_in.device());
-  DualInputs in = prepare("dual_forward", losses_in, eta, sample_weight, code, param, lam);
+  DualInputs in = prepare("dual_forward", losses_in, eta, sample_weight, code, param, lam, scale);
   const int64_t batch = in.losses.size(0), m = in.losses.size(1);
   const auto options = in.losses.options().dtype(in.acc);
   at::Tensor objective = at::empty({m}, options);
@@ -258,9 +259,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_step_cuda(const at::Tensor& 
                                                               double f2,
                                                               const c10::optional<at::Tensor>& sample_weight) {
   const c10::cuda::OptionalCUDAGuard guard(losses_in.device());
-  DualInputs in = prepare("dual_step", losses_in, eta, sample_weight, code, param, lam);
+  DualInputs in = prepare("dual_step", losses_in, eta, sample_weight, code, param, lam, scale);
+  check_dual_step_inputs(losses_in, eta, w, sample_weight.has_value() ? &*sample_weight : nullptr, gamma, f1, f2);
   const int64_t batch = in.losses.size(0), m = in.losses.size(1);
-  check_vector("dual_step", "w", w, m, in.losses);
   const auto options = in.losses.options().dtype(in.acc);
   at::Tensor z = at::empty({m}, options);
   at::Tensor mu = at::empty({}, options);

@@ -661,10 +661,11 @@ at::Tensor gram_cuda(const at::Tensor& J_in) {
 
 void combine_cuda(const at::Tensor& J_in, const at::Tensor& w, at::TensorList params, const at::Tensor& lr) {
   const c10::cuda::OptionalCUDAGuard guard(J_in.device());
+  // Everything is checked before the first parameter is written (and before J is copied).
+  check_jacobian("combine", J_in);
+  check_cuda("combine", J_in);
+  check_combine_inputs(J_in, w, params, lr);
   const at::Tensor J = cuda_jacobian("combine", J_in);
-  check_vector("combine", "w", w, J.size(0), J);
-  check_params("combine", J, params);
-  check_one_value("combine", "lr", lr);
   at::Tensor lr_keep;
   UpdateArgs args{scalar_ref(lr, J.device(), &lr_keep), value_ref(w), nullptr};
   const cudaStream_t stream = current_stream();
@@ -678,12 +679,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gram_step_cuda(const at::Tensor& 
                                                               double c2, double beta, double rho,
                                                               const at::Tensor& mu, const at::Tensor& z) {
   const c10::cuda::OptionalCUDAGuard guard(J_in.device());
+  check_jacobian("gram_step", J_in);
+  check_cuda("gram_step", J_in);
+  check_gram_step_inputs(J_in, w, params, gamma, c1, c2, beta, rho, mu, z);
   const at::Tensor J = cuda_jacobian("gram_step", J_in);
   const int64_t m = J.size(0);
-  check_vector("gram_step", "w", w, m, J);
-  check_vector("gram_step", "z", z, m, J);
-  check_params("gram_step", J, params);
-  check_one_value("gram_step", "mu", mu);
   at::Tensor gram = at::empty({m, m}, J.options().dtype(acc_dtype(J.scalar_type())));
   at::Tensor d_norm = at::empty({}, J.options().dtype(at::kFloat));
   at::Tensor alpha = at::empty({}, J.options().dtype(at::kFloat));

@@ -1,23 +1,38 @@
-"""Argument checks of the public drmoo ops, shared by every backend (reference, cpp, cuda, triton).
+"""Argument checks of the public drmoo ops: the one checker of every backend (reference, cpp, cuda,
+triton) and of the fake kernels.
 
 The ops are public, so they refuse bad arguments as torch's own ops do, before anything is written,
 with a one-line message that starts ``drmoo.<op>:`` and names the argument: ``TypeError`` for
-something that is not a tensor or not floating point, ``ValueError`` for a wrong shape or an
-out-of-range value, ``RuntimeError`` for tensors on different devices and for an in-place write that
-autograd forbids (as torch says it).  These checks live here, in Python, and not only in csrc: a
-kernel built against torch's stable ABI can only raise ``RuntimeError``.
+something that is not a tensor or not floating point, ``ValueError`` for a wrong shape, an
+out-of-range value or memory shared where the op writes, ``RuntimeError`` for tensors on different
+devices and for an in-place write that autograd forbids (as torch says it).  The compiled kernels
+(csrc/checks.h) apply the same rules with the same messages to a direct ``torch.ops.drmoo.*`` call,
+as a ``RuntimeError`` (the one exception type of torch's stable ABI); the fake kernels of
+:mod:`drmoo_kernels._ops` call the functions here, so a call with ``meta`` or fake tensors is checked
+like a real one (shapes, dtypes, devices; there are no values or addresses to check).
 
 Bounds (DESIGN §1-2): ``lam`` and ``scale`` (lambda, the dual scale s), the clip caps and budgets
 ``c1, c2, f1, f2`` are finite and > 0; the step sizes ``gamma``, ``lr``, ``beta`` and ``rho`` and
 the clip factor ``mu`` are finite and >= 0 (0 is a valid "no step"); importance weights are finite
-and >= 0.
+and >= 0; the divergence's parameter lies where float32 keeps its meaning
+(:mod:`drmoo_kernels.divergences`).
+
+Memory: a tensor an op writes (``eta`` of ``dual_step``, ``w`` of ``gram_step``, the parameters) has no
+two elements at one address (an expanded, stride-0 tensor) and shares no memory with another argument
+-- parameters with each other, with J, w, z, lr or mu; eta with losses, w or sample_weight; w with J,
+z or mu -- or an update would be applied twice, or read after it was written.  Two tensors share
+memory when the byte ranges their elements span intersect (interleaved views of one buffer count
+too: the conservative rule, the same in csrc/checks.h).
 
 Tensor *values* (importance weights, a tensor ``lr`` or ``mu``) are read on the host for their
 check -- except where that would cost a device synchronisation the caller cannot afford: while
 torch.compile traces, while a CUDA graph is being captured, and inside :func:`trusted_arguments`,
-which drmoo's optimizers enter for their steps (they check the weights themselves, skip a bad step
-on the device when ``capturable=True``, and hand the ops only parameters they checked when they
-were added).  The structural checks (shapes, dtypes, devices) read no tensor value and always run.
+which drmoo's optimizers enter around their own op calls (they check the weights themselves, skip a
+bad step on the device when ``capturable=True``, and hand the ops only parameters they checked when
+they were added, and buffers of their own).  The trust covers the optimizer's code only: the user's
+closure runs under :func:`untrusted_arguments`, so the ops it calls check everything.  The compiled
+CUDA kernels likewise never read tensor values on the host; the CPU kernels do.  The structural
+checks (shapes, dtypes, devices) read no tensor value and always run.
 """
 
 from __future__ import annotations
@@ -38,7 +53,9 @@ __all__ = [
     "check_gram",
     "check_gram_step",
     "check_positive",
+    "structural_checks_only",
     "trusted_arguments",
+    "untrusted_arguments",
 ]
 
 JacobianBlocks = Tensor | Sequence[Tensor]
@@ -73,26 +90,105 @@ class _TrustedArguments:
         _trust.depth -= 1
 
 
+class _UntrustedArguments:
+    """The context of :func:`untrusted_arguments`: the trust of the enclosing code is set aside, then restored."""
+
+    def __enter__(self) -> None:
+        saved = getattr(_trust, "saved", None)
+        if saved is None:
+            saved = _trust.saved = []
+        saved.append(getattr(_trust, "depth", 0))
+        _trust.depth = 0
+
+    def __exit__(self, *_: object) -> None:
+        _trust.depth = _trust.saved.pop()
+
+
+class _StructuralChecksOnly:
+    """The context of :func:`structural_checks_only`."""
+
+    def __enter__(self) -> None:
+        _trust.structural = getattr(_trust, "structural", 0) + 1
+
+    def __exit__(self, *_: object) -> None:
+        _trust.structural -= 1
+
+
 _TRUSTED_ARGUMENTS = _TrustedArguments()
+_UNTRUSTED_ARGUMENTS = _UntrustedArguments()
+_STRUCTURAL_CHECKS_ONLY = _StructuralChecksOnly()
 
 
 def trusted_arguments() -> _TrustedArguments:
     """Within: the ops skip the checks that read tensor values or walk every parameter (see the module doc).
 
-    For callers that checked those themselves once (drmoo's optimizers); per thread, nestable.
+    For callers that checked those themselves once (drmoo's optimizers, around their own op calls);
+    per thread, nestable.
     """
     return _TRUSTED_ARGUMENTS
+
+
+def untrusted_arguments() -> _UntrustedArguments:
+    """Within: every check applies again, even inside :func:`trusted_arguments` (per thread, nestable).
+
+    drmoo's optimizers call the user's closure inside it: the trust they place in their own
+    arguments must not extend to the ops the closure calls.
+    """
+    return _UNTRUSTED_ARGUMENTS
+
+
+def structural_checks_only() -> _StructuralChecksOnly:
+    """Within: only shapes, dtypes and devices are checked (per thread, nestable).
+
+    For the fake kernels, whose tensors (``meta``, or fake ones while torch.compile traces) have no
+    values to read and no memory whose addresses could be compared.
+    """
+    return _STRUCTURAL_CHECKS_ONLY
 
 
 def _trusted() -> bool:
     return torch.compiler.is_compiling() or getattr(_trust, "depth", 0) > 0
 
 
+def _structural_only() -> bool:
+    return getattr(_trust, "structural", 0) > 0
+
+
 def _values_readable(tensor: Tensor) -> bool:
-    """Whether reading ``tensor``'s values on the host is allowed here (no trace, capture or trust)."""
-    if tensor.device.type == "meta" or _trusted():
+    """Whether reading ``tensor``'s values on the host is allowed here (no trace, capture, trust or fake)."""
+    if tensor.device.type == "meta" or _trusted() or _structural_only():
         return False
     return not (tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _span(tensor: Tensor) -> tuple[int, int] | None:
+    """The bytes [begin, end) that ``tensor``'s elements span; None without elements (csrc/checks.h layout_of)."""
+    if tensor.numel() == 0:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    begin = tensor.data_ptr()
+    return begin, begin + (last + 1) * tensor.element_size()
+
+
+def _shares_memory(first: Tensor, second: Tensor) -> bool:
+    if first.device != second.device:  # addresses on different devices never refer to one memory
+        return False
+    a, b = _span(first), _span(second)
+    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+
+
+def _alias_error(op: str, written_name: str, other_name: str) -> ValueError:
+    return ValueError(
+        f"drmoo.{op}: {written_name} shares memory with {other_name}; the op writes {written_name} while it reads "
+        f"{other_name}: pass a copy (.clone()) of one of them"
+    )
+
+
+def _no_alias(op: str, written_name: str, written: Tensor, others: Sequence[tuple[str, Any]]) -> None:
+    """``written`` (written in place) shares memory with none of ``others`` (name, tensor or other value)."""
+    for other_name, other in others:
+        if isinstance(other, Tensor) and _shares_memory(written, other):
+            raise _alias_error(op, written_name, other_name)
 
 
 def _shape(tensor: Tensor) -> str:
@@ -208,6 +304,8 @@ def check_dual_step(
     _number("dual_step", "f2", f2)
     if not _trusted():
         _writable("dual_step", "eta", eta)
+        if not _structural_only():
+            _no_alias("dual_step", "eta", eta, (("losses", losses), ("w", w), ("sample_weight", sample_weight)))
     return div
 
 
@@ -240,11 +338,13 @@ def check_gram(jacobian: Any, op: str = "gram") -> tuple[int, int, torch.device]
     return m, n, device
 
 
-def _check_params(op: str, params: Any, n: int, device: torch.device, dtype: torch.dtype | None) -> None:
+def _check_params(
+    op: str, params: Any, n: int, device: torch.device, dtype: torch.dtype | None, inputs: Sequence[tuple[str, Any]]
+) -> None:
     """Every parameter is checked before any is written: a floating tensor on J's device (in J's
-    ``dtype`` when given), their sizes add up to J's columns, none repeated or aliasing another,
-    each writable in place.  For a trusted caller (an optimizer, whose parameters were checked when
-    they were added) only the sizes."""
+    ``dtype`` when given), their sizes add up to J's columns, each writable in place, none sharing
+    memory with another parameter or with ``inputs`` (the op's other tensor arguments, named).  For
+    a trusted caller (an optimizer, whose parameters were checked when they were added) only the sizes."""
     if isinstance(params, Tensor) or not isinstance(params, (list, tuple)):
         raise TypeError(f"drmoo.{op}: params must be a list of tensors, got {type(params).__name__}")
     trusted = _trusted()
@@ -264,18 +364,45 @@ def _check_params(op: str, params: Any, n: int, device: torch.device, dtype: tor
         raise ValueError(f"drmoo.{op}: J has {n} columns but the parameters hold {total} elements")
     if trusted:
         return
-    seen: dict[int, int] = {}
     for index, param in enumerate(params):
         _writable(op, f"params[{index}]", param)
-        if param.numel() == 0:
+    if _structural_only():
+        return
+    # The other arguments' spans, once (J may come as one block per parameter).
+    others = [(name, span) for name, other in inputs
+              if isinstance(other, Tensor) and other.device == device and (span := _span(other)) is not None]
+    spans = []
+    for index, param in enumerate(params):
+        span = _span(param)
+        if span is None:
             continue
-        address = param.data_ptr()
-        if address in seen:
+        for name, other in others:
+            if span[0] < other[1] and other[0] < span[1]:
+                raise _alias_error(op, f"params[{index}]", name)
+        spans.append((span, index))
+    # Sorted by start, two spans intersect iff one starts before the furthest end so far.
+    spans.sort()
+    widest = None
+    for span, index in spans:
+        if widest is not None and span[0] < widest[0][1]:
+            first, second = sorted((widest[1], index))
+            if span == widest[0]:
+                raise ValueError(
+                    f"drmoo.{op}: params[{second}] is params[{first}] again (the same memory): it would be updated "
+                    "twice"
+                )
             raise ValueError(
-                f"drmoo.{op}: params[{index}] is params[{seen[address]}] again (the same memory): it would be "
-                "updated twice"
+                f"drmoo.{op}: params[{second}] and params[{first}] share memory (overlapping views of one tensor): "
+                "the shared elements would be updated twice"
             )
-        seen[address] = index
+        if widest is None or span[1] > widest[0][1]:
+            widest = (span, index)
+
+
+def _jacobian_inputs(jacobian: JacobianBlocks) -> list[tuple[str, Any]]:
+    if isinstance(jacobian, Tensor):
+        return [("J", jacobian)]
+    return [(f"J[{index}]", block) for index, block in enumerate(jacobian)]
 
 
 def check_combine(jacobian: Any, w: Any, params: Any, lr: Any, *, params_dtype_of_j: bool = False) -> None:
@@ -285,7 +412,7 @@ def check_combine(jacobian: Any, w: Any, params: Any, lr: Any, *, params_dtype_o
     _vector("combine", "w", w, m, device)
     _scalar("combine", "lr", lr, device, allow_zero=True)
     dtype = _first_block(jacobian).dtype if params_dtype_of_j else None
-    _check_params("combine", params, n, device, dtype)
+    _check_params("combine", params, n, device, dtype, [*_jacobian_inputs(jacobian), ("w", w), ("lr", lr)])
 
 
 def check_gram_step(
@@ -304,9 +431,11 @@ def check_gram_step(
     _number(op, "rho", rho, allow_zero=True)
     _scalar(op, "mu", mu, device, allow_zero=True)
     dtype = _first_block(jacobian).dtype if params_dtype_of_j else None
-    _check_params(op, params, n, device, dtype)
+    _check_params(op, params, n, device, dtype, [*_jacobian_inputs(jacobian), ("w", w), ("z", z), ("mu", mu)])
     if not _trusted():
         _writable(op, "w", w)
+        if not _structural_only():
+            _no_alias(op, "w", w, [*_jacobian_inputs(jacobian), ("z", z), ("mu", mu)])
 
 
 def _first_block(jacobian: JacobianBlocks) -> Tensor:

@@ -17,9 +17,12 @@ The wrappers take the reference's arguments (a :class:`~drmoo_kernels.divergence
 one [m, n] tensor or a list of [m, n_k] blocks, ``mu``/``lr`` as a float or a tensor) and translate
 them to the schemas' (``code, param`` for the divergence, 0-d tensors for ``mu``/``lr``).  Every
 argument is validated first, in Python, by :mod:`drmoo_kernels._checks` (the same checks as the
-reference backend's, raising ValueError/TypeError); the kernels check shapes, dtypes and devices
-again (csrc/checks.h; a RuntimeError, the one exception type of the stable ABI) for callers of
-``torch.ops.drmoo`` itself.
+reference backend's, raising ValueError/TypeError).  A caller of ``torch.ops.drmoo`` itself meets
+the same rules: the kernels check shapes, dtypes, devices, the scalars' values, the divergence's
+range and memory shared where they write (csrc/checks.h, before anything is written; a RuntimeError,
+the one exception type of the stable ABI; the CPU kernels also the values of sample_weight, lr and mu,
+which the CUDA kernels do not read on the host), and the fake kernels, which a call with ``meta``
+tensors reaches, run the shapes, dtypes and devices checks of :mod:`drmoo_kernels._checks`.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from torch import Tensor
 
 from . import _checks
 from ._warnings import KernelsUnavailableWarning, caller_stacklevel, only_asking_now
-from .divergences import Divergence
+from .divergences import Divergence, divergence_from_code
 
 __all__ = [
     "CompiledBackend", "KernelsUnavailableWarning", "availability", "built_with_torch", "load", "stable_abi_target",
@@ -256,16 +259,28 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _register_fakes() -> None:
-    """Shape/dtype-only kernels: what each op returns, without computing it."""
+    """Kernels for ``meta`` and fake tensors: what each op returns, without computing it.
+
+    They check their arguments with the backends' checker (:mod:`drmoo_kernels._checks`, shapes, dtypes
+    and devices: such tensors have no values or memory to check), so that a direct op call that mixes
+    a ``meta`` tensor with real ones -- which the dispatcher sends here -- is refused like any other,
+    instead of returning uninitialized memory or skipping its in-place update.
+    """
 
     @torch.library.register_fake("drmoo::dual_forward")
     def _dual_forward_fake(losses, eta, lam, scale, code, param, sample_weight):
+        with _checks.structural_checks_only():
+            _checks.check_dual_forward(losses, eta, lam, scale, divergence_from_code(code, param), sample_weight)
         acc = _acc_dtype(losses.dtype)
         m = losses.shape[1]
         return losses.new_empty(m, dtype=acc), losses.new_empty(m, dtype=acc), losses.new_empty(losses.shape, dtype=acc)
 
     @torch.library.register_fake("drmoo::dual_step")
     def _dual_step_fake(losses, eta, w, lam, scale, code, param, gamma, f1, f2, sample_weight):
+        with _checks.structural_checks_only():
+            _checks.check_dual_step(
+                losses, eta, w, lam, scale, divergence_from_code(code, param), gamma, f1, f2, sample_weight
+            )
         acc = _acc_dtype(losses.dtype)
         m = losses.shape[1]
         weights = losses.new_empty(losses.shape, dtype=acc)
@@ -273,18 +288,33 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("drmoo::gram")
     def _gram_fake(J):
+        with _checks.structural_checks_only():
+            _flat_jacobian_checked("gram", J)
         m = J.shape[0]
         return J.new_empty((m, m), dtype=_acc_dtype(J.dtype))
 
     @torch.library.register_fake("drmoo::combine")
     def _combine_fake(J, w, params, lr):
+        with _checks.structural_checks_only():
+            _flat_jacobian_checked("combine", J)
+            _checks.check_combine(J, w, params, lr, params_dtype_of_j=True)
         return None
 
     @torch.library.register_fake("drmoo::gram_step")
     def _gram_step_fake(J, w, params, gamma, c1, c2, beta, rho, mu, z):
+        with _checks.structural_checks_only():
+            _flat_jacobian_checked("gram_step", J)
+            _checks.check_gram_step(J, w, params, gamma, c1, c2, beta, rho, mu, z, params_dtype_of_j=True)
         m = J.shape[0]
         gram_matrix = J.new_empty((m, m), dtype=_acc_dtype(J.dtype))
         return gram_matrix, J.new_empty((), dtype=torch.float32), J.new_empty((), dtype=torch.float32)
+
+
+def _flat_jacobian_checked(op: str, jacobian: Tensor) -> None:
+    """The ops' schemas take J as one [m, n] tensor (the wrappers flatten blocks): refuse any other rank."""
+    _checks.check_gram(jacobian, op)
+    if jacobian.dim() != 2:
+        raise ValueError(f"drmoo.{op}: J must be the [m, n] per-task gradient matrix, got shape {list(jacobian.shape)}")
 
 
 # ----------------------------------------------------------------------------------------- wrappers

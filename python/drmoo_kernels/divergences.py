@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DIVERGENCE_NAMES", "Divergence", "get_divergence"]
+__all__ = ["DIVERGENCE_NAMES", "Divergence", "divergence_from_code", "get_divergence"]
 
 
 def _chi2_conj(u: Tensor, _: float) -> Tensor:
@@ -84,6 +84,21 @@ def _cressie_primal(t: Tensor, k: float) -> Tensor:
     return torch.where(t < 0, torch.full_like(t, math.inf), value)
 
 
+# Parameter ranges where the float32 kernels keep the divergence's meaning (csrc/checks.h holds the
+# same numbers).  Outside them float32 silently computes something else:
+# * cvar_smooth: the weights sigmoid(u + log(alpha / (1 - alpha))) / alpha need 1/alpha and alpha
+#   itself as normal float32 numbers with room for u below 0; at alpha = 1e-40 every weight was 0.
+#   From 1e-6 on, the float32 weights stay within 5e-6 (relative) of float64 for |u| <= 60.
+# * cressie_read: the base 1 + (k - 1) u of f*' = base^(1/(k-1)) is rounded to float32 (relative
+#   error 6e-8), and the power multiplies that error by 1/(k - 1): k - 1 >= 1e-3 keeps the weights
+#   within 6e-5 of their float64 values, while k = 1 + 1e-8 rounds the base to 1 (plain ERM:
+#   objective 0, weights 1).  Above k = 1e4 the exponent 1/(k-1) < 1e-4 leaves the weights within
+#   1e-3 of 1 for any float32 base, and (k - 1) u overflows long before k = 1e308 (NaN there).
+CVAR_ALPHA_MIN = 1e-6
+CRESSIE_K_MIN = 1.001
+CRESSIE_K_MAX = 1e4
+
+
 @dataclass(frozen=True)
 class _Family:
     code: int
@@ -100,17 +115,19 @@ _FAMILIES: dict[str, _Family] = {
     "chi2": _Family(0, _chi2_conj, _chi2_conj_grad, _chi2_primal, None, 0.0, "", lambda _: True),
     "kl": _Family(1, _kl_conj, _kl_conj_grad, _kl_primal, None, 0.0, "", lambda _: True),
     "cvar_smooth": _Family(
-        2, _cvar_conj, _cvar_conj_grad, _cvar_primal, "alpha", 0.1, "0 < alpha < 1",
-        lambda a: 0.0 < a < 1.0,
+        2, _cvar_conj, _cvar_conj_grad, _cvar_primal, "alpha", 0.1,
+        "1e-06 <= alpha < 1 (the divergence needs 0 < alpha < 1; below 1e-06 float32 loses its meaning)",
+        lambda a: CVAR_ALPHA_MIN <= a < 1.0,
     ),
     "cressie_read": _Family(
-        3, _cressie_conj, _cressie_conj_grad, _cressie_primal, "k", 2.0, "k > 1",
-        lambda k: k > 1.0 and math.isfinite(k),
+        3, _cressie_conj, _cressie_conj_grad, _cressie_primal, "k", 2.0,
+        "1.001 <= k <= 10000 (the divergence needs k > 1; outside this range float32 loses its meaning)",
+        lambda k: CRESSIE_K_MIN <= k <= CRESSIE_K_MAX,
     ),
 }
 
 DIVERGENCE_NAMES: tuple[str, ...] = tuple(_FAMILIES)
-_VALID = "chi2, kl, cvar_smooth(alpha) with 0 < alpha < 1, cressie_read(k) with k > 1"
+_VALID = "chi2, kl, cvar_smooth(alpha) with 1e-06 <= alpha < 1, cressie_read(k) with 1.001 <= k <= 10000"
 
 
 @dataclass(frozen=True)
@@ -206,3 +223,15 @@ def get_divergence(spec: str | Divergence, param: float | None = None) -> Diverg
     if param is None:
         param = family.default_param
     return Divergence(name, float(param))
+
+
+_NAMES_BY_CODE = {family.code: name for name, family in _FAMILIES.items()}
+
+
+def divergence_from_code(code: int, param: float) -> Divergence:
+    """The divergence the compiled ops' ``(code, param)`` arguments stand for; ValueError if there is none
+    (an unknown code, or a parameter outside its range)."""
+    name = _NAMES_BY_CODE.get(code) if isinstance(code, int) else None
+    if name is None:
+        raise ValueError(f"unknown divergence code {code!r} (0 chi2, 1 kl, 2 cvar_smooth, 3 cressie_read)")
+    return Divergence(name, float(param) if _FAMILIES[name].param_name is not None else 0.0)

@@ -55,7 +55,7 @@ from drmoo import distributed
 from drmoo.distributed import all_reduce_max
 from drmoo.jacobian import STRATEGIES, column_views, feed_head_grads, head_leaves, task_jacobian
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
-from drmoo_kernels._checks import check_positive, trusted_arguments
+from drmoo_kernels._checks import check_positive, trusted_arguments, untrusted_arguments
 
 Closure = Callable[[], Tensor]
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
@@ -583,7 +583,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                 "per-sample losses [B, num_tasks]"
             )
         origin = self.losses_origin
-        result = closure()
+        with untrusted_arguments():  # the ops the closure calls check everything (see trusted_arguments)
+            result = closure()
         losses, weights = (result if isinstance(result, tuple) and len(result) == 2 else (result, None))
         m = self.num_tasks
         if not isinstance(losses, Tensor):

@@ -148,6 +148,7 @@ class JointBaseline(MultiObjectiveOptimizer):
         self._batches_drawn += 1
         h = self.param_groups[0]
         objective, z, cotangent = self.dual_forward(losses.detach(), self.eta, h["lam"], 1.0)
+        self.check_dual(objective, z)  # a NaN objective (finite weights) is a non-finite step too
         return TaskGradients(losses, objective, z, cotangent, None)
 
     def task_gradients(self, closure: Closure | None, slot: str, *, feed_heads: bool) -> TaskGradients:
