@@ -14,7 +14,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from drmoo.store import (
+    MAX_PAYLOAD_BYTES,
     CheckpointError,
     CheckpointFile,
     UsageError,
@@ -25,8 +28,8 @@ from drmoo.store import (
 
 from .run_config import RunConfig, config_differences, read_run_config
 
-__all__ = ["CHECKPOINT", "checkpoint_provenance", "load_checkpoint", "read_checkpoint", "result_matches_checkpoint",
-           "write_checkpoint"]
+__all__ = ["CHECKPOINT", "checkpoint_provenance", "load_checkpoint", "payload_budget", "read_checkpoint",
+           "result_matches_checkpoint", "write_checkpoint"]
 
 CHECKPOINT = "checkpoint.pt"  # in the run directory
 
@@ -36,13 +39,42 @@ def write_checkpoint(path: Path, state: dict[str, Any], config: RunConfig) -> st
     return write_checkpoint_file(path, state, {"config": asdict(config), "step": state.get("step")})
 
 
-def load_checkpoint(run_dir: Path, config: RunConfig | None = None) -> CheckpointFile:
-    """The verified checkpoint of ``run_dir`` (header, state, payload SHA-256); see :func:`read_checkpoint`."""
+# What a checkpoint holds beside the model's tensors, per unit (see payload_budget): generous, since a
+# legitimate run must never be refused; an attacker's payload is still bounded by the run's size.
+STATE_COPIES_PER_TASK = 2  # optimizer state per shared-parameter tensor: up to 4 + 2 m copies of the model
+STATE_COPIES = 4
+BYTES_PER_TRAINING_ROW = 16  # the index stream's permutation (int64) and slack
+BYTES_PER_STEP_PER_TASK = 96  # a steps.csv row in the pickled state: w_i, eta_i keys and floats
+BYTES_PER_STEP = 1024  # the row's other fields
+FIXED_BUDGET = 64 << 20  # RNG states, headers, epoch rows, pickle framing
+
+
+def payload_budget(model: nn.Module, tasks: int, training_rows: int, steps: int) -> int:
+    """The most payload bytes a checkpoint of this run can legitimately hold.
+
+    The model's tensors (parameters and buffers) times the optimizer's copies of them (moments,
+    tracking estimates: at most 4 + 2 ``tasks`` copies), the index stream over ``training_rows``
+    rows, ``steps`` rows of per-step metrics and a fixed 64 MiB for the rest.  A header announcing
+    more is refused before anything is allocated, whatever hash it carries.
+    """
+    tensor_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values() if hasattr(t, "numel"))
+    copies = STATE_COPIES + STATE_COPIES_PER_TASK * tasks
+    return min(MAX_PAYLOAD_BYTES, (1 + copies) * tensor_bytes + BYTES_PER_TRAINING_ROW * training_rows
+               + (BYTES_PER_STEP + BYTES_PER_STEP_PER_TASK * tasks) * steps + FIXED_BUDGET)
+
+
+def load_checkpoint(run_dir: Path, config: RunConfig | None = None,
+                    max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> CheckpointFile:
+    """The verified checkpoint of ``run_dir`` (header, state, payload SHA-256); see :func:`read_checkpoint`.
+
+    ``max_payload_bytes``: what the run can hold (:func:`payload_budget`); drmoo's eval and resume
+    pass it, other callers get the store's documented cap.
+    """
     path = run_dir / CHECKPOINT
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: train the run first")
     expected = config if config is not None else read_run_config(run_dir)
-    checkpoint = read_checkpoint_file(path)
+    checkpoint = read_checkpoint_file(path, max_payload_bytes=max_payload_bytes)
     saved_config = checkpoint.header.get("config")
     if not isinstance(saved_config, dict):
         raise CheckpointError(f"{path}: refused: its header is corrupt or truncated")
@@ -55,7 +87,8 @@ def load_checkpoint(run_dir: Path, config: RunConfig | None = None) -> Checkpoin
     return checkpoint
 
 
-def read_checkpoint(run_dir: Path, config: RunConfig | None = None) -> dict[str, Any]:
+def read_checkpoint(run_dir: Path, config: RunConfig | None = None,
+                    max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> dict[str, Any]:
     """The state in ``run_dir``'s checkpoint, after checking it belongs to the run and is intact.
 
     Refused (:class:`CheckpointError`, one line) unless the run store's checks pass
@@ -63,7 +96,7 @@ def read_checkpoint(run_dir: Path, config: RunConfig | None = None) -> dict[str,
     the SHA-256, ``weights_only=True`` unpickling) and the header's config agrees with ``config``
     (default: ``run_dir/config.json``) on every setting but ``RESUMABLE_FIELDS``.
     """
-    return load_checkpoint(run_dir, config).state
+    return load_checkpoint(run_dir, config, max_payload_bytes).state
 
 
 def checkpoint_provenance(checkpoint: CheckpointFile) -> dict[str, Any]:

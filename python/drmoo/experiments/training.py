@@ -50,7 +50,7 @@ from drmoo.store import (
     write_json,
 )
 
-from .checkpoints import CHECKPOINT, read_checkpoint, write_checkpoint
+from .checkpoints import CHECKPOINT, payload_budget, read_checkpoint, write_checkpoint
 from .devices import agreed, check_backend, setup_distributed
 from .evaluation import accuracy
 from .run_config import RunConfig, check_run_dir
@@ -247,7 +247,10 @@ def _train_locked(run: _Run, resume: bool, progress: bool, sample_weight: Callab
                   ) -> dict[str, Any]:
     """Restore a resumed run, then train it to ``run.total`` steps; called holding the run's lock."""
     if resume:
-        _restore(run, read_checkpoint(run.run_dir, run.config))  # verified before anything is written
+        # verified before anything is written; its size bounded by what this run can hold (a resume may
+        # only extend the run, so the checkpoint's steps are at most run.total)
+        budget = payload_budget(run.model, run.data.num_tasks, run.stream.size, run.total)
+        _restore(run, read_checkpoint(run.run_dir, run.config, budget))
     elif run.checkpoint_path.exists():
         raise FileExistsError(
             f"{run.run_dir} already holds a run; pass --resume {run.run_dir} to continue it or pick a new --out"
