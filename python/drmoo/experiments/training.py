@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -39,6 +40,8 @@ from tqdm.auto import tqdm
 from drmoo import distributed
 from drmoo.optim import NonFiniteStepError, create
 from drmoo.store import (
+    LOCK_FILE,
+    TEMP_SUFFIX,
     CheckpointError,
     UsageError,
     atomic_write,
@@ -53,10 +56,10 @@ from drmoo.store import (
 from .checkpoints import CHECKPOINT, payload_budget, read_checkpoint, write_checkpoint
 from .devices import agreed, check_backend, setup_distributed
 from .evaluation import accuracy
-from .run_config import RunConfig, check_run_dir
+from .run_config import RunConfig, check_run_dir, read_run_config
 
-__all__ = ["AMP_DTYPES", "DIVERGED", "IndexStream", "TrainingInterrupted", "per_sample_losses", "read_diverged",
-           "train"]
+__all__ = ["AMP_DTYPES", "DIVERGED", "IndexStream", "TrainingInterrupted", "check_fresh_directory", "holds_run",
+           "per_sample_losses", "read_diverged", "train"]
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # run_config.AMP_MODES -> dtype
 # fp16: dynamic gradient scaling with torch.amp.GradScaler's defaults (2^16, x0.5 on overflow,
@@ -174,6 +177,40 @@ class _Run:
         return self.run_dir / CHECKPOINT
 
 
+def holds_run(directory: Path) -> bool:
+    """Whether ``directory`` holds a drmoo run: a ``config.json`` that reads as a drmoo run config (no link)."""
+    try:
+        read_run_config(directory)
+    except (UsageError, FileNotFoundError, OSError):
+        return False
+    return True
+
+
+def check_fresh_directory(directory: Path, what: str = "run directory", runs_below: bool = False) -> None:
+    """Refuse to start writing into a directory that is neither new, empty, nor drmoo's own.
+
+    ``directory`` may be absent, empty (drmoo's lock file and temporaries aside), or hold a drmoo
+    run (``runs_below``: a comparison, with a run in one of its sub-directories).  Anything else is
+    someone's data: ``--out`` pointed at the wrong place would overwrite their config.json or
+    metrics.csv, so it is refused with one line and left as it is.
+    """
+    try:
+        names = [name for name in os.listdir(directory) if name != LOCK_FILE and not name.endswith(TEMP_SUFFIX)]
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise UsageError(f"the {what} {directory} is a file, not a directory: pick another --out") from None
+    except OSError as error:
+        raise UsageError(f"cannot list the {what} {directory}: {error.strerror or error}") from None
+    if not names or holds_run(directory):
+        return
+    if runs_below and any(holds_run(directory / name) for name in names if not os.path.islink(directory / name)):
+        return
+    shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+    raise UsageError(f"the {what} {directory} is not empty and holds no drmoo run ({shown}): refusing to write into "
+                     "it; pick a new or empty --out")
+
+
 def train(
     config: RunConfig,
     run_dir: Path,
@@ -202,6 +239,8 @@ def train(
     if not resume and checkpoint_path.exists():  # checked again under the lock
         raise FileExistsError(f"{run_dir} already holds a run; pass --resume {run_dir} to continue it or pick a new "
                               "--out")
+    if not resume:
+        check_fresh_directory(run_dir)
     created_group, device = setup_distributed(config.device)
     is_main = distributed.rank() == 0
     try:
@@ -256,7 +295,9 @@ def _train_locked(run: _Run, resume: bool, progress: bool, sample_weight: Callab
             f"{run.run_dir} already holds a run; pass --resume {run.run_dir} to continue it or pick a new --out"
         )
     if run.is_main:  # everything is checked: from here on the run directory changes
-        for marker in ("done", DIVERGED):  # markers, not work: written again when this run ends
+        # markers, not work: written again when this run ends; eval.json describes the weights being
+        # replaced, so it goes too (drmoo eval writes it again for the new ones)
+        for marker in ("done", DIVERGED, "eval.json"):
             remove_file(run.run_dir / marker)
         atomic_write(run.run_dir / "config.json", [run.config.to_json().encode()])
     run.started = time.perf_counter()
