@@ -132,10 +132,11 @@ def test_dl2_report_replaces_its_own_earlier_report(trained_template: Path, tmp_
     assert main(["report", "--runs", str(trained_template), "--out", str(out)]) == 0
 
 
-def test_dl2_only_the_head_of_an_existing_out_file_is_read(trained_template: Path, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whether --out is an earlier report is decided from its first 4 KiB; a 256 MiB sparse file (a few
-    KB on disk) must not be read further (it used to be read up to 1 GiB)."""
+def test_dl2_a_grown_report_is_refused_without_reading_it(trained_template: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 256 MiB sparse file (a few KB on disk) must not be read (it used to be read up to 1 GiB).  Since
+    issue 29 (DL-4) an earlier report is replaced only when unmodified (its signature line matches):
+    one grown past the report cap is refused from its size alone, without a byte read."""
     from drmoo.experiments import results_report
 
     out = tmp_path / "report.md"
@@ -150,8 +151,9 @@ def test_dl2_only_the_head_of_an_existing_out_file_is_read(trained_template: Pat
         return data
 
     monkeypatch.setattr(os, "read", counting_read)
-    results_report._check_output(out, [str(trained_template)])  # an earlier report: may be replaced
-    assert 0 < read[0] <= results_report.REPORT_HEAD_BYTES
+    with pytest.raises(store.UsageError, match="not a report drmoo wrote"):
+        results_report._check_output(out, [str(trained_template)])  # no longer the report drmoo wrote
+    assert read[0] == 0
 
 
 # ------------------------------------------------------------------------------- crashes
