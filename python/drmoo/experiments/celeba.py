@@ -28,7 +28,7 @@ from .evaluation import load_trained_run
 from .registry import Experiment, register
 from .robustness import check_distinct, diverged_note, ensure_trained, mean_std, reusable_result
 from .run_config import RunConfig
-from .training import check_fresh_directory, read_diverged
+from .training import check_fresh_directory, check_run_names, read_diverged
 
 __all__ = ["CELEBA", "PAPER_METHOD_HPARAMS", "PRESETS", "build_celeba", "compare_celeba", "evaluate_celeba",
            "label_balancing_weights", "method_hparams", "metrics_table", "table_two"]
@@ -189,6 +189,7 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
                    progress: bool = True) -> str:
     """Train (reusing finished runs, resuming interrupted ones) and evaluate every config; write table.md/csv."""
     check_distinct(configs)
+    check_run_names(out, [f"{config.method}-seed{config.seed}" for config in configs])
     check_fresh_directory(out, "comparison directory", runs_below=True)
     make_directory(out)
     reports, started = [], time.perf_counter()

@@ -38,7 +38,7 @@ from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
 from .run_config import RunConfig, config_differences, read_run_config
 from .summaries import fgsm_comparison
-from .training import DIVERGED, check_fresh_directory, read_diverged, train
+from .training import DIVERGED, check_fresh_directory, check_run_names, read_diverged, train
 from .variants import run_dir_name
 
 __all__ = ["balancing_table", "compare", "ensure_trained", "eval_table", "preference_trace", "robustness_table",
@@ -314,6 +314,7 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
         raise UsageError(f"--jobs must be an integer in [1, 256], got {jobs!r}")
     check_distinct(configs)
     names = [run_dir_name(config.name, config.seed) for config in configs]
+    check_run_names(out, names)
     check_fresh_directory(out, "comparison directory", runs_below=True)
     make_directory(out)
     started = time.perf_counter()

@@ -58,7 +58,8 @@ from .devices import agreed, check_backend, setup_distributed
 from .evaluation import accuracy
 from .run_config import RunConfig, check_run_dir, read_run_config
 
-__all__ = ["AMP_DTYPES", "DIVERGED", "IndexStream", "TrainingInterrupted", "check_fresh_directory", "holds_run",
+__all__ = ["AMP_DTYPES", "DIVERGED", "IndexStream", "TrainingInterrupted", "check_fresh_directory", "check_run_names",
+           "holds_run",
            "per_sample_losses", "read_diverged", "train"]
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # run_config.AMP_MODES -> dtype
@@ -184,6 +185,19 @@ def holds_run(directory: Path) -> bool:
     except (UsageError, FileNotFoundError, OSError):
         return False
     return True
+
+
+def check_run_names(directory: Path, names: list[str]) -> None:
+    """Refuse a comparison whose run directory names are symbolic links (one line, before anything is written).
+
+    ``ln -s VICTIM CMP/mgda-seed0`` would otherwise make ``compare --out CMP`` train into VICTIM; the
+    store refuses every read and write through it anyway, this says so before the work starts.
+    """
+    for name in names:
+        if os.path.islink(directory / name):
+            raise UsageError(f"{directory / name}, the directory of one of the runs compared, is a symbolic link: "
+                             "drmoo never follows a link at a run directory (someone may have planted it); remove "
+                             "it or pick another --out")
 
 
 def check_fresh_directory(directory: Path, what: str = "run directory", runs_below: bool = False) -> None:
