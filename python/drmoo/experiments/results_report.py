@@ -142,7 +142,7 @@ def _type_name(schema: Any) -> str:
         return f"a list of {_type_name(schema[0])}s"
     types = schema if isinstance(schema, tuple) else (schema,)
     names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "list", dict: "object"}
-    return " or ".join(dict.fromkeys(names.get(t, _type_name(t)) if isinstance(t, type) else _type_name(t)
+    return " or ".join(dict.fromkeys(names.get(t, t.__name__) if isinstance(t, type) else _type_name(t)
                                      for t in types))
 
 
