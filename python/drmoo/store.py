@@ -60,7 +60,8 @@ from typing import Any, BinaryIO
 __all__ = [
     "CHECKPOINT_MAGIC", "MAX_CSV_ROW_BYTES", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_SIDE_FILE_BYTES",
     "CheckpointError", "CheckpointFile", "ResultNotSaved", "RunLockedError", "SymlinkRefused", "UsageError",
-    "atomic_write", "clean_stale_temporaries", "iter_csv", "make_directory", "open_mapped_file", "parse_json",
+    "atomic_write", "available_memory", "clean_stale_temporaries", "iter_csv", "make_directory", "open_mapped_file",
+    "parse_json",
     "read_bytes", "read_checkpoint_file", "read_checkpoint_header", "read_csv", "read_head", "read_json", "read_text",
     "regular_file_size", "remove_file", "run_lock", "save_result", "write_bytes", "write_checkpoint_file", "write_csv",
     "write_figure", "write_json", "write_text",
@@ -502,6 +503,23 @@ def iter_csv(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str =
 def read_csv(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str = "CSV file") -> list[dict[str, str]]:
     """A bounded CSV file as a list of rows of strings (:func:`iter_csv` kept whole: for small files)."""
     return list(iter_csv(path, max_bytes, what))
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process could still get (``MemAvailable``, else physical memory); None when unknown.
+
+    What a caller compares a size it is about to allocate with, to refuse it with one line first.
+    """
+    try:
+        for line in read_text(Path("/proc/meminfo"), 1 << 20, "memory description").splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drmoo.store import UsageError, make_directory, read_checkpoint_file, write_checkpoint_file
+from drmoo.store import UsageError, available_memory, make_directory, read_checkpoint_file, write_checkpoint_file
 
 from .mnist import DigitSplits, digit_source_fingerprint, load_mnist
 
@@ -277,21 +277,6 @@ def _payload_bound(recipe: MultiMnistRecipe, counts: tuple[int, int]) -> int:
     return _tensor_bytes(recipe, counts) + CACHE_SLACK_BYTES
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory this process could still get (MemAvailable, or physical memory), None when unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _check_allocatable(recipe: MultiMnistRecipe, counts: tuple[int, int]) -> None:
     """Refuse (one line, before any allocation) a recipe whose tensors cannot fit in this machine's memory.
 
@@ -300,7 +285,7 @@ def _check_allocatable(recipe: MultiMnistRecipe, counts: tuple[int, int]) -> Non
     """
     canvas = recipe.canvas**2 * max(counts)
     needed = _tensor_bytes(recipe, counts) + canvas + 8 * counts[0]
-    available = _available_memory()
+    available = available_memory()
     if available is not None and needed > available:
         raise UsageError(
             f"Multi-MNIST with {counts[0]} train and {counts[1]} test composites of {recipe.input_size} px needs about "

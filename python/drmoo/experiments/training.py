@@ -210,10 +210,8 @@ def check_fresh_directory(directory: Path, what: str = "run directory", runs_bel
     """
     try:
         names = [name for name in os.listdir(directory) if name != LOCK_FILE and not name.endswith(TEMP_SUFFIX)]
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # not there yet (or a file in the way: make_directory says so)
         return
-    except NotADirectoryError:
-        raise UsageError(f"the {what} {directory} is a file, not a directory: pick another --out") from None
     except OSError as error:
         raise UsageError(f"cannot list the {what} {directory}: {error.strerror or error}") from None
     if not names or holds_run(directory):
