@@ -100,6 +100,19 @@ def test_sec4_a_real_run_fits_its_budget_with_room(trained_run: Path) -> None:
     assert size < payload_budget(model, tasks=2, training_rows=data.train_labels.shape[0], steps=1) / 4
 
 
+def test_sec4_a_checkpoint_state_with_an_extra_entry_is_refused(trained_run: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """A hash-valid checkpoint could carry any extra tensor; it was loaded into memory with the run's state."""
+    path = trained_run / "checkpoint.pt"
+    checkpoint = store.read_checkpoint_file(path)
+    store.write_checkpoint_file(path, {**checkpoint.state, "extra": torch.zeros(10)}, {
+        k: v for k, v in checkpoint.header.items() if k not in ("format", "payload_bytes", "payload_sha256")})
+    assert_one_line_refusal(*run_cli(["eval", "--run", str(trained_run), "--quiet"], capsys),
+                            "refused", "entries drmoo never writes")
+    assert_one_line_refusal(*run_cli(["train", "--resume", str(trained_run), "--max-steps", "3", "--quiet"],
+                                     capsys), "refused", "entries drmoo never writes")
+
+
 def _tiny_recipe() -> MultiMnistRecipe:
     return MultiMnistRecipe(digits=2, input_size=16, train_size=32, test_size=8)
 

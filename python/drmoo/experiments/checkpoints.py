@@ -6,6 +6,9 @@ store's (:func:`drmoo.store.write_checkpoint_file`, :func:`drmoo.store.read_chec
 the header a run writes (its config and step), the check that a checkpoint belongs to the run
 directory's ``config.json`` (every setting but :data:`~drmoo.experiments.run_config.RESUMABLE_FIELDS`),
 and the provenance that binds a result such as ``eval.json`` to the weights it was computed from.
+:func:`payload_budget` is what a run's checkpoint can legitimately weigh: the bound its readers give the
+store, which the header (anyone can write one with a matching hash) cannot raise; a state holding
+entries beyond :data:`STATE_KEYS` is refused.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ __all__ = ["CHECKPOINT", "checkpoint_provenance", "load_checkpoint", "payload_bu
            "result_matches_checkpoint", "write_checkpoint"]
 
 CHECKPOINT = "checkpoint.pt"  # in the run directory
+# Everything a run's checkpoint holds (training._save): an entry beyond these is refused, never loaded.
+STATE_KEYS = frozenset({"model", "optimizer", "heads", "stream", "rng", "cuda_rng", "step", "epochs", "steps",
+                        "config", "grad_scale", "pending_epoch"})
 
 
 def write_checkpoint(path: Path, state: dict[str, Any], config: RunConfig) -> str:
@@ -84,6 +90,10 @@ def load_checkpoint(run_dir: Path, config: RunConfig | None = None,
                               f"{run_dir / 'config.json'} ({'; '.join(differences)})")
     if checkpoint.state.get("config") != saved_config:
         raise CheckpointError(f"{path}: refused: its payload does not match its header")
+    unknown = sorted(map(str, set(checkpoint.state) - STATE_KEYS))
+    if unknown:
+        raise CheckpointError(f"{path}: refused: its state holds entries drmoo never writes "
+                              f"({', '.join(unknown)[:200]})")
     return checkpoint
 
 
