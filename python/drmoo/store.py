@@ -55,7 +55,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 __all__ = [
     "CHECKPOINT_MAGIC", "MAX_CSV_ROW_BYTES", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_SIDE_FILE_BYTES",
@@ -678,7 +678,7 @@ def read_checkpoint_file(path: str | Path, what: str = "checkpoint",
         raise CheckpointError(f"{path}: refused: the payload's SHA-256 differs from the one recorded in its "
                               "header (the file is corrupt)")
     try:
-        state = torch.load(_MemoryFile(memoryview(payload)), map_location="cpu", weights_only=True)
+        state = torch.load(cast(BinaryIO, _MemoryFile(memoryview(payload))), map_location="cpu", weights_only=True)
     except Exception as error:  # untrusted bytes: any failure to parse them refuses the file
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{path}: refused: its payload holds more than tensors and plain containers "
