@@ -9,6 +9,7 @@ so a later reader can tell whether it still describes the run's weights.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,9 @@ def load_trained_run(run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module
     """:func:`load_trained` and the provenance of the weights loaded (see :func:`checkpoint_provenance`)."""
     config = read_run_config(run_dir)
     target = resolve_device(device or config.device)
-    model, data = build(config)  # first: the checkpoint's size is bounded by what this model's run can hold
+    if not os.path.lexists(run_dir / CHECKPOINT):  # before building the model and data: the cheap refusal first
+        raise FileNotFoundError(f"{run_dir / CHECKPOINT} does not exist: train the run first")
+    model, data = build(config)  # then: the checkpoint's size is bounded by what this model's run can hold
     budget = payload_budget(model, data.num_tasks, data.train_labels.shape[0], _run_length(config, data))
     # verified (size within the budget, SHA-256, config) and never unpickled freely
     checkpoint = load_checkpoint(run_dir, config, budget)
