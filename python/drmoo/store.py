@@ -3,22 +3,34 @@
 Run directories and caches may be shared with other users or damaged by a crash, a full disk or a
 careless edit, so everything that touches them goes through this module, which promises:
 
+* **No symbolic link is followed at a file or at the directory that holds it.**  Every read and
+  write first opens the file's directory with ``O_DIRECTORY|O_NOFOLLOW`` and then the file
+  relative to that descriptor (``openat``) with ``O_NOFOLLOW``; a link at either name is refused
+  with one line, never followed.  So a link planted at a run directory's name inside a comparison
+  (``CMP/mgda-seed0 -> VICTIM``) or at a side file's name (``metrics.csv -> ~/.ssh/id_ed25519``)
+  redirects nothing.  The directories above the file's directory are the caller's: they are the
+  path the user typed (``--out``, ``--runs``, ``DRMOO_CACHE``).  Directories are created refusing
+  a link at their name too (:func:`make_directory`).
 * **Atomic writes.**  A file is written into an exclusive temporary file of unpredictable name in the
   target's directory (``O_CREAT|O_EXCL|O_NOFOLLOW``: a planted file or symlink at that name is never
-  opened), fsynced, renamed over the target and the directory fsynced.  A reader sees the old file
-  or the new one, never a mix; a failed write removes its temporary file and keeps the old file.
-* **No symlink following on write.**  The rename replaces a symlink at the target's name by a
-  regular file; it never writes through it.  The lock file is opened ``O_NOFOLLOW`` and must be a
+  opened), fsynced, renamed over the target (``renameat`` in the same directory descriptor) and the
+  directory fsynced.  A reader sees the old file or the new one, never a mix; a failed write removes
+  its temporary file and keeps the old file.  The rename replaces a symlink at the target's name by
+  a regular file; it never writes through it.  The lock file is opened ``O_NOFOLLOW`` and must be a
   regular file with one link, so a planted link to another file is refused, never truncated.
-* **Stale temporary files are removed** when a run directory is locked: those of this module's
-  naming pattern whose writing process no longer exists (a SIGKILL or power loss mid-write).
+* **Stale temporary files are removed** when a run directory is locked: only regular files named
+  like this module's own temporaries (``.NAME.<pid>.<16 hex digits>.drmoo-tmp``) whose writing
+  process no longer exists (a SIGKILL or power loss mid-write).  Nothing else is touched.
 * **Bounded reads.**  JSON, CSV and text side files are read only when they are regular files below
-  a size cap, and JSON is parsed with a nesting-depth limit and finite numbers only.  A checkpoint is
-  checked in this order before anything is unpickled: a regular file, the magic line, a header of at
-  most ``MAX_HEADER_BYTES``, the file size equal to the header's announced payload size, a
-  ``torch.save`` archive signature, the payload's SHA-256 (hashed in chunks), and only then the
-  payload is read into memory (hashed again, so a file swapped meanwhile is refused) and unpickled
-  with ``weights_only=True``.
+  a size cap, and JSON is parsed with a nesting-depth limit and finite numbers only.  CSV files are
+  streamed (:func:`iter_csv`): one row at a time, each row at most ``MAX_CSV_ROW_BYTES``, so a reader
+  keeps only what it needs.  A checkpoint is checked in this order before anything is unpickled: a
+  regular file, the magic line, a header of at most ``MAX_HEADER_BYTES``, the file size equal to
+  the header's announced payload size, that size at most the caller's bound (what the run can
+  legitimately hold, computed from its model, data and length; :data:`MAX_PAYLOAD_BYTES` when the
+  caller knows nothing better), a ``torch.save`` archive signature; only then is the payload
+  streamed once into one buffer of exactly that size while it is hashed, its SHA-256 compared
+  with the header's, and the buffer unpickled in place with ``weights_only=True``.
 * **One-line errors.**  A full disk, a file-size limit, a read-only or forbidden place raise
   :class:`UsageError` naming the file and the cause; the old file stays as it was.
 
@@ -43,27 +55,34 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 __all__ = [
-    "CHECKPOINT_MAGIC", "MAX_HEADER_BYTES", "MAX_SIDE_FILE_BYTES", "CheckpointError", "CheckpointFile",
-    "ResultNotSaved", "RunLockedError", "UsageError", "atomic_write", "clean_stale_temporaries", "make_directory",
-    "open_mapped_file", "parse_json", "read_bytes", "read_checkpoint_file", "read_checkpoint_header", "read_csv",
-    "read_head", "read_json", "read_text", "remove_file", "run_lock", "save_result", "write_bytes",
-    "write_checkpoint_file", "write_csv", "write_figure", "write_json", "write_text",
+    "CHECKPOINT_MAGIC", "MAX_CSV_ROW_BYTES", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_SIDE_FILE_BYTES",
+    "CheckpointError", "CheckpointFile", "ResultNotSaved", "RunLockedError", "SymlinkRefused", "UsageError",
+    "atomic_write", "available_memory", "clean_stale_temporaries", "iter_csv", "make_directory", "open_mapped_file",
+    "parse_json",
+    "read_bytes", "read_checkpoint_file", "read_checkpoint_header", "read_csv", "read_head", "read_json", "read_text",
+    "regular_file_size", "remove_file", "run_lock", "save_result", "write_bytes", "write_checkpoint_file", "write_csv",
+    "write_figure", "write_json", "write_text",
 ]
 
 CHECKPOINT_MAGIC = b"DRMOO-CHECKPOINT 1\n"  # then one line of JSON header, then the torch.save payload
 MAX_HEADER_BYTES = 1 << 20
 MAX_SIDE_FILE_BYTES = 256 << 20  # JSON / CSV / markdown side files: a 100-epoch steps.csv is ~10 MB
 MAX_JSON_DEPTH = 64
-MAX_PAYLOAD_BYTES = 1 << 40  # a sanity bound on a header's announced size, far above any real checkpoint
+MAX_CSV_ROW_BYTES = 1 << 16  # one line of a CSV side file: a steps.csv row of 64 tasks is ~3 KB
+# The payload bound of a checkpoint whose reader knows nothing of the run (a library caller, a cache
+# without a recipe): 4 GiB, ten times a ResNet18 run's.  drmoo's own readers pass what the run can
+# legitimately hold (drmoo.experiments.checkpoints.payload_budget), far less for small models.
+MAX_PAYLOAD_BYTES = 4 << 30
 LOCK_FILE = "train.lock"
 TEMP_SUFFIX = ".drmoo-tmp"
 _CHUNK = 1 << 20
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
-# This module's temporaries (.NAME.<pid>.<16 hex>.drmoo-tmp) and the older .NAME.<pid>.tmp of drmoo <= 0.x.
-_TEMPORARY = re.compile(r"^\..+\.(\d+)\.(?:[0-9a-f]{16}\.drmoo-tmp|tmp)$")
+# This module's temporaries, exactly: .NAME.<pid>.<16 hex>.drmoo-tmp (see _create_temporary).  No other
+# name is ever removed by the sweep: a user's .draft.99999.tmp is theirs.
+_TEMPORARY = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{16}\.drmoo-tmp$")
 # OS errors a user can fix (space, quota, file-size limit, permissions, read-only file system).
 _CAUSES = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
            errno.EFBIG: "file too large (a file-size limit, e.g. ulimit -f)", errno.EROFS: "read-only file system",
@@ -111,6 +130,9 @@ def make_directory(directory: str | Path, what: str = "output directory") -> Pat
     if str(directory) == "":
         raise UsageError(f"the {what} is an empty path (an unset shell variable?)")
     path = Path(directory)
+    if path.is_symlink():  # the store never follows a link at a file's directory: refuse it here already
+        raise UsageError(f"the {what} {path} is a symbolic link: drmoo does not follow links at a directory it "
+                         "writes in; give the directory itself")
     if path.exists() and not path.is_dir():
         raise UsageError(f"{path} is a file, not a directory: pick another {what}")
     try:
@@ -122,20 +144,47 @@ def make_directory(directory: str | Path, what: str = "output directory") -> Pat
     return path
 
 
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+class SymlinkRefused(UsageError):
+    """A symbolic link at a file's name or at the name of the directory that holds it: never followed."""
+
+
+def _open_directory(directory: Path) -> int:
+    """A descriptor of ``directory`` (the one a file is in), refusing a symbolic link at its name.
+
+    ``O_NOFOLLOW`` with ``O_DIRECTORY`` fails with ELOOP (or ENOTDIR) on a link; the directories above
+    it are the caller's path and resolved as usual.  OSError otherwise (missing, forbidden).
+    """
     try:
-        os.fsync(descriptor)  # makes the rename itself durable
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(directory):
+            raise SymlinkRefused(f"{directory} is a symbolic link: drmoo never follows a link at a run, result or "
+                                 "cache directory (someone may have planted it); refused") from None
+        raise
+
+
+@contextmanager
+def _directory_of(path: Path) -> Iterator[int]:
+    """The no-follow descriptor of ``path``'s directory, for ``*at`` calls on ``path.name``; closed after."""
+    descriptor = _open_directory(path.parent)
+    try:
+        yield descriptor
     finally:
         os.close(descriptor)
 
 
-def _create_temporary(path: Path) -> tuple[int, Path]:
-    """An exclusive new file beside ``path``: unpredictable name, never an existing file or symlink."""
+def _symlink_error(path: Path, what: str) -> SymlinkRefused:
+    return SymlinkRefused(f"the {what} {path} is a symbolic link: drmoo never follows a link at a file it reads or "
+                          "writes (someone may have planted it); refused")
+
+
+def _create_temporary(directory: int, name: str, path: Path) -> tuple[int, str]:
+    """An exclusive new file beside ``name`` in the open ``directory``: unpredictable name, never an existing file."""
     for _ in range(100):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
+        tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
         try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), tmp
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            return os.open(tmp, flags, 0o644, dir_fd=directory), tmp
         except FileExistsError:
             continue  # 64 random bits taken: someone planted that very name; draw another
     raise UsageError(f"cannot create a temporary file beside {path}: every name drawn exists")
@@ -145,26 +194,33 @@ def atomic_write(path: str | Path, chunks: Iterable[bytes]) -> None:
     """Write ``path`` all or nothing (see the module's promises); a user-fixable OS error is one line."""
     path = Path(path)
     try:
-        descriptor, tmp = _create_temporary(path)
+        directory = _open_directory(path.parent)
     except OSError as error:
         raise _write_error(path, error) from None
     try:
-        with os.fdopen(descriptor, "wb") as handle:
-            for chunk in chunks:
-                handle.write(chunk)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException as error:
-        with suppress(OSError):
-            tmp.unlink()
-        if isinstance(error, OSError):
+        try:
+            descriptor, tmp = _create_temporary(directory, path.name, path)
+        except OSError as error:
             raise _write_error(path, error) from None
-        raise
-    try:
-        _fsync_directory(path.parent)
-    except OSError as error:  # the file is in place; only the rename's durability is unconfirmed
-        raise _write_error(path, error) from None
+        try:
+            with os.fdopen(descriptor, "wb") as handle:
+                for chunk in chunks:
+                    handle.write(chunk)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException as error:
+            with suppress(OSError):
+                os.unlink(tmp, dir_fd=directory)
+            if isinstance(error, OSError):
+                raise _write_error(path, error) from None
+            raise
+        try:
+            os.fsync(directory)  # makes the rename itself durable
+        except OSError as error:  # the file is in place; only the rename's durability is unconfirmed
+            raise _write_error(path, error) from None
+    finally:
+        os.close(directory)
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:
@@ -218,7 +274,10 @@ def remove_file(path: str | Path) -> None:
     """Remove ``path`` (a marker or a stale result) if it is there; a symlink is removed, never followed."""
     path = Path(path)
     try:
-        path.unlink(missing_ok=True)
+        with _directory_of(path) as directory:
+            os.unlink(path.name, dir_fd=directory)
+    except FileNotFoundError:
+        return  # the file, or its directory, is not there: nothing to remove
     except OSError as error:
         raise UsageError(f"cannot remove {path}: {_cause(error)}") from None
 
@@ -241,10 +300,11 @@ def open_mapped_file(path: str | Path, size: int, clear: bool = False) -> tuple[
     path = Path(path)
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        try:
-            descriptor, empty = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
-        except FileExistsError:
-            descriptor, empty = os.open(path, flags | os.O_NONBLOCK), False
+        with _directory_of(path) as directory:
+            try:
+                descriptor, empty = os.open(path.name, flags | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=directory), True
+            except FileExistsError:
+                descriptor, empty = os.open(path.name, flags | os.O_NONBLOCK, dir_fd=directory), False
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise UsageError(f"the cache file {path} is a symbolic link: refused (remove it)") from None
@@ -272,13 +332,21 @@ def open_mapped_file(path: str | Path, size: int, clear: bool = False) -> tuple[
 
 
 def _open_regular(path: Path, what: str) -> tuple[int, os.stat_result]:
-    """A read descriptor of ``path`` when it is a regular file (not a device, FIFO or directory)."""
+    """A read descriptor of ``path`` when it is a regular file (not a device, FIFO, directory or link).
+
+    Opened relative to its directory's no-follow descriptor with ``O_NOFOLLOW``: a symbolic link at
+    the file's name or at its directory's name is refused, its target never read.
+    """
     try:
-        # O_NONBLOCK: opening a FIFO must not hang; it is refused just below
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with _directory_of(path) as directory:
+            # O_NONBLOCK: opening a FIFO must not hang; it is refused just below
+            descriptor = os.open(path.name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 dir_fd=directory)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} does not exist") from None
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise _symlink_error(path, what) from None
         raise UsageError(f"cannot read the {what} {path}: {_cause(error)}") from None
     info = os.fstat(descriptor)
     if not stat.S_ISREG(info.st_mode):
@@ -299,7 +367,16 @@ def _chunks(descriptor: int, size: int) -> Iterator[bytes]:
 
 
 def _read_exactly(descriptor: int, size: int) -> bytes:
+    """Up to ``size`` bytes; only for reads already bounded by a cap (side files, headers)."""
     return b"".join(_chunks(descriptor, size))
+
+
+def regular_file_size(path: str | Path, what: str = "file") -> int:
+    """The size of the regular file ``path`` (opened as every read is: no link followed), without reading it."""
+    path = Path(path)
+    descriptor, info = _open_regular(path, what)
+    os.close(descriptor)
+    return info.st_size
 
 
 def read_bytes(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str = "file") -> bytes:
@@ -377,20 +454,72 @@ def read_json(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str 
     return parse_json(read_bytes(path, max_bytes, what), path)
 
 
-def read_csv(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str = "CSV file") -> list[dict[str, str]]:
-    """A bounded CSV file as rows of strings; a row with more or fewer cells than the header is refused."""
+def _lines(descriptor: int, path: Path, what: str, max_bytes: int, max_row_bytes: int) -> Iterator[str]:
+    """The text lines of an open file, each at most ``max_row_bytes``, at most ``max_bytes`` in all."""
+    total = 0
+    with os.fdopen(os.dup(descriptor), "rb", buffering=_CHUNK) as handle:
+        for number in range(1, 1 << 62):
+            line = handle.readline(max_row_bytes + 1)
+            if not line:
+                return
+            total += len(line)
+            if total > max_bytes:
+                raise UsageError(f"the {what} {path} holds more than the {max_bytes} bytes it may: refused")
+            if len(line) > max_row_bytes and not line.endswith(b"\n"):  # no end within the cap
+                raise UsageError(f"{path}: refused: line {number} is longer than the {max_row_bytes} bytes a row of "
+                                 f"a {what} may hold")
+            try:
+                yield line.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise UsageError(f"the {what} {path} is not utf-8 text ({error.reason} on line {number})") from None
+
+
+def iter_csv(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str = "CSV file",
+             max_row_bytes: int = MAX_CSV_ROW_BYTES) -> Iterator[dict[str, str]]:
+    """The rows of a CSV file as dicts of strings, streamed: the caller keeps what it needs, nothing more.
+
+    The file is opened as every read is (a regular file, no link followed) and refused (one line)
+    when larger than ``max_bytes``, when one line is longer than ``max_row_bytes`` or when a row has
+    more or fewer cells than the header.  Memory is one row at a time whatever the file's size.
+    """
     path = Path(path)
-    reader = csv.DictReader(io.StringIO(read_text(path, max_bytes, what, encoding="utf-8-sig"), newline=""))
-    rows = []
+    descriptor, info = _open_regular(path, what)
     try:
-        for line, row in enumerate(reader, start=2):
-            if None in row or None in row.values():
-                columns = len(reader.fieldnames or [])
-                raise UsageError(f"{path}: refused: row {line} does not have the header's {columns} cells")
-            rows.append(row)
-    except csv.Error as error:
-        raise UsageError(f"{path}: refused: not valid CSV ({error})") from None
-    return rows
+        if info.st_size > max_bytes:
+            raise UsageError(f"the {what} {path} holds {info.st_size} bytes, more than the {max_bytes} it may: refused")
+        reader = csv.DictReader(_lines(descriptor, path, what, max_bytes, max_row_bytes))
+        try:
+            for line, row in enumerate(reader, start=2):
+                if None in row or None in row.values():
+                    columns = len(reader.fieldnames or [])
+                    raise UsageError(f"{path}: refused: row {line} does not have the header's {columns} cells")
+                yield row
+        except csv.Error as error:
+            raise UsageError(f"{path}: refused: not valid CSV ({error})") from None
+    finally:
+        os.close(descriptor)
+
+
+def read_csv(path: str | Path, max_bytes: int = MAX_SIDE_FILE_BYTES, what: str = "CSV file") -> list[dict[str, str]]:
+    """A bounded CSV file as a list of rows of strings (:func:`iter_csv` kept whole: for small files)."""
+    return list(iter_csv(path, max_bytes, what))
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process could still get (``MemAvailable``, else physical memory); None when unknown.
+
+    What a caller compares a size it is about to allocate with, to refuse it with one line first.
+    """
+    try:
+        for line in read_text(Path("/proc/meminfo"), 1 << 20, "memory description").splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -425,12 +554,53 @@ def write_checkpoint_file(path: str | Path, state: dict[str, Any], header: dict[
     return digest
 
 
-def _hash_range(descriptor: int, offset: int, size: int) -> str:
-    os.lseek(descriptor, offset, os.SEEK_SET)
+class _MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over a buffer: torch.load reads the payload in place, no copy of it."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._position = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, target: Any) -> int:
+        count = max(0, min(len(target), len(self._view) - self._position))
+        target[:count] = self._view[self._position : self._position + count]
+        self._position += count
+        return count
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._position, os.SEEK_END: len(self._view)}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+
+def _read_hashed(descriptor: int, offset: int, size: int) -> tuple[bytearray, str]:
+    """``size`` bytes from ``offset`` into one buffer of exactly that size, hashed as they stream in.
+
+    No list of chunks and no join: the memory is the bounded buffer, allocated once.  Fewer bytes
+    (the file shrank meanwhile) give a shorter buffer, which the caller's hash check refuses.
+    """
+    buffer = bytearray(size)
+    view = memoryview(buffer)
     digest = hashlib.sha256()
-    for part in _chunks(descriptor, size):
-        digest.update(part)
-    return digest.hexdigest()
+    filled = 0
+    while filled < size:
+        count = os.preadv(descriptor, [view[filled : filled + _CHUNK]], offset + filled)
+        if count == 0:
+            break
+        digest.update(view[filled : filled + count])
+        filled += count
+    view.release()
+    del buffer[filled:]
+    return buffer, digest.hexdigest()
 
 
 def _read_header(descriptor: int, info: os.stat_result, path: Path, what: str) -> tuple[dict[str, Any], int]:
@@ -479,11 +649,15 @@ def read_checkpoint_header(path: str | Path, what: str = "checkpoint") -> dict[s
         os.close(descriptor)
 
 
-def read_checkpoint_file(path: str | Path, what: str = "checkpoint") -> CheckpointFile:
+def read_checkpoint_file(path: str | Path, what: str = "checkpoint",
+                         max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> CheckpointFile:
     """Read and verify a file of :func:`write_checkpoint_file`'s format; :class:`CheckpointError` otherwise.
 
-    Memory stays bounded by the header cap until the file's size matches the announced payload, the
-    payload starts like a ``torch.save`` archive and its SHA-256 (hashed in chunks) matches.
+    ``max_payload_bytes`` is what the reader expects at most: the header, which anyone can write
+    with a matching hash, cannot raise it.  Memory stays bounded by the header cap until the file's
+    size matches the announced payload, that size is within ``max_payload_bytes`` and the payload
+    starts like a ``torch.save`` archive; then the payload is streamed once into a buffer of that
+    size while it is hashed, and unpickled from that buffer (no second copy) only if the hash matches.
     """
     import torch
 
@@ -492,21 +666,19 @@ def read_checkpoint_file(path: str | Path, what: str = "checkpoint") -> Checkpoi
     try:
         header, offset = _read_header(descriptor, info, path, what)
         size, digest = header["payload_bytes"], header["payload_sha256"]
-        os.lseek(descriptor, offset, os.SEEK_SET)
-        if _read_exactly(descriptor, len(_ZIP_MAGIC)) != _ZIP_MAGIC:
+        if size > max_payload_bytes:
+            raise CheckpointError(f"{path}: refused: its payload of {size} bytes is more than the {max_payload_bytes} "
+                                  f"a {what} of this run can hold (crafted, or written for another run)")
+        if os.pread(descriptor, len(_ZIP_MAGIC), offset) != _ZIP_MAGIC:
             raise CheckpointError(f"{path}: refused: its payload is not a torch.save archive (corrupt)")
-        mismatch = CheckpointError(f"{path}: refused: the payload's SHA-256 differs from the one recorded in its "
-                                   "header (the file is corrupt)")
-        if _hash_range(descriptor, offset, size) != digest:
-            raise mismatch
-        os.lseek(descriptor, offset, os.SEEK_SET)
-        payload = _read_exactly(descriptor, size)
+        payload, streamed = _read_hashed(descriptor, offset, size)
     finally:
         os.close(descriptor)
-    if hashlib.sha256(payload).hexdigest() != digest:  # the file changed since it was hashed
-        raise mismatch
+    if streamed != digest or len(payload) != size:
+        raise CheckpointError(f"{path}: refused: the payload's SHA-256 differs from the one recorded in its "
+                              "header (the file is corrupt)")
     try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        state = torch.load(cast(BinaryIO, _MemoryFile(memoryview(payload))), map_location="cpu", weights_only=True)
     except Exception as error:  # untrusted bytes: any failure to parse them refuses the file
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{path}: refused: its payload holds more than tensors and plain containers "
@@ -529,22 +701,31 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
-def clean_stale_temporaries(directory: str | Path) -> list[str]:
-    """Remove this module's temporary files in ``directory`` whose writer process is gone; returns their names.
-
-    Only names of the store's pattern are touched, and only regular files or symlinks (never followed).
-    """
+def _clean_stale_temporaries_at(directory: int) -> list[str]:
     removed = []
     with suppress(OSError), os.scandir(directory) as entries:
         for entry in entries:
             match = _TEMPORARY.match(entry.name)
             if match is None or int(match.group(1)) == os.getpid() or _process_exists(int(match.group(1))):
                 continue
-            if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+            if entry.is_file(follow_symlinks=False):
                 with suppress(OSError):
-                    os.unlink(entry.path)
+                    os.unlink(entry.name, dir_fd=directory)
                     removed.append(entry.name)
     return removed
+
+
+def clean_stale_temporaries(directory: str | Path) -> list[str]:
+    """Remove this module's temporary files in ``directory`` whose writer process is gone; returns their names.
+
+    Only regular files named exactly like the store's own temporaries
+    (``.NAME.<pid>.<16 hex>.drmoo-tmp``) are touched; ``directory`` must not be a symbolic link.
+    """
+    descriptor = _open_directory(Path(directory))
+    try:
+        return _clean_stale_temporaries_at(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 @contextmanager
@@ -560,8 +741,14 @@ def run_lock(run_dir: str | Path) -> Iterator[None]:
     run_dir = Path(run_dir)
     path = run_dir / LOCK_FILE
     try:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        directory = _open_directory(run_dir)
     except OSError as error:
+        raise UsageError(f"cannot write in the run directory {run_dir}: {_cause(error)}") from None
+    try:
+        descriptor = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644,
+                             dir_fd=directory)
+    except OSError as error:
+        os.close(directory)
         if error.errno == errno.ELOOP:
             raise UsageError(f"{path} is a symbolic link, not drmoo's lock file: refused (remove it if you "
                              "did not plant it)") from None
@@ -589,7 +776,8 @@ def run_lock(run_dir: str | Path) -> Iterator[None]:
             ) from None
         os.ftruncate(descriptor, 0)
         os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
-        clean_stale_temporaries(run_dir)
+        _clean_stale_temporaries_at(directory)
         yield
     finally:
         os.close(descriptor)
+        os.close(directory)

@@ -132,10 +132,11 @@ def test_dl2_report_replaces_its_own_earlier_report(trained_template: Path, tmp_
     assert main(["report", "--runs", str(trained_template), "--out", str(out)]) == 0
 
 
-def test_dl2_only_the_head_of_an_existing_out_file_is_read(trained_template: Path, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whether --out is an earlier report is decided from its first 4 KiB; a 256 MiB sparse file (a few
-    KB on disk) must not be read further (it used to be read up to 1 GiB)."""
+def test_dl2_a_grown_report_is_refused_without_reading_it(trained_template: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 256 MiB sparse file (a few KB on disk) must not be read (it used to be read up to 1 GiB).  Since
+    issue 29 (DL-4) an earlier report is replaced only when unmodified (its signature line matches):
+    one grown past the report cap is refused from its size alone, without a byte read."""
     from drmoo.experiments import results_report
 
     out = tmp_path / "report.md"
@@ -150,8 +151,9 @@ def test_dl2_only_the_head_of_an_existing_out_file_is_read(trained_template: Pat
         return data
 
     monkeypatch.setattr(os, "read", counting_read)
-    results_report._check_output(out, [str(trained_template)])  # an earlier report: may be replaced
-    assert 0 < read[0] <= results_report.REPORT_HEAD_BYTES
+    with pytest.raises(store.UsageError, match="not a report drmoo wrote"):
+        results_report._check_output(out, [str(trained_template)])  # no longer the report drmoo wrote
+    assert read[0] == 0
 
 
 # ------------------------------------------------------------------------------- crashes
@@ -171,7 +173,7 @@ def test_cr2_a_crafted_checkpoint_header_is_one_line(trained_run: Path, header: 
 
 
 def _refuse_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
-    def refuse(path: Path) -> tuple[int, Path]:
+    def refuse(*_: object) -> tuple[int, str]:
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(store, "_create_temporary", refuse)
@@ -487,8 +489,8 @@ def test_u1_synthetic_unknown_problem_creates_no_output(tmp_path: Path, capsys: 
 
 def test_u5_a_checkpoint_linked_to_dev_zero_is_named_as_such(trained_run: Path, capsys: pytest.CaptureFixture) -> None:
     (trained_run / "checkpoint.pt").unlink()
-    (trained_run / "checkpoint.pt").symlink_to("/dev/zero")
-    assert_one_line_refusal(*run_cli(["eval", "--run", str(trained_run), "--quiet"], capsys), "not a regular file")
+    (trained_run / "checkpoint.pt").symlink_to("/dev/zero")  # issue 29: a link is not even opened
+    assert_one_line_refusal(*run_cli(["eval", "--run", str(trained_run), "--quiet"], capsys), "symbolic link")
 
 
 def test_u5_a_utf8_bom_wine_csv_is_read(tmp_path: Path) -> None:

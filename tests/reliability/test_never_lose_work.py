@@ -123,9 +123,10 @@ def test_atomic_write_is_per_process_and_fsynced_before_the_rename(tmp_path: Pat
         events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}")))
         real_fsync(descriptor)
 
-    def replace(source: str | Path, target: str | Path) -> None:
-        events.append(("replace", str(source)))
-        real_replace(source, target)
+    def replace(source: str | Path, target: str | Path, **at: int) -> None:  # renameat in the directory's fd
+        directory = os.readlink(f"/proc/self/fd/{at['src_dir_fd']}") if at else ""
+        events.append(("replace", os.path.join(directory, source)))
+        real_replace(source, target, **at)
 
     monkeypatch.setattr(store.os, "fsync", fsync)
     monkeypatch.setattr(store.os, "replace", replace)

@@ -167,9 +167,9 @@ def test_sec2_temporaries_are_exclusive_and_unpredictable(tmp_path: Path, monkey
     opened: list[tuple[str, int]] = []
     real_open = os.open
 
-    def spy(path: str | Path, flags: int, mode: int = 0o777) -> int:
+    def spy(path: str | Path, flags: int, mode: int = 0o777, **at: int) -> int:
         opened.append((str(path), flags))
-        return real_open(path, flags, mode)
+        return real_open(path, flags, mode, **at)
 
     monkeypatch.setattr(store.os, "open", spy)
     store.write_bytes(tmp_path / "a.bin", b"1")
@@ -242,15 +242,16 @@ def _dead_pid() -> int:
 
 def test_cr10_stale_temporaries_of_dead_writers_are_removed_when_the_lock_is_taken(tmp_path: Path) -> None:
     dead = _dead_pid()
-    stale = [tmp_path / f".checkpoint.pt.{dead}.tmp", tmp_path / f".checkpoint.pt.{dead}.0123456789abcdef.drmoo-tmp"]
+    stale = [tmp_path / f".checkpoint.pt.{dead}.0123456789abcdef.drmoo-tmp"]
     live = tmp_path / f".checkpoint.pt.{os.getppid()}.fedcba9876543210.drmoo-tmp"  # a running writer's
-    foreign = tmp_path / "notes.tmp"  # not the store's pattern: never touched
-    for path in [*stale, live, foreign]:
+    # not the store's own pattern: never touched (issue 29 SEC-6: .NAME.<digits>.tmp may be a user's file)
+    foreign = [tmp_path / "notes.tmp", tmp_path / f".draft.{dead}.tmp"]
+    for path in [*stale, live, *foreign]:
         path.write_bytes(b"x" * 1000)
     with store.run_lock(tmp_path):
         pass
     assert not any(path.exists() for path in stale)
-    assert live.exists() and foreign.exists()
+    assert live.exists() and all(path.exists() for path in foreign)
 
 
 def test_cr10_a_failed_write_leaves_no_temporary(tmp_path: Path) -> None:
@@ -287,7 +288,7 @@ def test_cr4_a_file_size_limit_is_one_line_and_keeps_the_old_file(tmp_path: Path
                                              (errno.ENOSPC, "no space left on device")])
 def test_cr3_cr4_os_errors_name_the_file_and_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    code: int, cause: str) -> None:
-    def refuse(path: Path) -> tuple[int, Path]:
+    def refuse(*_: object) -> tuple[int, str]:
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(store, "_create_temporary", refuse)
@@ -385,8 +386,11 @@ def test_checkpoint_round_trip_and_a_swapped_payload_is_refused(tmp_path: Path) 
 
 def test_u5_a_checkpoint_linked_to_dev_zero_is_not_a_regular_file(tmp_path: Path) -> None:
     (tmp_path / "checkpoint.pt").symlink_to("/dev/zero")
-    with pytest.raises(CheckpointError, match="not a regular file"):
+    with pytest.raises(CheckpointError, match="symbolic link"):  # not even opened since issue 29 (SEC-5)
         store.read_checkpoint_file(tmp_path / "checkpoint.pt")
+    os.mkfifo(tmp_path / "fifo.pt")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        store.read_checkpoint_file(tmp_path / "fifo.pt")
 
 
 def test_sw6_an_empty_directory_path_is_refused() -> None:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drmoo.store import UsageError, make_directory, read_checkpoint_file, write_checkpoint_file
+from drmoo.store import UsageError, available_memory, make_directory, read_checkpoint_file, write_checkpoint_file
 
 from .mnist import DigitSplits, digit_source_fingerprint, load_mnist
 
@@ -58,7 +58,9 @@ VALIDATION_FRACTION = 0.2  # holdout "validation": the last 20 % of the training
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("DRMOO_CACHE", Path.home() / ".cache" / "drmoo"))
+    """``$DRMOO_CACHE``, or ``~/.cache/drmoo`` when it is unset or empty (as XDG treats an empty variable:
+    an empty path would otherwise put the cache into whatever directory the command runs in)."""
+    return Path(os.environ.get("DRMOO_CACHE") or Path.home() / ".cache" / "drmoo")
 
 
 @dataclass(frozen=True)
@@ -229,14 +231,18 @@ def load_multimnist(
     path = cache / "multimnist" / f"{recipe.digits}digit-{recipe.input_size}px-{key}.pt"
     tensors = None
     digits = load_mnist(data_root)  # also on a hit: the cached content is checked against the digits
+    counts = _split_counts(recipe, digits)
+    _check_allocatable(recipe, counts)
     if os.path.lexists(path):
         try:
-            cached = read_checkpoint_file(path, what="Multi-MNIST cache file")  # size and SHA-256 checked
+            # size (at most what the recipe's tensors take) and SHA-256 checked before anything is unpickled
+            cached = read_checkpoint_file(path, what="Multi-MNIST cache file",
+                                          max_payload_bytes=_payload_bound(recipe, counts))
             if cached.header.get("key") != key_text:
                 raise ValueError("it was written for another recipe")
             tensors = _checked(cached.state, recipe)
             _verify_content(tensors, recipe, digits)
-        except (ValueError, KeyError, TypeError) as error:  # a damaged or altered cache is rebuilt, not trusted
+        except (ValueError, KeyError, TypeError) as error:  # a damaged, altered or oversized cache is rebuilt
             tensors = None
             warnings.warn(f"ignoring the cache file {path} ({error}); regenerating", stacklevel=2)
     if tensors is None:
@@ -250,8 +256,51 @@ def load_multimnist(
                       tensors["test_labels"], tensors["source"])
 
 
+CACHE_KEYS = frozenset({"source", "train_images", "train_labels", "test_images", "test_labels"})
+CACHE_SLACK_BYTES = 1 << 20  # the pickle's framing, the source string and the zip directory
+
+
+def _split_counts(recipe: MultiMnistRecipe, digits: DigitSplits) -> tuple[int, int]:
+    """How many train and test composites ``recipe`` makes of ``digits``."""
+    train_images, _, test_images, _, _ = holdout_splits(recipe, digits)
+    return (train_images.shape[0] if recipe.train_size is None else recipe.train_size,
+            test_images.shape[0] if recipe.test_size is None else recipe.test_size)
+
+
+def _tensor_bytes(recipe: MultiMnistRecipe, counts: tuple[int, int]) -> int:
+    """The bytes of the generated tensors: uint8 images [N, 1, S, S] and int64 labels [N, digits] per split."""
+    return sum(counts) * (recipe.input_size**2 + 8 * recipe.digits)
+
+
+def _payload_bound(recipe: MultiMnistRecipe, counts: tuple[int, int]) -> int:
+    """The most a cache file of ``recipe`` can legitimately hold: its tensors and a little framing."""
+    return _tensor_bytes(recipe, counts) + CACHE_SLACK_BYTES
+
+
+def _check_allocatable(recipe: MultiMnistRecipe, counts: tuple[int, int]) -> None:
+    """Refuse (one line, before any allocation) a recipe whose tensors cannot fit in this machine's memory.
+
+    Generation holds the unresized canvases and the resized images at once, and training adds the
+    index stream (8 bytes a row): that is what is compared with the memory available now.
+    """
+    canvas = recipe.canvas**2 * max(counts)
+    needed = _tensor_bytes(recipe, counts) + canvas + 8 * counts[0]
+    available = available_memory()
+    if available is not None and needed > available:
+        raise UsageError(
+            f"Multi-MNIST with {counts[0]} train and {counts[1]} test composites of {recipe.input_size} px needs about "
+            f"{needed / 2**30:.1f} GiB of memory, more than the {available / 2**30:.1f} GiB available: lower "
+            "--train-size / --test-size / --input-size")
+
+
 def _checked(tensors: dict[str, object], recipe: MultiMnistRecipe) -> dict[str, Tensor | str]:
-    """Cached splits that fit ``recipe``: uint8 [N, 1, S, S] images, int64 [N, digits] labels in 0..9."""
+    """Cached splits that fit ``recipe``: uint8 [N, 1, S, S] images, int64 [N, digits] labels in 0..9, nothing else.
+
+    A key drmoo does not write is refused: it would be loaded into memory on every run for nothing.
+    """
+    unknown = sorted(map(str, set(tensors) - CACHE_KEYS))
+    if unknown:
+        raise ValueError(f"it holds entries drmoo never writes ({', '.join(unknown)[:200]})")
     if not isinstance(tensors.get("source"), str):
         raise ValueError("it records no digit source")
     for split in ("train", "test"):

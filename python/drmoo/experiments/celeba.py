@@ -29,7 +29,7 @@ from .registry import Experiment, register
 from .robustness import check_distinct, diverged_note, ensure_trained, reusable_result
 from .run_config import RunConfig
 from .summaries import mean_std, mean_std_text
-from .training import read_diverged
+from .training import check_fresh_directory, check_run_names, read_diverged
 from .variants import run_dir_name
 
 __all__ = ["CELEBA", "PAPER_METHOD_HPARAMS", "PRESETS", "build_celeba", "check_celeba_data", "compare_celeba",
@@ -196,6 +196,8 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
                    progress: bool = True) -> str:
     """Train (reusing finished runs, resuming interrupted ones) and evaluate every config; write table.md/csv."""
     check_distinct(configs)
+    check_run_names(out, [f"{config.method}-seed{config.seed}" for config in configs])
+    check_fresh_directory(out, "comparison directory", runs_below=True)
     make_directory(out)
     reports, started = [], time.perf_counter()
     for config in tqdm(configs, desc="compare", disable=not progress):

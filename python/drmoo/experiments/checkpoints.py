@@ -6,6 +6,9 @@ store's (:func:`drmoo.store.write_checkpoint_file`, :func:`drmoo.store.read_chec
 the header a run writes (its config and step), the check that a checkpoint belongs to the run
 directory's ``config.json`` (every setting but :data:`~drmoo.experiments.run_config.RESUMABLE_FIELDS`),
 and the provenance that binds a result such as ``eval.json`` to the weights it was computed from.
+:func:`payload_budget` is what a run's checkpoint can legitimately weigh: the bound its readers give the
+store, which the header (anyone can write one with a matching hash) cannot raise; a state holding
+entries beyond :data:`STATE_KEYS` is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from drmoo.store import (
+    MAX_PAYLOAD_BYTES,
     CheckpointError,
     CheckpointFile,
     UsageError,
@@ -25,10 +31,13 @@ from drmoo.store import (
 
 from .run_config import RunConfig, config_differences, read_run_config
 
-__all__ = ["CHECKPOINT", "checkpoint_provenance", "load_checkpoint", "read_checkpoint", "result_matches_checkpoint",
-           "write_checkpoint"]
+__all__ = ["CHECKPOINT", "checkpoint_provenance", "load_checkpoint", "payload_budget", "read_checkpoint",
+           "result_matches_checkpoint", "write_checkpoint"]
 
 CHECKPOINT = "checkpoint.pt"  # in the run directory
+# Everything a run's checkpoint holds (training._save): an entry beyond these is refused, never loaded.
+STATE_KEYS = frozenset({"model", "optimizer", "heads", "stream", "rng", "cuda_rng", "step", "epochs", "steps",
+                        "config", "grad_scale", "pending_epoch"})
 
 
 def write_checkpoint(path: Path, state: dict[str, Any], config: RunConfig) -> str:
@@ -36,13 +45,42 @@ def write_checkpoint(path: Path, state: dict[str, Any], config: RunConfig) -> st
     return write_checkpoint_file(path, state, {"config": asdict(config), "step": state.get("step")})
 
 
-def load_checkpoint(run_dir: Path, config: RunConfig | None = None) -> CheckpointFile:
-    """The verified checkpoint of ``run_dir`` (header, state, payload SHA-256); see :func:`read_checkpoint`."""
+# What a checkpoint holds beside the model's tensors, per unit (see payload_budget): generous, since a
+# legitimate run must never be refused; an attacker's payload is still bounded by the run's size.
+STATE_COPIES_PER_TASK = 2  # optimizer state per shared-parameter tensor: up to 4 + 2 m copies of the model
+STATE_COPIES = 4
+BYTES_PER_TRAINING_ROW = 16  # the index stream's permutation (int64) and slack
+BYTES_PER_STEP_PER_TASK = 96  # a steps.csv row in the pickled state: w_i, eta_i keys and floats
+BYTES_PER_STEP = 1024  # the row's other fields
+FIXED_BUDGET = 64 << 20  # RNG states, headers, epoch rows, pickle framing
+
+
+def payload_budget(model: nn.Module, tasks: int, training_rows: int, steps: int) -> int:
+    """The most payload bytes a checkpoint of this run can legitimately hold.
+
+    The model's tensors (parameters and buffers) times the optimizer's copies of them (moments,
+    tracking estimates: at most 4 + 2 ``tasks`` copies), the index stream over ``training_rows``
+    rows, ``steps`` rows of per-step metrics and a fixed 64 MiB for the rest.  A header announcing
+    more is refused before anything is allocated, whatever hash it carries.
+    """
+    tensor_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values() if hasattr(t, "numel"))
+    copies = STATE_COPIES + STATE_COPIES_PER_TASK * tasks
+    return min(MAX_PAYLOAD_BYTES, (1 + copies) * tensor_bytes + BYTES_PER_TRAINING_ROW * training_rows
+               + (BYTES_PER_STEP + BYTES_PER_STEP_PER_TASK * tasks) * steps + FIXED_BUDGET)
+
+
+def load_checkpoint(run_dir: Path, config: RunConfig | None = None,
+                    max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> CheckpointFile:
+    """The verified checkpoint of ``run_dir`` (header, state, payload SHA-256); see :func:`read_checkpoint`.
+
+    ``max_payload_bytes``: what the run can hold (:func:`payload_budget`); drmoo's eval and resume
+    pass it, other callers get the store's documented cap.
+    """
     path = run_dir / CHECKPOINT
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: train the run first")
     expected = config if config is not None else read_run_config(run_dir)
-    checkpoint = read_checkpoint_file(path)
+    checkpoint = read_checkpoint_file(path, max_payload_bytes=max_payload_bytes)
     saved_config = checkpoint.header.get("config")
     if not isinstance(saved_config, dict):
         raise CheckpointError(f"{path}: refused: its header is corrupt or truncated")
@@ -52,10 +90,15 @@ def load_checkpoint(run_dir: Path, config: RunConfig | None = None) -> Checkpoin
                               f"{run_dir / 'config.json'} ({'; '.join(differences)})")
     if checkpoint.state.get("config") != saved_config:
         raise CheckpointError(f"{path}: refused: its payload does not match its header")
+    unknown = sorted(map(str, set(checkpoint.state) - STATE_KEYS))
+    if unknown:
+        raise CheckpointError(f"{path}: refused: its state holds entries drmoo never writes "
+                              f"({', '.join(unknown)[:200]})")
     return checkpoint
 
 
-def read_checkpoint(run_dir: str | Path, config: RunConfig | None = None) -> dict[str, Any]:
+def read_checkpoint(run_dir: str | Path, config: RunConfig | None = None,
+                    max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> dict[str, Any]:
     """The state saved in a run directory's ``checkpoint.pt``, after checking it belongs to the run and is intact.
 
     The public way to read a run of ``drmoo train`` or ``drmoo compare`` (also importable as
@@ -69,6 +112,8 @@ def read_checkpoint(run_dir: str | Path, config: RunConfig | None = None) -> dic
     Args:
         run_dir: the run directory (it holds ``config.json`` and ``checkpoint.pt``).
         config: the run's settings to check the checkpoint against; default: ``run_dir/config.json``.
+        max_payload_bytes: the largest checkpoint payload read when the run's own bound is not known
+            (default :data:`MAX_PAYLOAD_BYTES`).
 
     Returns:
         The state as the trainer saved it: ``model`` (the network's ``state_dict``), ``heads`` (the
@@ -84,7 +129,7 @@ def read_checkpoint(run_dir: str | Path, config: RunConfig | None = None) -> dic
             announced size, the SHA-256, ``weights_only=True`` unpickling), or the header's config
             disagrees with ``config`` on a setting other than ``RESUMABLE_FIELDS``.
     """
-    return load_checkpoint(Path(run_dir), config).state
+    return load_checkpoint(Path(run_dir), config, max_payload_bytes).state
 
 
 def checkpoint_provenance(checkpoint: CheckpointFile) -> dict[str, Any]:

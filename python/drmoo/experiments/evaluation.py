@@ -9,6 +9,7 @@ so a later reader can tell whether it still describes the run's weights.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from tqdm.auto import tqdm
 from drmoo.attacks import fgsm, pixel_step
 from drmoo.store import CheckpointError, UsageError, save_result
 
-from .checkpoints import CHECKPOINT, checkpoint_provenance, load_checkpoint
+from .checkpoints import CHECKPOINT, checkpoint_provenance, load_checkpoint, payload_budget
 from .devices import resolve_device
 from .run_config import RunConfig, read_run_config
 
@@ -48,9 +49,13 @@ def load_trained_run(run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module
                      ) -> tuple[RunConfig, nn.Module, Any, torch.device, dict[str, Any]]:
     """:func:`load_trained` and the provenance of the weights loaded (see :func:`checkpoint_provenance`)."""
     config = read_run_config(run_dir)
-    checkpoint = load_checkpoint(run_dir, config)  # verified (size, SHA-256, config) and never unpickled freely
     target = resolve_device(device or config.device)
-    model, data = build(config)
+    if not os.path.lexists(run_dir / CHECKPOINT):  # before building the model and data: the cheap refusal first
+        raise FileNotFoundError(f"{run_dir / CHECKPOINT} does not exist: train the run first")
+    model, data = build(config)  # then: the checkpoint's size is bounded by what this model's run can hold
+    budget = payload_budget(model, data.num_tasks, data.train_labels.shape[0], _run_length(config, data))
+    # verified (size within the budget, SHA-256, config) and never unpickled freely
+    checkpoint = load_checkpoint(run_dir, config, budget)
     try:
         model.load_state_dict(checkpoint.state["model"])
         provenance = checkpoint_provenance(checkpoint)
@@ -59,6 +64,14 @@ def load_trained_run(run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module
                               f"({str(error).strip().splitlines()[0] if str(error).strip() else error!r})") from None
     model.to(target)
     return config, model, data, target, provenance
+
+
+def _run_length(config: RunConfig, data: Any) -> int:
+    """The steps ``config``'s run trains (as training computes them): what its checkpoint's step rows can number."""
+    rows = int(data.train_labels.shape[0])
+    per_epoch = -(-rows // max(1, min(config.batch_size, rows)))
+    total = config.epochs * per_epoch
+    return total if config.max_steps is None else min(total, config.max_steps)
 
 
 def load_trained(run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], device: str | None = None

@@ -16,26 +16,62 @@ training run          ``config.json`` + ``metrics.csv`` (+ ``eval.json``)       
 A recognised directory is not descended into (a comparison's run sub-directories are its own
 inputs); an unrecognised one is, and if nothing below it is recognised it is listed as skipped
 with the reason.  Tables are embedded, PNGs linked with paths relative to the report.
+
+The trees read are untrusted (shared, damaged, edited):
+
+* **Nothing is followed through a link.**  The walk never descends into a symbolic link and every
+  file is read through the run store, which refuses a link at a file's or its directory's name;
+  a link is listed as skipped, its target never read.
+* **Every side file is validated against its schema** (:data:`SCHEMAS`: ``config.json``,
+  ``eval.json``, ``agreement.json``, ``summary.json``, ``ablation-*.json``) before anything is
+  taken from it.  A directory whose file is malformed, unreadable or too large is one
+  "skipped: why" line of the report; the rest of the report is written.
+* **Sizes are capped.**  An embedded markdown file is at most :data:`MAX_EMBED_BYTES`, a CSV is
+  streamed row by row keeping only the rows shown, a report at most :data:`MAX_REPORT_BYTES`.
+* **Strings from the files are escaped** for markdown (titles, settings, hyperparameters).
+* **A run's eval.json is shown only when it describes the checkpoint there now** (its recorded
+  step and payload SHA-256); a stale one (the run was resumed since) is named, not shown.
+* **The report replaces only a report drmoo wrote, unmodified**: every report ends with a line
+  holding the SHA-256 of everything above it; an existing ``--out`` file is replaced only when that
+  line is there and matches.  Any other file -- an input, a user's notes quoting a report, an edited
+  report -- is refused, and so is an ``--out`` that resolves into a run directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
-from collections.abc import Callable, Sequence
+import stat
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from drmoo.store import UsageError, make_directory, read_csv, read_head, read_json, read_text, write_text
+from drmoo.store import (
+    LOCK_FILE,
+    UsageError,
+    iter_csv,
+    make_directory,
+    read_bytes,
+    read_head,
+    read_json,
+    read_text,
+    regular_file_size,
+    write_text,
+)
 
-from .checkpoints import CHECKPOINT
+from .checkpoints import CHECKPOINT, result_matches_checkpoint
 
-__all__ = ["Section", "collect", "render", "write_report"]
+__all__ = ["SCHEMAS", "Section", "collect", "render", "write_report"]
 
 BENCH_PREFIX = "# drmoo kernel benchmarks"
 MAX_DEPTH = 8  # deeper trees are not result layouts any command writes
+MAX_EMBED_BYTES = 1 << 20  # one embedded markdown file: drmoo's tables are a few KB
+MAX_REPORT_BYTES = 64 << 20  # the whole report, and the most of an existing --out file read to check it
+MAX_TABLE_ROWS = 100_000  # rows of a comparison's table.csv (methods x eps: a few hundred)
 LOOKED_FOR = ("ablation-*.json, summary.json + summary.md, table.md + table.csv, wallclock.md, gpu-*.md + .csv, "
               f"a '{BENCH_PREFIX}' .md, config.json + metrics.csv")
 
@@ -53,20 +89,162 @@ class Section:
     links: list[Path] = field(default_factory=list)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+class Malformed(ValueError):
+    """A side file that is not what the command that names it writes: its directory is skipped with this reason."""
+
+
+# ---------------------------------------------------------------------------- schemas
+#
+# A schema is a type or tuple of types (bool is never a number), a dict {key: schema} (a JSON object;
+# keys in REQUIRED[...] must be there, the others may be absent or null, unknown keys are ignored), a
+# one-element list [schema] (a JSON array of those) or MapOf(schema) (an object of any keys).
+
+
+@dataclass(frozen=True)
+class MapOf:
+    values: Any
+
+
+@dataclass(frozen=True)
+class Required:
+    schema: Any
+
+
+NUMBER = (int, float)
+SCALAR = (str, int, float, bool)
+ANY_JSON = (str, int, float, bool, list, dict)
+
+SCHEMAS: dict[str, Any] = {
+    "config.json": {"experiment": Required(str), "method": Required(str), "seed": Required(int),
+                    "hparams": MapOf(ANY_JSON), "device": str, "backend": str, "preset": str, "epochs": int,
+                    "max_steps": int, "batch_size": int, "input_size": int, "train_size": int, "test_size": int,
+                    "weights": str, "jacobian": str, "amp": str, "label": str},
+    "eval.json": {"results": Required([{"eps": Required(NUMBER), "mean_acc": Required(NUMBER),
+                                        "task_acc": Required([NUMBER])}]),
+                  "test_samples": Required(int), "experiment": Required(str), "method": Required(str),
+                  "seed": Required(int), "eps_space": str, "checkpoint": {"step": int, "payload_sha256": str}},
+    "agreement.json": {"per_column": [{"column": SCALAR, "tau_b": NUMBER}], "mean_tau_b": NUMBER,
+                       "reference": SCALAR, "eps_space": SCALAR},
+    "summary.json": {"problem": Required(str), "description": str, "steps": SCALAR, "batch_size": SCALAR,
+                     "seeds": [SCALAR], "methods": MapOf({"hparams": MapOf(ANY_JSON)})},
+    "ablation-*.json": {"kind": Required(str), "what": SCALAR, "experiment": SCALAR, "machine": SCALAR,
+                        "backend": SCALAR, "device": SCALAR, "torch": SCALAR, "settings": MapOf(ANY_JSON),
+                        "grid": (MapOf([NUMBER]), [NUMBER])},
+}
+
+
+def _type_name(schema: Any) -> str:
+    if isinstance(schema, Required):
+        return _type_name(schema.schema)
+    if isinstance(schema, dict) or isinstance(schema, MapOf):
+        return "an object"
+    if isinstance(schema, list):
+        return f"a list of {_type_name(schema[0])}s"
+    types = schema if isinstance(schema, tuple) else (schema,)
+    names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "list", dict: "object"}
+    return " or ".join(dict.fromkeys(names.get(t, t.__name__) if isinstance(t, type) else _type_name(t)
+                                     for t in types))
+
+
+def _validate(value: Any, schema: Any, where: str) -> None:
+    """Raise :class:`Malformed` naming ``where`` unless ``value`` fits ``schema``."""
+    if isinstance(schema, Required):
+        schema = schema.schema
+    if isinstance(schema, tuple) and any(not isinstance(option, type) for option in schema):
+        for option in schema:  # alternatives of which some are structures: the first that fits
+            try:
+                _validate(value, option, where)
+                return
+            except Malformed:
+                continue
+        raise Malformed(f"{where} is not {_type_name(schema)}")
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            raise Malformed(f"{where} is not an object")
+        for key, item in schema.items():
+            if value.get(key) is None:
+                if isinstance(item, Required):
+                    raise Malformed(f"{where} has no {key!r}")
+                continue
+            _validate(value[key], item, f"{where}.{key}")
+        return
+    if isinstance(schema, MapOf):
+        if not isinstance(value, dict):
+            raise Malformed(f"{where} is not an object")
+        for key, item in value.items():
+            if item is not None:
+                _validate(item, schema.values, f"{where}.{key}")
+        return
+    if isinstance(schema, list):
+        if not isinstance(value, list):
+            raise Malformed(f"{where} is not a list")
+        for index, item in enumerate(value):
+            _validate(item, schema[0], f"{where}[{index}]")
+        return
+    types = schema if isinstance(schema, tuple) else (schema,)
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        raise Malformed(f"{where} is not {_type_name(schema)}")
+
+
+def _load(path: Path, schema_name: str) -> dict[str, Any]:
+    """A side file read through the store (bounded, no link followed) and validated against its schema."""
+    data = read_json(path, what="result file")
+    _validate(data, SCHEMAS[schema_name], path.name)
+    return data
+
+
+# ---------------------------------------------------------------------------- files, without following links
+
+
+def _lstat_mode(path: Path) -> int:
     try:
-        data = read_json(path, what="result file")
-    except (OSError, ValueError):
-        return None  # unreadable or half-written: the directory is treated as not holding that result
-    return data if isinstance(data, dict) else None
+        return os.lstat(path).st_mode
+    except OSError:
+        return 0
+
+
+def _is_file(path: Path) -> bool:
+    """A regular file at ``path`` itself: a link, even to a file, is not one."""
+    return stat.S_ISREG(_lstat_mode(path))
 
 
 def _existing(directory: Path, *names: str) -> list[Path]:
-    return [directory / name for name in names if (directory / name).is_file()]
+    return [directory / name for name in names if _is_file(directory / name)]
+
+
+def _files(directory: Path, pattern: str) -> list[Path]:
+    """Regular files (not links) of ``directory`` whose name matches the glob ``pattern``, sorted."""
+    return sorted(path for path in directory.glob(pattern) if _is_file(path))
+
+
+def _embedded(path: Path) -> str:
+    """A markdown file to embed: bounded by MAX_EMBED_BYTES (a larger one skips its directory)."""
+    return read_text(path, MAX_EMBED_BYTES, what="table to embed")
+
+
+_ESCAPED = re.compile(r"[\\`*\[\]<>|#!~]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+MAX_FIELD_CHARS = 300
+
+
+def _escape(value: Any) -> str:
+    """A string from a file, safe inside a markdown line: one line, markup characters backslash-escaped."""
+    text = _CONTROL.sub(" ", str(value))
+    if len(text) > MAX_FIELD_CHARS:
+        text = text[:MAX_FIELD_CHARS] + "..."
+    return _ESCAPED.sub(lambda match: "\\" + match.group(0), text)
+
+
+def _code(value: Any) -> str:
+    """``value`` as an inline code span that no backtick in it can close early (CommonMark's longer fence)."""
+    text = _CONTROL.sub(" ", str(value))
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def _compact(values: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+    return _escape(", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()))
 
 
 NOT_RECORDED = "not recorded by this command"
@@ -78,31 +256,31 @@ NOT_RECORDED = "not recorded by this command"
 def _grid_text(grid: dict[str, list[float]] | list[float]) -> str:
     if isinstance(grid, list):
         return ", ".join(f"{v:g}" for v in grid)
-    return "; ".join(f"{method}: {', '.join(f'{v:g}' for v in values)}" for method, values in grid.items())
+    return _escape("; ".join(f"{method}: {', '.join(f'{v:g}' for v in values)}" for method, values in grid.items()))
 
 
 def _ablations(directory: Path) -> list[Section]:
     sections = []
-    for manifest_path in sorted(directory.glob("ablation-*.json")):
-        manifest = _read_json(manifest_path)
-        if manifest is None or manifest.get("kind") != "ablation":
+    for manifest_path in _files(directory, "ablation-*.json"):
+        manifest = _load(manifest_path, "ablation-*.json")
+        if manifest.get("kind") != "ablation":
             continue
         stem = manifest_path.with_suffix("")
-        settings = manifest.get("settings", {})
+        settings = manifest.get("settings") or {}
         shown = {k: v for k, v in settings.items() if v not in (None, {}, [], "")}
         table = stem.with_suffix(".md")
         sections.append(Section(
             kind="ablation", directory=directory,
-            title=f"Ablation on {manifest.get('what')} ({manifest.get('experiment')})",
+            title=_escape(f"Ablation on {manifest.get('what')} ({manifest.get('experiment')})"),
             provenance={
-                "machine": str(manifest.get("machine", NOT_RECORDED)),
-                "backend": str(manifest.get("backend", NOT_RECORDED)),
-                "device": str(manifest.get("device", NOT_RECORDED)),
-                "torch": str(manifest.get("torch", NOT_RECORDED)),
-                "grid": _grid_text(manifest.get("grid", {})),
+                "machine": _escape(manifest.get("machine", NOT_RECORDED)),
+                "backend": _escape(manifest.get("backend", NOT_RECORDED)),
+                "device": _escape(manifest.get("device", NOT_RECORDED)),
+                "torch": _escape(manifest.get("torch", NOT_RECORDED)),
+                "grid": _grid_text(manifest.get("grid") or {}),
                 "settings": _compact(shown),
             },
-            tables=[read_text(table)] if table.is_file() else [],
+            tables=[_embedded(table)] if _is_file(table) else [],
             images=_existing(directory, f"{stem.name}.png"),
             links=_existing(directory, f"{stem.name}.csv", f"{stem.name}-curves.csv", manifest_path.name),
         ))
@@ -110,34 +288,40 @@ def _ablations(directory: Path) -> list[Section]:
 
 
 def _synthetic(directory: Path) -> list[Section]:
-    summary = _read_json(directory / "summary.json")
-    if summary is None or "problem" not in summary or not (directory / "summary.md").is_file():
+    if not (_is_file(directory / "summary.json") and _is_file(directory / "summary.md")):
         return []
-    methods = summary.get("methods", {})
-    backends = {str(info.get("hparams", {}).get("backend")) for info in methods.values()} - {"None"}
+    summary = _load(directory / "summary.json", "summary.json")
+    methods = summary.get("methods") or {}
+    backends = {str((info or {}).get("hparams", {}).get("backend")) for info in methods.values()} - {"None"}
     return [Section(
-        kind="synthetic comparison", directory=directory, title=f"Synthetic comparison: {summary['problem']}",
+        kind="synthetic comparison", directory=directory, title=_escape(f"Synthetic comparison: {summary['problem']}"),
         provenance={
             "machine": NOT_RECORDED + " (drmoo synthetic runs on the CPU)",
-            "backend": ", ".join(sorted(backends)) if backends else "automatic (" + NOT_RECORDED + ")",
-            "problem": str(summary.get("description", summary["problem"])),
-            "settings": f"{summary.get('steps')} iterations, batch {summary.get('batch_size')}, "
-                        f"seeds {', '.join(map(str, summary.get('seeds', [])))}",
-            **{f"hyperparameters of {m}": _compact(info.get("hparams", {})) for m, info in methods.items()},
+            "backend": _escape(", ".join(sorted(backends))) if backends else "automatic (" + NOT_RECORDED + ")",
+            "problem": _escape(summary.get("description", summary["problem"])),
+            "settings": _escape(f"{summary.get('steps')} iterations, batch {summary.get('batch_size')}, "
+                                f"seeds {', '.join(map(str, summary.get('seeds') or []))}"),
+            **{f"hyperparameters of {_escape(m)}": _compact((info or {}).get("hparams") or {})
+               for m, info in methods.items()},
         },
-        tables=[read_text(directory / "summary.md")],
+        tables=[_embedded(directory / "summary.md")],
         images=_existing(directory, "convergence.png"),
         links=_existing(directory, "metrics.csv", "convergence.csv", "summary.json"),
     )]
 
 
-def _run_configs(directory: Path) -> list[dict[str, Any]]:
-    configs = []
-    for path in sorted(directory.glob("*/config.json")):
-        config = _read_json(path)
-        if config is not None:
-            configs.append(config)
-    return configs
+def _run_configs(directory: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The valid config.json of ``directory``'s run sub-directories (no link followed) and the refused ones."""
+    configs, refused = [], []
+    for child in _subdirectories(directory)[0]:
+        path = child / "config.json"
+        if not _is_file(path):
+            continue
+        try:
+            configs.append(_load(path, "config.json"))
+        except (ValueError, OSError) as error:
+            refused.append(f"{child.name}/config.json ({error})")
+    return configs, refused
 
 
 def _run_provenance(configs: list[dict[str, Any]]) -> dict[str, str]:
@@ -149,12 +333,13 @@ def _run_provenance(configs: list[dict[str, Any]]) -> dict[str, str]:
     keys = ("experiment", "preset", "epochs", "max_steps", "batch_size", "input_size", "train_size", "test_size",
             "weights", "jacobian", "amp")
     provenance = {
-        "machine": f"device {first.get('device', '?')} (machine model " + NOT_RECORDED + ")",
-        "backend": ", ".join(backends),
+        "machine": f"device {_escape(first.get('device', '?'))} (machine model " + NOT_RECORDED + ")",
+        "backend": _escape(", ".join(backends)),
         "settings": _compact({k: first[k] for k in keys if first.get(k) is not None}),
     }
     for config in configs:
-        provenance.setdefault(f"hyperparameters of {config.get('method')}", _compact(config.get("hparams", {})))
+        provenance.setdefault(f"hyperparameters of {_escape(config.get('method'))}",
+                              _compact(config.get("hparams") or {}))
     return provenance
 
 
@@ -162,10 +347,18 @@ def _agreement_text(agreement: dict[str, Any]) -> str:
     def tau(value: Any) -> str:
         return f"{value:+.2f}" if isinstance(value, (int, float)) and value == value else "n/a"
 
-    columns = ", ".join(f"{row.get('column')} {tau(row.get('tau_b'))}" for row in agreement.get("per_column", []))
+    columns = ", ".join(f"{_escape(row.get('column'))} {tau(row.get('tau_b'))}"
+                        for row in agreement.get("per_column") or [])
     mean = tau(agreement.get("mean_tau_b"))
     return (f"Kendall's τ_b between the paper's ordering of the methods and ours: mean {mean} ({columns}); "
-            f"against {agreement.get('reference')}")
+            f"against {_escape(agreement.get('reference'))}")
+
+
+def _table_rows(path: Path) -> Iterator[dict[str, str]]:
+    for number, row in enumerate(iter_csv(path, what="comparison table"), start=1):
+        if number > MAX_TABLE_ROWS:
+            raise Malformed(f"{path.name} has more than the {MAX_TABLE_ROWS} rows a comparison table holds")
+        yield row
 
 
 def _paper_block(directory: Path, experiment: str | None) -> tuple[str | None, dict[str, Any] | None]:
@@ -179,17 +372,13 @@ def _paper_block(directory: Path, experiment: str | None) -> tuple[str | None, d
     reference = reference_for(experiment or "")
     if reference is None:
         return None, None
-    try:
-        rows = read_csv(directory / "table.csv", what="comparison table")
-    except (OSError, ValueError):
-        return None, None
     per_seed: dict[str, dict[Any, list[float]]] = {}
     columns: dict[Any, str] = {}
-    for row in rows:
-        method = row.get("method")
-        if not method:
-            continue
-        try:
+    try:
+        for row in _table_rows(directory / "table.csv"):
+            method = row.get("method")
+            if not method:
+                continue
             if "eps" in row and "mean_acc" in row:  # Table 1 layout: one row per (method, eps)
                 eps = float(row["eps"])
                 columns.setdefault(eps, "Clean" if eps == 0 else f"{eps:g}")
@@ -199,8 +388,8 @@ def _paper_block(directory: Path, experiment: str | None) -> tuple[str | None, d
                     if row.get(key) not in (None, ""):
                         columns.setdefault(key, label)
                         per_seed.setdefault(method, {}).setdefault(key, []).append(float(row[key]))
-        except ValueError:
-            return None, None
+    except (OSError, ValueError):  # unreadable, refused or not numbers: no rebuilt block
+        return None, None
     if not per_seed:
         return None, None
     header = ("Beside the paper (rebuilt by `drmoo report` from table.csv: ours is the mean over seeds; "
@@ -210,12 +399,15 @@ def _paper_block(directory: Path, experiment: str | None) -> tuple[str | None, d
 
 
 def _robustness(directory: Path) -> list[Section]:
-    if not ((directory / "table.md").is_file() and (directory / "table.csv").is_file()):
+    if not (_is_file(directory / "table.md") and _is_file(directory / "table.csv")):
         return []
-    configs = _run_configs(directory)
+    configs, refused = _run_configs(directory)
     provenance = _run_provenance(configs)
-    tables = [read_text(directory / "table.md")]
-    agreement = _read_json(directory / "agreement.json")  # drmoo compare's paper block is already in table.md
+    if refused:
+        provenance["run configs not read"] = _escape("; ".join(refused))
+    tables = [_embedded(directory / "table.md")]
+    agreement = _load(directory / "agreement.json", "agreement.json") if _is_file(directory / "agreement.json") \
+        else None  # drmoo compare's paper block is already in table.md
     if agreement is None:
         block, agreement = _paper_block(directory, configs[0].get("experiment") if configs else None)
         if block is not None:
@@ -223,9 +415,9 @@ def _robustness(directory: Path) -> list[Section]:
     if agreement is not None and agreement.get("per_column"):
         provenance["paper agreement"] = _agreement_text(agreement)
     if agreement is not None and agreement.get("eps_space"):
-        provenance["FGSM eps"] = f"{agreement['eps_space']} units"
+        provenance["FGSM eps"] = f"{_escape(agreement['eps_space'])} units"
     return [Section(
-        kind="robustness comparison", directory=directory, title=f"Robustness comparison: {directory.name}",
+        kind="robustness comparison", directory=directory, title=f"Robustness comparison: {_escape(directory.name)}",
         provenance=provenance, tables=tables,
         images=_existing(directory, "robustness.png"),
         links=_existing(directory, "table.csv", "agreement.json"),
@@ -234,85 +426,101 @@ def _robustness(directory: Path) -> list[Section]:
 
 def _wallclock(directory: Path) -> list[Section]:
     # bench-iter writes wallclock.* on a CPU and gpu-<device>-b<batch>.* on a GPU (a .csv beside each)
-    tables = [directory / "wallclock.md", *sorted(directory.glob("gpu-*.md"))]
+    tables = [directory / "wallclock.md", *_files(directory, "gpu-*.md")]
     sections = []
     for table in tables:
-        if not table.is_file() or not (table.name == "wallclock.md" or table.with_suffix(".csv").is_file()):
+        csv_path = table.with_suffix(".csv")
+        if not _is_file(table) or not (table.name == "wallclock.md" or _is_file(csv_path)):
             continue
         backends: set[str] = set()
-        if table.with_suffix(".csv").is_file():
-            backends = {row.get("backend") or "" for row in read_csv(table.with_suffix(".csv"))} - {""}
-        text = read_text(table)
+        if _is_file(csv_path):
+            backends = {row.get("backend") or "" for row in iter_csv(csv_path, what="wall-clock table")} - {""}
+        text = _embedded(table)
         title_line = text.splitlines()[0].lstrip("# ").strip() if text.strip() else ""
         sections.append(Section(
             kind="wall-clock", directory=directory, title="Wall-clock time per iteration",
             provenance={
                 # bench-iter puts model, batch, input size and the machine in its title line
-                "machine and settings": title_line or NOT_RECORDED,
-                "backend": ", ".join(sorted(backends)) or NOT_RECORDED,
+                "machine and settings": _escape(title_line) or NOT_RECORDED,
+                "backend": _escape(", ".join(sorted(backends))) or NOT_RECORDED,
             },
             tables=[text], images=_existing(directory, table.with_suffix(".png").name),
-            links=_existing(directory, table.with_suffix(".csv").name),
+            links=_existing(directory, csv_path.name),
         ))
     return sections
 
 
 def _kernel_benchmarks(directory: Path) -> list[Section]:
     sections = []
-    for path in sorted(directory.glob("*.md")):
-        try:
-            text = read_text(path)
-        except (OSError, ValueError):  # unreadable, not UTF-8 or refused by the store
+    for path in _files(directory, "*.md"):
+        try:  # only the head decides whether it is a benchmark file: other markdown is never read whole
+            if not read_head(path, len(BENCH_PREFIX), what="markdown file").startswith(BENCH_PREFIX.encode()):
+                continue
+        except (OSError, ValueError):
             continue
+        text = _embedded(path)
         first, _, rest = text.partition("\n")
-        if not first.startswith(BENCH_PREFIX):
-            continue
         machine = first[len(BENCH_PREFIX):].lstrip(": ").strip()
         backends = sorted({cells[3].strip() for cells in (line.split("|") for line in rest.splitlines())
                            if len(cells) > 4 and cells[1].strip() not in ("op", "") and not cells[1].startswith("-")})
         sections.append(Section(
-            kind="kernel benchmarks", directory=directory, title=f"Kernel benchmarks: {path.stem}",
-            provenance={"machine": machine or NOT_RECORDED, "backend": ", ".join(backends) or NOT_RECORDED},
+            kind="kernel benchmarks", directory=directory, title=f"Kernel benchmarks: {_escape(path.stem)}",
+            provenance={"machine": _escape(machine) or NOT_RECORDED,
+                        "backend": _escape(", ".join(backends)) or NOT_RECORDED},
             tables=[rest.strip() + "\n"], links=_existing(directory, path.with_suffix(".json").name, path.name),
         ))
     return sections
 
 
 def _csv_table(path: Path, max_rows: int = 40) -> str:
-    """A CSV as a markdown table (numbers to 4 significant digits), the last ``max_rows`` rows."""
-    rows = read_csv(path)
-    if not rows:
+    """A CSV as a markdown table (numbers to 4 significant digits), the last ``max_rows`` rows.
+
+    Streamed: only the last ``max_rows`` rows are kept, whatever the file's length.
+    """
+    last: deque[dict[str, str]] = deque(maxlen=max_rows)
+    count = 0
+    for row in iter_csv(path, what="metrics table"):
+        last.append(row)
+        count += 1
+    if not last:
         return ""
 
     def cell(value: str) -> str:
         try:
             number = float(value)
         except ValueError:
-            return value
-        return value if number.is_integer() and "." not in value else f"{number:.4g}"
+            return _escape(value)
+        return _escape(value) if number.is_integer() and "." not in value else f"{number:.4g}"
 
-    columns = list(rows[0])
-    lines = [f"`{path.name}`" + (f" (last {max_rows} of {len(rows)} rows)" if len(rows) > max_rows else ""), "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row[c] or "") for c in columns) + " |" for row in rows[-max_rows:]]
+    columns = list(last[0])
+    lines = [f"`{path.name}`" + (f" (last {max_rows} of {count} rows)" if count > max_rows else ""), "",
+             "| " + " | ".join(_escape(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row[c] or "") for c in columns) + " |" for row in last]
     return "\n".join(lines) + "\n"
 
 
 def _training_run(directory: Path) -> list[Section]:
-    config = _read_json(directory / "config.json")
-    if config is None or not (directory / "metrics.csv").is_file():
+    if not (_is_file(directory / "config.json") and _is_file(directory / "metrics.csv")):
         return []
+    config = _load(directory / "config.json", "config.json")
     tables = [_csv_table(directory / "metrics.csv")]
-    report = _read_json(directory / "eval.json")
-    if report is not None and report.get("results"):
-        from .robustness import eval_table
+    provenance = _run_provenance([config])
+    if _is_file(directory / "eval.json"):
+        report = _load(directory / "eval.json", "eval.json")
+        if not report["results"]:
+            raise Malformed("eval.json.results is empty")
+        if result_matches_checkpoint(directory, report):
+            from .robustness import eval_table
 
-        tables.append(eval_table(report))
+            tables.append(eval_table(report))
+        else:  # computed from other weights (the run was resumed since), or by an older drmoo: never shown
+            provenance["eval.json"] = ("not shown: it was not computed from the checkpoint this run holds now "
+                                       "(stale; `drmoo eval` the run again)")
     return [Section(
         kind="training run", directory=directory,
-        title=f"Training run: {config.get('experiment')}, {config.get('method')}, seed {config.get('seed')}",
-        provenance=_run_provenance([config]), tables=[t for t in tables if t],
-        images=sorted(directory.glob("*.png")),
+        title=_escape(f"Training run: {config.get('experiment')}, {config.get('method')}, seed {config.get('seed')}"),
+        provenance=provenance, tables=[t for t in tables if t],
+        images=_files(directory, "*.png"),
         links=_existing(directory, "metrics.csv", "steps.csv", "eval.json", "config.json"),
     )]
 
@@ -325,13 +533,38 @@ RECOGNISERS: tuple[Callable[[Path], list[Section]], ...] = (
 # ---------------------------------------------------------------------------- walking
 
 
+def _subdirectories(directory: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """The sub-directories to walk (never through a link) and the entries skipped with why; raises OSError."""
+    children, skipped = [], []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith((".", "__")):
+                continue
+            if entry.is_symlink():  # a link's target is never read, whatever it points to
+                skipped.append((Path(entry.path), "skipped: a symbolic link (drmoo report never follows one)"))
+            elif entry.is_dir(follow_symlinks=False):
+                children.append(Path(entry.path))
+    return sorted(children), skipped
+
+
+def _recognise(directory: Path) -> list[Section]:
+    """Every recogniser's sections of ``directory``; :class:`Malformed` / UsageError / OSError when a file is bad."""
+    try:
+        return [section for recognise in RECOGNISERS for section in recognise(directory)]
+    except (KeyError, TypeError, IndexError, AttributeError) as error:  # a shape the schemas let through
+        raise Malformed(f"a result file of an unexpected shape ({type(error).__name__}: {error})") from None
+
+
 def _walk(directory: Path, depth: int) -> tuple[list[Section], list[tuple[Path, str]]]:
-    sections = [s for recognise in RECOGNISERS for s in recognise(directory)]
+    try:
+        sections = _recognise(directory)
+        children, skipped = _subdirectories(directory)
+    except (ValueError, OSError) as error:  # a malformed, unreadable or oversized file; an unlistable directory
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        return [], [(directory, f"skipped: {reason}")]
     if sections:
-        return sections, []
-    children = sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
+        return sections, skipped
     found: list[Section] = []
-    skipped: list[tuple[Path, str]] = []
     if depth < MAX_DEPTH:
         for child in children:
             child_sections, child_skipped = _walk(child, depth + 1)
@@ -340,27 +573,42 @@ def _walk(directory: Path, depth: int) -> tuple[list[Section], list[tuple[Path, 
     if found:
         return found, skipped
     # Nothing here or below: report this directory once, not each empty descendant.
-    files = sorted(p.name for p in directory.iterdir() if p.is_file())
+    try:
+        files = sorted(entry.name for entry in os.scandir(directory) if entry.is_file(follow_symlinks=False))
+    except OSError:
+        files = []
     held = f"it holds {len(files)} file(s)" + (f": {', '.join(files[:5])}{', ...' if len(files) > 5 else ''}"
                                               if files else "")
     depth_note = f" (not searched below depth {MAX_DEPTH})" if depth >= MAX_DEPTH and children else ""
-    return [], [(directory, f"no recognised results (looked for {LOOKED_FOR}); {held}{depth_note}")]
+    return [], [*skipped, (directory, f"no recognised results (looked for {LOOKED_FOR}); {held}{depth_note}")]
 
 
 def collect(paths: Sequence[str | Path]) -> tuple[list[Section], list[tuple[Path, str]]]:
-    """The recognised sections under ``paths`` (in the given order) and the skipped paths with reasons."""
+    """The recognised sections under ``paths`` (in the given order, each directory once) and the skipped paths.
+
+    A path given twice, or inside another one given, adds nothing the second time.
+    """
     sections: list[Section] = []
     skipped: list[tuple[Path, str]] = []
+    shown: set[Path] = set()  # the directories whose sections an earlier path already collected
+    listed: set[tuple[Path, str]] = set()  # (path, reason) of the skipped entries already listed
     for raw in paths:
         path = Path(raw)
-        if not path.exists():
+        mode = _lstat_mode(path)
+        if not mode:
             skipped.append((path, "does not exist"))
-        elif not path.is_dir():
+        elif stat.S_ISLNK(mode):
+            skipped.append((path, "is a symbolic link: not followed (give the directory it points to)"))
+        elif not stat.S_ISDIR(mode):
             skipped.append((path, "is not a directory (give the directory that holds it)"))
         else:
             found, missed = _walk(path, 0)
-            sections += found
-            skipped += missed
+            sections += [section for section in found if section.directory.resolve() not in shown]
+            shown.update(section.directory.resolve() for section in found)
+            for entry, reason in missed:
+                if (key := (entry.parent.resolve() / entry.name, reason)) not in listed:
+                    listed.add(key)
+                    skipped.append((entry, reason))
     return sections, skipped
 
 
@@ -376,14 +624,19 @@ def _demote(markdown: str) -> str:
 
 def _relative(target: Path, base: Path) -> str:
     link = Path(os.path.relpath(target.resolve(), base.resolve())).as_posix()
-    return f"<{link}>" if any(ch in link for ch in " ()") else link  # CommonMark form for awkward paths
+    # CommonMark's <...> form for awkward paths; characters that would end it or the line are escaped
+    link = _CONTROL.sub("", link)
+    if any(ch in link for ch in " ()<>[]`\\"):
+        return "<" + re.sub(r"[<>\\]", lambda match: "\\" + match.group(0), link) + ">"
+    return link
 
 
 def _render_section(number: int, section: Section, base: Path) -> list[str]:
-    lines = [f"## {number}. {section.title}", "", f"*{section.kind}* in `{_relative(section.directory, base)}`", ""]
+    lines = [f"## {number}. {section.title}", "",
+             f"*{section.kind}* in {_code(_relative(section.directory, base))}", ""]
     lines += [f"- **{key}**: {value}" for key, value in section.provenance.items() if value]
     if section.links:
-        lines.append("- **files**: " + " · ".join(f"[{p.name}]({_relative(p, base)})" for p in section.links))
+        lines.append("- **files**: " + " · ".join(f"[{_escape(p.name)}]({_relative(p, base)})" for p in section.links))
     lines.append("")
     for table in section.tables:
         lines += [_demote(table), ""]
@@ -396,11 +649,11 @@ def render(sections: list[Section], skipped: list[tuple[Path, str]], base: Path,
            sources: Sequence[str | Path]) -> str:
     """The report's markdown; links are relative to ``base`` (the report's directory)."""
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"# {title}", "", f"Collected {stamp} {REPORT_MARK} "
-             + ", ".join(f"`{s}`" for s in sources) + ".", ""]
+    lines = [f"# {_escape(title)}", "", f"Collected {stamp} {REPORT_MARK} "
+             + ", ".join(_code(s) for s in sources) + ".", ""]
     if sections:
         lines += ["| # | kind | result | directory |", "|---:|---|---|---|"]
-        lines += [f"| {i} | {s.kind} | {s.title} | `{_relative(s.directory, base)}` |"
+        lines += [f"| {i} | {s.kind} | {s.title} | {_code(_relative(s.directory, base))} |"
                   for i, s in enumerate(sections, 1)]
         lines.append("")
     else:
@@ -409,52 +662,83 @@ def render(sections: list[Section], skipped: list[tuple[Path, str]], base: Path,
         lines += _render_section(number, section, base)
     if skipped:
         lines += ["## Skipped", ""]
-        lines += [f"- `{path}`: {reason}" for path, reason in skipped]
+        lines += [f"- {_code(path)}: {_escape(reason)}" for path, reason in skipped]
         lines.append("")
     return "\n".join(lines)
 
 
-REPORT_MARK = "by `drmoo report` from:"  # in the second paragraph of every report: a file drmoo may replace
-REPORT_HEAD_BYTES = 4096  # where REPORT_MARK is looked for: only this much of an existing --out file is read
+REPORT_MARK = "by `drmoo report` from:"  # in the second paragraph of every report
+SIGNATURE = "<!-- drmoo report sha256:{digest} -->"  # the last line: the SHA-256 of everything above it
+_SIGNATURE = re.compile(rb"<!-- drmoo report sha256:([0-9a-f]{64}) -->\n?\Z")
 
 
-def _check_output(out: Path, paths: Sequence[str | Path]) -> None:
-    """Refuse an output that is an input: inside a run directory, or an existing file drmoo report did not write."""
+def _signed(text: str) -> bytes:
+    """The report's bytes followed by its signature line (what makes it replaceable by the next report)."""
+    body = (text if text.endswith("\n") else text + "\n").encode()
+    return body + SIGNATURE.format(digest=hashlib.sha256(body).hexdigest()).encode() + b"\n"
+
+
+def _is_unmodified_report(out: Path) -> bool:
+    """Whether ``out`` is a report drmoo wrote, as it wrote it: its last line is the SHA-256 of the rest.
+
+    Read through the store (no link followed, regular file); one over MAX_REPORT_BYTES is not read.
+    """
+    try:
+        if regular_file_size(out, what="existing --out file") > MAX_REPORT_BYTES:
+            return False
+        data = read_bytes(out, MAX_REPORT_BYTES, what="existing --out file")
+    except (ValueError, OSError):
+        return False
+    match = _SIGNATURE.search(data)
+    return match is not None and hashlib.sha256(data[: match.start()]).hexdigest() == match.group(1).decode()
+
+
+def _inside_a_run(directory: Path) -> Path | None:
+    """The run directory ``directory`` is in (itself or an ancestor holding a checkpoint or a lock), or None."""
+    for candidate in (directory, *directory.parents):
+        if any(os.path.lexists(candidate / name) for name in (CHECKPOINT, LOCK_FILE)):
+            return candidate
+    return directory if os.path.lexists(directory / "config.json") else None
+
+
+def _check_output(out: Path, paths: Sequence[str | Path]) -> Path:
+    """The report's path, resolved; refused when it is an input, inside a run, or a file drmoo did not write."""
     if str(out) == "":
         raise UsageError("--out is an empty path (an unset shell variable?)")
     if out.is_dir():
         raise UsageError(f"--out {out} is a directory; give the markdown file to write, e.g. {out / 'report.md'}")
     if out.suffix.lower() != ".md":
         raise UsageError(f"--out {out}: the report is markdown; give a file name ending in .md")
-    if (out.parent / CHECKPOINT).exists() or (out.parent / "config.json").exists():
-        raise UsageError(f"--out {out} is inside a run directory; write the report elsewhere")
-    if os.path.lexists(out):
-        try:
-            head = read_head(out, REPORT_HEAD_BYTES, what="existing --out file").decode(errors="replace")
-        except (UsageError, FileNotFoundError):
-            head = ""
-        if REPORT_MARK not in head:
-            raise UsageError(f"--out {out} exists and is not a report drmoo report wrote (it may be one of the "
-                             "results it reads): refusing to overwrite it; pick another --out")
-    resolved = out.resolve()
+    # Resolved ('..' and links in the directories above), so RUN/sub/../r.md is seen to be in RUN
+    resolved = out.parent.resolve() / out.name
+    run = _inside_a_run(resolved.parent)
+    if run is not None:
+        raise UsageError(f"--out {out} is inside the run directory {run}; write the report elsewhere")
+    if os.path.lexists(resolved) and not _is_unmodified_report(resolved):
+        raise UsageError(f"--out {out} exists and is not a report drmoo wrote, unmodified (it may be one of the "
+                         "results it reads, or an edited report): refusing to overwrite it; pick another --out")
     for path in paths:
         if Path(path).resolve() == resolved:
             raise UsageError(f"--out {out} is also given in --runs: pick another --out")
+    return resolved
 
 
 def write_report(paths: Sequence[str | Path], out: str | Path, title: str = "drmoo results") -> tuple[int, int]:
     """Collect ``paths`` into the markdown file ``out``; returns (sections written, paths skipped).
 
-    ``out`` must not be an input: an existing file is replaced only when drmoo report wrote it.
+    ``out`` must not be an input: an existing file is replaced only when it is a report drmoo wrote,
+    unmodified (its signature line matches).
     """
     if not paths:
         raise UsageError("no result directories given (--runs DIR [DIR ...])")
     if any(str(path) == "" for path in paths):
         raise UsageError("--runs holds an empty path (an unset shell variable?)")
-    out = Path(out)
-    _check_output(out, paths)
-    sections, skipped = collect(paths)
-    text = render(sections, skipped, out.parent, title, paths)
-    make_directory(out.parent, "report's directory")
-    write_text(out, text)
+    resolved = _check_output(Path(out), paths)
+    sections, skipped = collect(list(dict.fromkeys(str(path) for path in paths)))
+    data = _signed(render(sections, skipped, resolved.parent, title, paths))
+    if len(data) > MAX_REPORT_BYTES:
+        raise UsageError(f"the report would hold {len(data)} bytes, more than the {MAX_REPORT_BYTES} it may: "
+                         "report fewer directories")
+    make_directory(resolved.parent, "report's directory")
+    write_text(resolved, data.decode())
     return len(sections), len(skipped)

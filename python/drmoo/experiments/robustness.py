@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 from drmoo.optim import NonFiniteStepError
 from drmoo.store import (
     UsageError,
+    iter_csv,
     make_directory,
-    read_csv,
     read_json,
     remove_file,
     write_csv,
@@ -35,7 +35,7 @@ from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
 from .run_config import RunConfig, config_differences, read_run_config
 from .summaries import fgsm_comparison, mean_std, mean_std_text
-from .training import DIVERGED, read_diverged, train
+from .training import DIVERGED, check_fresh_directory, check_run_names, read_diverged, train
 from .variants import run_dir_name
 
 __all__ = ["MAX_JOBS", "balancing_table", "check_distinct", "compare", "ensure_trained", "eval_table",
@@ -198,16 +198,26 @@ def preference_trace(run_dir: Path) -> dict[str, list[float]] | None:
     None when the run has no readable per-step log (an older run, or a damaged file): the balancing
     table then says n/a for it instead of guessing.
     """
-    try:  # bounded by the store (256 MiB: a million steps is ~100 MB; beyond that it is not ours)
-        rows = read_csv(run_dir / "steps.csv", what="per-step log")
-        keys = sorted((k for k in (rows[0] if rows else {}) if k.startswith("w_")), key=lambda k: int(k[2:]))
-        trace = [[float(row[k]) for k in keys] for row in rows]
+    keys: list[str] = []
+    final: list[float] = []
+    low: list[float] = []
+    high: list[float] = []
+    try:  # streamed by the store (256 MiB, one row at a time): only w's last value and range are kept
+        for row in iter_csv(run_dir / "steps.csv", what="per-step log"):
+            if not keys:
+                keys = sorted((k for k in row if k.startswith("w_")), key=lambda k: int(k[2:]))
+                if not keys:
+                    return None
+            final = [float(row[k]) for k in keys]
+            if any(not math.isfinite(v) for v in final):
+                return None
+            low = [min(a, b) for a, b in zip(low, final)] if low else list(final)
+            high = [max(a, b) for a, b in zip(high, final)] if high else list(final)
     except (OSError, ValueError, KeyError, TypeError):  # missing, refused (a UsageError) or not numbers
         return None
-    if not trace or not keys or any(not math.isfinite(v) for w in trace for v in w):
+    if not final:
         return None
-    return {"final": trace[-1], "low": [min(column) for column in zip(*trace)],
-            "high": [max(column) for column in zip(*trace)]}
+    return {"final": final, "low": low, "high": high}
 
 
 def balancing_table(traces: dict[str, list[dict[str, list[float]] | None]]) -> str:
@@ -329,6 +339,8 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
         raise UsageError(f"--jobs must be an integer in [1, {MAX_JOBS}], got {jobs!r}")
     check_distinct(configs)
     names = [run_dir_name(config.name, config.seed) for config in configs]
+    check_run_names(out, names)
+    check_fresh_directory(out, "comparison directory", runs_below=True)
     make_directory(out)
     started = time.perf_counter()
     jobs_done = _run_all(configs, [out / name for name in names], list(eps_values), eps_space, jobs, progress)
@@ -361,7 +373,10 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
         paired = paired_differences(per_seed, reference, list(eps_values))
         labels = {eps: "Clean" if eps == 0 else f"{eps:g}" for eps in eps_values}
         table += "\n" + paired_markdown(paired, labels, unit="accuracy points")
+    if paired:
         write_csv(out / "paired.csv", paired)
+    else:  # no paired differences in this comparison: one left by an earlier one would be read as its own
+        remove_file(out / "paired.csv")
     note = diverged_note(reports)
     if note:
         table += "\n" + note

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from drmoo.optim import available, create
-from drmoo.store import UsageError, make_directory, read_csv, read_json, write_csv, write_json, write_text
+from drmoo.store import UsageError, iter_csv, make_directory, read_json, write_csv, write_json, write_text
 
 from .problems import BatchStream, Problem, make_linear_problem, make_wine_problem
 from .summaries import aggregate_curves, mean_std, plot_convergence, summary_table
@@ -182,9 +182,10 @@ def _run_one(
 def _read_records(path: Path, method: str, seed: int, steps: int) -> list[dict[str, Any]] | None:
     """The records of a finished run's CSV, or None when it is not exactly that run's (damaged, edited, NaN)."""
     try:
-        rows = read_csv(path, what="run CSV")
         parsed = []
-        for row in rows:
+        for row in iter_csv(path, what="run CSV"):  # streamed: more rows than the run's steps is not its file
+            if len(parsed) == steps:
+                return None
             record: dict[str, Any] = {k: (v if k == "method" else float(v)) for k, v in row.items()}
             if any(isinstance(v, float) and not math.isfinite(v) for v in record.values()):
                 return None  # a finished run never logs a non-finite value: the file was altered

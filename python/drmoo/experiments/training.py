@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -38,6 +39,8 @@ from torch import Tensor, nn
 from drmoo import distributed
 from drmoo.optim import NonFiniteStepError, create
 from drmoo.store import (
+    LOCK_FILE,
+    TEMP_SUFFIX,
     CheckpointError,
     UsageError,
     atomic_write,
@@ -49,14 +52,15 @@ from drmoo.store import (
     write_json,
 )
 
-from .checkpoints import CHECKPOINT, read_checkpoint, write_checkpoint
+from .checkpoints import CHECKPOINT, payload_budget, read_checkpoint, write_checkpoint
 from .devices import agreed, check_backend, setup_distributed
 from .evaluation import accuracy
 from .jobs import progress_bar
-from .run_config import RunConfig, check_run_dir
+from .run_config import RunConfig, check_run_dir, read_run_config
 
-__all__ = ["AMP_DTYPES", "DIVERGED", "IndexStream", "TrainingInterrupted", "per_sample_losses", "read_diverged",
-           "train"]
+__all__ = ["AMP_DTYPES", "DIVERGED", "IndexStream", "TrainingInterrupted", "check_fresh_directory", "check_run_names",
+           "holds_run",
+           "per_sample_losses", "read_diverged", "train"]
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # run_config.AMP_MODES -> dtype
 # fp16: dynamic gradient scaling with torch.amp.GradScaler's defaults (2^16, x0.5 on overflow,
@@ -174,6 +178,51 @@ class _Run:
         return self.run_dir / CHECKPOINT
 
 
+def holds_run(directory: Path) -> bool:
+    """Whether ``directory`` holds a drmoo run: a ``config.json`` that reads as a drmoo run config (no link)."""
+    try:
+        read_run_config(directory)
+    except (UsageError, FileNotFoundError, OSError):
+        return False
+    return True
+
+
+def check_run_names(directory: Path, names: list[str]) -> None:
+    """Refuse a comparison whose run directory names are symbolic links (one line, before anything is written).
+
+    ``ln -s VICTIM CMP/mgda-seed0`` would otherwise make ``compare --out CMP`` train into VICTIM; the
+    store refuses every read and write through it anyway, this says so before the work starts.
+    """
+    for name in names:
+        if os.path.islink(directory / name):
+            raise UsageError(f"{directory / name}, the directory of one of the runs compared, is a symbolic link: "
+                             "drmoo never follows a link at a run directory (someone may have planted it); remove "
+                             "it or pick another --out")
+
+
+def check_fresh_directory(directory: Path, what: str = "run directory", runs_below: bool = False) -> None:
+    """Refuse to start writing into a directory that is neither new, empty, nor drmoo's own.
+
+    ``directory`` may be absent, empty (drmoo's lock file and temporaries aside), or hold a drmoo
+    run (``runs_below``: a comparison, with a run in one of its sub-directories).  Anything else is
+    someone's data: ``--out`` pointed at the wrong place would overwrite their config.json or
+    metrics.csv, so it is refused with one line and left as it is.
+    """
+    try:
+        names = [name for name in os.listdir(directory) if name != LOCK_FILE and not name.endswith(TEMP_SUFFIX)]
+    except (FileNotFoundError, NotADirectoryError):  # not there yet (or a file in the way: make_directory says so)
+        return
+    except OSError as error:
+        raise UsageError(f"cannot list the {what} {directory}: {error.strerror or error}") from None
+    if not names or holds_run(directory):
+        return
+    if runs_below and any(holds_run(directory / name) for name in names if not os.path.islink(directory / name)):
+        return
+    shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+    raise UsageError(f"the {what} {directory} is not empty and holds no drmoo run ({shown}): refusing to write into "
+                     "it; pick a new or empty --out")
+
+
 def train(
     config: RunConfig,
     run_dir: Path,
@@ -202,6 +251,8 @@ def train(
     if not resume and checkpoint_path.exists():  # checked again under the lock
         raise FileExistsError(f"{run_dir} already holds a run; pass --resume {run_dir} to continue it or pick a new "
                               "--out")
+    if not resume:
+        check_fresh_directory(run_dir)
     created_group, device = setup_distributed(config.device)
     is_main = distributed.rank() == 0
     try:
@@ -247,13 +298,18 @@ def _train_locked(run: _Run, resume: bool, progress: bool, sample_weight: Callab
                   ) -> dict[str, Any]:
     """Restore a resumed run, then train it to ``run.total`` steps; called holding the run's lock."""
     if resume:
-        _restore(run, read_checkpoint(run.run_dir, run.config))  # verified before anything is written
+        # verified before anything is written; its size bounded by what this run can hold (a resume may
+        # only extend the run, so the checkpoint's steps are at most run.total)
+        budget = payload_budget(run.model, run.data.num_tasks, run.stream.size, run.total)
+        _restore(run, read_checkpoint(run.run_dir, run.config, budget))
     elif run.checkpoint_path.exists():
         raise FileExistsError(
             f"{run.run_dir} already holds a run; pass --resume {run.run_dir} to continue it or pick a new --out"
         )
     if run.is_main:  # everything is checked: from here on the run directory changes
-        for marker in ("done", DIVERGED):  # markers, not work: written again when this run ends
+        # markers, not work: written again when this run ends; eval.json describes the weights being
+        # replaced, so it goes too (drmoo eval writes it again for the new ones)
+        for marker in ("done", DIVERGED, "eval.json"):
             remove_file(run.run_dir / marker)
         atomic_write(run.run_dir / "config.json", [run.config.to_json().encode()])
     run.started = time.perf_counter()
