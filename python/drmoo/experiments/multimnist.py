@@ -198,10 +198,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 # Multi-MNIST-k's small preset: the 3-digit one (12,000 training and 2,000 test composites of the embedded
 # digits, the canvas - 42 x 42 for 4 digits, 56 x 56 for 9 - resized to 28 x 28, the MultiLeNet with k
 # heads, batch 256) with more epochs, sized by one-seed runs on the validation split (seed 0, MGDA and
-# Double-Clip; results/multimnist-k-small/README.md).  4 digits: 15 epochs left both near 78-87 %, 30 reach
-# 90-91 % (1,410 iterations).  9 digits learn slowly (the 3 x 3 grid puts each digit at 14 px): at 30 epochs
-# MGDA was at 58 % and Double-Clip still climbing ~2 points per epoch, so 40 (1,880 iterations) is a
-# CPU-sized compromise, not a converged budget.
+# Double-Clip; results/multimnist-k-small/epoch-sizing/).  4 digits: 15 epochs left them at 78 and 87 %,
+# 30 reach 90.1 and 90.7 % (1,410 iterations).  9 digits learn slowly (the 3 x 3 grid puts each digit at
+# 14 px): after 30 epochs MGDA was at 54 % and Double-Clip at 72 %, both still climbing (~1.5 points per
+# epoch), so 40 (1,880 iterations) is a CPU-sized compromise, not a converged budget.
 GRID_SMALL_EPOCHS = {"multimnist4": 30, "multimnist9": 40}
 for _name in GRID_EXPERIMENTS:
     PRESETS["small"][_name] = {**PRESETS["small"]["multimnist3"], "epochs": GRID_SMALL_EPOCHS[_name]}
