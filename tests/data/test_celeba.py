@@ -206,3 +206,30 @@ def test_corrupt_or_vanished_image_names_the_file(tree: Path) -> None:
 def test_bad_input_size(tree: Path) -> None:
     with pytest.raises(ValueError, match="input_size must be >= 8"):
         load_celeba(tree, input_size=4)
+
+
+def test_all_forty_attributes_in_the_files_order(tree: Path) -> None:
+    """celeba40's tasks: every column of list_attr_celeba.txt, in its order, with the labels of the file."""
+    assert celeba.ALL_ATTRIBUTES == tuple(ALL_ATTRIBUTES) and set(ATTRIBUTES) < set(celeba.ALL_ATTRIBUTES)
+    data = load_celeba(tree, input_size=16, attributes=celeba.ALL_ATTRIBUTES)
+    every = torch.from_numpy((tree_labels() + 1) // 2).long()
+    assert data.num_tasks == 40 and data.attributes == celeba.ALL_ATTRIBUTES
+    assert torch.equal(data.train_labels, every[:24]) and torch.equal(data.test_labels, every[30:])
+    assert data.describe().startswith("CelebA 40 attributes, 16x16, 24 train / 10 test images")
+    # the paper's 8 are the same columns picked out of the 40, and the default is still those 8
+    eight = load_celeba(tree, input_size=16)
+    assert eight.attributes == ATTRIBUTES and eight.describe().startswith("CelebA 8 attributes")
+    columns = [celeba.ALL_ATTRIBUTES.index(name) for name in ATTRIBUTES]
+    assert torch.equal(eight.train_labels, data.train_labels[:, columns])
+    # any order of any subset: the columns follow the order asked for
+    picked = load_celeba(tree, input_size=16, attributes=("Young", "Bald"))
+    assert torch.equal(picked.test_labels, every[30:][:, [39, 4]])
+
+
+@pytest.mark.parametrize(("attributes", "message"), [
+    (("Bald", "Bald"), "attributes must be distinct names"), ((), "attributes must be distinct names"),
+    (("Bald", "Has_Tail"), "line 2: the attribute header lacks Has_Tail"),
+])
+def test_bad_attribute_lists_are_refused(tree: Path, attributes: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_celeba(tree, input_size=16, attributes=attributes)

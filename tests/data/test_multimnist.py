@@ -116,8 +116,8 @@ def test_broken_data_roots_name_the_file(tmp_path: Path) -> None:
 
 
 def test_bad_recipes() -> None:
-    with pytest.raises(ValueError, match="2 or 3 digits"):
-        MultiMnistRecipe(digits=4)
+    with pytest.raises(ValueError, match="2, 3, 4 or 9 digits"):
+        MultiMnistRecipe(digits=5)
     with pytest.raises(ValueError, match="input_size"):
         MultiMnistRecipe(input_size=4)
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from drmoo.cli import main
+from drmoo.data.celeba import ALL_ATTRIBUTES, ATTRIBUTES, load_celeba
 from drmoo.experiments import celeba
 from drmoo.experiments.celeba import PAPER_METHOD_HPARAMS, PRESETS, label_balancing_weights, method_hparams
 from drmoo.experiments.registry import get_experiment
@@ -117,7 +118,8 @@ def test_table_five_settings_and_presets() -> None:
                                 "train_size": None, "test_size": None}
     experiment = get_experiment("celeba")
     assert experiment.sample_weight is label_balancing_weights and set(experiment.presets) == {"paper", "quick"}
-    with pytest.raises(ValueError, match="valid choices: multimnist2, multimnist3, celeba"):
+    with pytest.raises(ValueError, match="valid choices: multimnist2, multimnist3, multimnist4, multimnist9, celeba, "
+                                         "celeba40"):
         get_experiment("imagenet")
 
 
@@ -204,3 +206,64 @@ def test_commands_report_data_problems(tree: Path, tmp_path: Path, capsys: pytes
     # medium is a preset of Multi-MNIST only (argparse's choices hold every experiment's presets)
     assert main(["train", "--preset", "medium", "--data-root", str(tree), "--out", str(tmp_path / "d"), *TINY]) == 2
     assert "unknown preset 'medium'; valid choices: paper, quick" in capsys.readouterr().err
+
+
+def test_celeba40_is_celeba_with_all_forty_attributes() -> None:
+    forty = get_experiment("celeba40")
+    assert celeba.ATTRIBUTE_SETS == {"celeba": ATTRIBUTES, "celeba40": ALL_ATTRIBUTES} and len(ALL_ATTRIBUTES) == 40
+    assert forty.presets is PRESETS and forty.sample_weight is label_balancing_weights
+    assert forty.method_hparams("double-clip") == method_hparams("double-clip")  # Table 5's settings
+    with pytest.raises(ValueError, match="unknown CelebA experiment 'celeba41'; valid choices: celeba, celeba40"):
+        celeba.attributes_of("celeba41")
+
+
+def test_forty_attribute_weights_balance_each_attribute_and_guard_one_class_columns(tree: Path) -> None:
+    """The importance weights per attribute on the fabricated tree's 40 label columns: a column with both labels
+    is balanced (each class half the weight), a column with one label (p = 0, like Bald outside its two faces,
+    or p = 1) is all ones, never inf or NaN."""
+    labels = load_celeba(tree, input_size=16, attributes=ALL_ATTRIBUTES).train_labels[2:18].clone()  # no Bald
+    labels[:, ALL_ATTRIBUTES.index("Young")] = 1  # p = 1
+    weights = label_balancing_weights(labels).double()
+    assert weights.shape == (16, 40) and bool(torch.isfinite(weights).all())
+    one_class = [ALL_ATTRIBUTES.index("Bald"), ALL_ATTRIBUTES.index("Young")]
+    for task in range(40):
+        positive = labels[:, task] == 1
+        if task in one_class:
+            assert int(positive.sum()) in (0, 16) and torch.equal(weights[:, task], torch.ones(16, dtype=torch.double))
+            continue
+        assert 0 < int(positive.sum()) < 16, task
+        assert float(weights[positive, task].sum()) == pytest.approx(8.0)
+        assert float(weights[~positive, task].sum()) == pytest.approx(8.0)
+    assert float(weights.mean()) == pytest.approx(1.0)
+
+
+@pytest.mark.usefixtures("small_model")
+def test_celeba40_trains_with_forty_weight_columns_evaluates_and_compares(
+        tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    seen: list[torch.Tensor | None] = []
+    original = MultiObjectiveOptimizer.draw_losses
+
+    def record(self: MultiObjectiveOptimizer, *args: object, **kwargs: object) -> torch.Tensor:
+        losses = original(self, *args, **kwargs)
+        seen.append(self.batch_weight)
+        assert losses.shape[-1] == 40
+        return losses
+
+    monkeypatch.setattr(MultiObjectiveOptimizer, "draw_losses", record)
+    forty = ["--experiment", "celeba40", *TINY[2:]]
+    run = tmp_path / "run"
+    assert main(["train", "--max-steps", "2", "--data-root", str(tree), "--out", str(run), *forty]) == 0
+    assert seen and all(w is not None and w.shape == (8, 40) for w in seen)
+    for weights in seen:  # every attribute's column sums to the batch (balanced, or all ones for one class)
+        assert all(float(weights[:, t].sum()) == pytest.approx(8.0) for t in range(40))
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "| 5_o_Clock_Shadow |" in printed and "| Young |" in printed
+    report = json.loads((run / "eval.json").read_text())
+    assert report["experiment"] == "celeba40" and report["tasks"] == list(ALL_ATTRIBUTES)
+    assert len(report["accuracy"]) == 40 and report["auc"][ALL_ATTRIBUTES.index("Bald")] is None
+    out = tmp_path / "cmp"
+    assert main(["compare", "--methods", "mgda,double-clip", "--max-steps", "1", "--data-root", str(tree),
+                 "--out", str(out), *forty]) == 0
+    assert "### CelebA, 40 attributes: test metrics (%)" in (out / "table.md").read_text()

@@ -208,7 +208,7 @@ def test_preference_trace_reads_the_step_log_and_refuses_damage(tmp_path: Path) 
 
 @pytest.mark.parametrize("experiment", ["multimnist2", "multimnist3"])
 def test_small_preset_uses_the_swept_learning_rates_and_the_papers_dr_settings(experiment: str) -> None:
-    assert set(SMALL_LR) == {"multimnist2", "multimnist3"}
+    assert set(SMALL_LR) == {"multimnist2", "multimnist3", "multimnist4", "multimnist9"}  # 4, 9: the 3-digit rates
     assert set(SMALL_LR[experiment]) == set(available())
     registered = get_experiment(experiment).method_hparams
     for method in available():

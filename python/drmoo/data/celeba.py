@@ -1,4 +1,4 @@
-"""CelebA (paper §5.2): 8 binary attributes as tasks, read from torchvision's on-disk layout.
+"""CelebA (paper §5.2): 8 binary attributes as tasks (or all 40), read from torchvision's on-disk layout.
 
 Only three things under ``data_root`` (or ``data_root/celeba``, torchvision's base folder) are read:
 
@@ -42,12 +42,22 @@ from torch import Tensor
 
 from drmoo.store import make_directory, open_mapped_file, read_text
 
-__all__ = ["ATTRIBUTES", "CelebA", "find_celeba_root", "load_celeba", "read_attributes", "read_partitions"]
+__all__ = ["ALL_ATTRIBUTES", "ATTRIBUTES", "CelebA", "find_celeba_root", "load_celeba", "read_attributes",
+           "read_partitions"]
 
 # Paper App. D: the 8 attributes used as tasks, in this order.
 ATTRIBUTES: tuple[str, ...] = (
     "Bald", "Wearing_Hat", "Eyeglasses", "Receding_Hairline", "Narrow_Eyes", "Blond_Hair", "Bags_Under_Eyes",
     "Big_Nose",
+)
+# All 40 attributes of list_attr_celeba.txt, in the file's order: the tasks of the celeba40 experiment.
+ALL_ATTRIBUTES: tuple[str, ...] = (
+    "5_o_Clock_Shadow", "Arched_Eyebrows", "Attractive", "Bags_Under_Eyes", "Bald", "Bangs", "Big_Lips", "Big_Nose",
+    "Black_Hair", "Blond_Hair", "Blurry", "Brown_Hair", "Bushy_Eyebrows", "Chubby", "Double_Chin", "Eyeglasses",
+    "Goatee", "Gray_Hair", "Heavy_Makeup", "High_Cheekbones", "Male", "Mouth_Slightly_Open", "Mustache",
+    "Narrow_Eyes", "No_Beard", "Oval_Face", "Pale_Skin", "Pointy_Nose", "Receding_Hairline", "Rosy_Cheeks",
+    "Sideburns", "Smiling", "Straight_Hair", "Wavy_Hair", "Wearing_Earrings", "Wearing_Hat", "Wearing_Lipstick",
+    "Wearing_Necklace", "Wearing_Necktie", "Young",
 )
 IMAGE_DIR = "img_align_celeba"
 ATTR_FILE = "list_attr_celeba.txt"
@@ -82,7 +92,13 @@ def _bad_line(path: Path, number: int, problem: str) -> ValueError:
 
 
 def read_attributes(path: Path, attributes: tuple[str, ...] = ATTRIBUTES) -> tuple[list[str], Tensor]:
-    """File names and labels ``int64 [N, len(attributes)]`` in {0, 1} from ``list_attr_celeba.txt``."""
+    """File names and labels ``int64 [N, len(attributes)]`` in {0, 1} from ``list_attr_celeba.txt``.
+
+    The columns are ``attributes``, in that order, whatever the file's order; a name the header lacks,
+    or one named twice (two tasks of one attribute), is refused.
+    """
+    if not attributes or len(set(attributes)) != len(attributes):
+        raise ValueError(f"attributes must be distinct names, at least one, got {list(attributes)!r}")
     lines = read_text(path, what="CelebA annotation file").splitlines()
     if len(lines) < 2:
         raise ValueError(f"{path}: expected a count line and a header line, the file has {len(lines)} line(s)")
@@ -131,7 +147,8 @@ def read_partitions(path: Path) -> dict[str, int]:
 
 @dataclass
 class CelebA:
-    """CelebA splits as row indices (``*_images``) and {0, 1} labels ``[N, 8]``; images decoded per batch."""
+    """CelebA splits as row indices (``*_images``) and {0, 1} labels ``[N, len(attributes)]``, one column per
+    attribute in ``attributes``' order; images decoded per batch."""
 
     root: Path
     input_size: int
@@ -143,6 +160,7 @@ class CelebA:
     test_images: Tensor
     test_labels: Tensor
     cache_path: Path | None = None
+    attributes: tuple[str, ...] = ATTRIBUTES  # the tasks: the labels' columns, in order
     _cache: tuple[np.memmap, np.memmap] | None = field(default=None, repr=False)
     _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
 
@@ -214,7 +232,7 @@ class CelebA:
         return {**self.__dict__, "_cache": None, "_pool": None}  # reopened on use, never pickled
 
     def describe(self) -> str:
-        return (f"CelebA {len(ATTRIBUTES)} attributes, {self.input_size}x{self.input_size}, "
+        return (f"CelebA {len(self.attributes)} attributes, {self.input_size}x{self.input_size}, "
                 f"{len(self.train_images)} train / {len(self.test_images)} test images from {self.root}")
 
 
@@ -260,13 +278,16 @@ def _check_images_exist(root: Path, files: list[str]) -> None:
 
 def load_celeba(
     data_root: str | Path | None, input_size: int = 128, train_size: int | None = None,
-    test_size: int | None = None, cache_dir: str | Path | None = None,
+    test_size: int | None = None, cache_dir: str | Path | None = None, attributes: tuple[str, ...] = ATTRIBUTES,
 ) -> CelebA:
-    """Read the annotations, pick the official splits (optionally their first rows), check the images exist."""
+    """Read the annotations, pick the official splits (optionally their first rows), check the images exist.
+
+    ``attributes``: the tasks, one label column each (the paper's 8 by default; ``ALL_ATTRIBUTES`` for all 40).
+    """
     if input_size < 8:
         raise ValueError(f"input_size must be >= 8, got {input_size}")
     root = find_celeba_root(data_root)
-    files, labels = read_attributes(root / ATTR_FILE)
+    files, labels = read_attributes(root / ATTR_FILE, tuple(attributes))
     rows = _split_rows(files, read_partitions(root / PARTITION_FILE), root / PARTITION_FILE)
     if train_size is not None:
         rows["train"] = rows["train"][:train_size]
@@ -289,4 +310,5 @@ def load_celeba(
         key = key_hash.hexdigest()[:16]
         cache_path = Path(cache_dir).expanduser() / "celeba" / f"{input_size}px-{key}.u8"
     return CelebA(root, input_size, files, rows["train"], labels[rows["train"]], rows["valid"],
-                  labels[rows["valid"]], rows["test"], labels[rows["test"]], cache_path)
+                  labels[rows["valid"]], rows["test"], labels[rows["test"]], cache_path,
+                  tuple(attributes))

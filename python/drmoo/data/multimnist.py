@@ -1,10 +1,17 @@
-"""Multi-MNIST: 2 or 3 MNIST digits overlapped on one canvas, one classification task per digit.
+"""Multi-MNIST: 2, 3, 4 or 9 MNIST digits overlapped on one canvas, one classification task per digit.
 
 Recipe (deterministic from ``seed``).  Each 28 x 28 digit is pasted with its top-left corner at
 the (row, column) positions below and overlapping pixels take the maximum:
 
 * 2 digits, canvas 36 x 36: top-left (0, 0) and bottom-right (8, 8) - a fixed diagonal offset;
-* 3 digits, canvas 42 x 42: top-left (0, 0), bottom-centre (14, 7) and top-right (0, 14).
+* 3 digits, canvas 42 x 42: top-left (0, 0), bottom-centre (14, 7) and top-right (0, 14);
+* k = 4 or 9 digits (Multi-MNIST-k, drmoo's many-task benchmark, not in the paper): a sqrt(k) x
+  sqrt(k) grid with ``GRID_STRIDE`` = 14 pixels between neighbours, in row-major order - digit
+  (r, c) at (14 r, 14 c), so neighbours overlap by half a digit as the 3-digit layout's top row
+  does; canvas 42 x 42 for 4 digits, 56 x 56 for 9.
+
+The 2- and 3-digit layouts are two more entries of the same tables (``POSITIONS``, ``CANVAS``):
+every digit count is generated, cached and checked by the one code path below.
 
 Task k's label is the class of the digit at position k.  Composite j of a split uses digit
 ``j mod N`` of that split (N digits) at position 0 and independently drawn digits of the same
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import secrets
 import warnings
@@ -42,14 +50,31 @@ from drmoo.store import UsageError, available_memory, make_directory, read_check
 
 from .mnist import DigitSplits, digit_source_fingerprint, load_mnist
 
-__all__ = ["HOLDOUTS", "POSITIONS", "VALIDATION_FRACTION", "MultiMnist", "MultiMnistRecipe", "compose",
-           "default_cache_dir", "holdout_splits", "load_multimnist"]
+__all__ = ["GRID_DIGITS", "GRID_STRIDE", "HOLDOUTS", "POSITIONS", "VALIDATION_FRACTION", "MultiMnist",
+           "MultiMnistRecipe", "compose", "default_cache_dir", "grid_positions", "holdout_splits", "load_multimnist"]
 
-CANVAS: dict[int, int] = {2: 36, 3: 42}  # without shifts; shift s adds 2 s
+DIGIT_SIDE = 28  # an MNIST digit is 28 x 28
+GRID_STRIDE = 14  # Multi-MNIST-k: half a digit between grid neighbours (the 3-digit layout's top-row spacing)
+GRID_DIGITS = (4, 9)  # the grid layouts drmoo builds: 2 x 2 and 3 x 3
+
+
+def grid_positions(digits: int) -> tuple[tuple[int, int], ...]:
+    """Top-left corners of ``digits`` digits on a sqrt(digits) x sqrt(digits) grid, row-major, GRID_STRIDE apart."""
+    side = math.isqrt(digits)
+    if side < 2 or side * side != digits:
+        raise ValueError(f"a Multi-MNIST grid needs a square number of digits >= 4, got {digits}")
+    return tuple((row * GRID_STRIDE, col * GRID_STRIDE) for row in range(side) for col in range(side))
+
+
 MAX_SHIFT = 14  # half a digit: beyond that a "shift" is a different layout
 POSITIONS: dict[int, tuple[tuple[int, int], ...]] = {
     2: ((0, 0), (8, 8)),
     3: ((0, 0), (14, 7), (0, 14)),
+    **{digits: grid_positions(digits) for digits in GRID_DIGITS},
+}
+# The canvas side without shifts (shift s adds 2 s): the layout's extent, 36, 42, 42 and 56.
+CANVAS: dict[int, int] = {
+    digits: max(max(row, col) for row, col in corners) + DIGIT_SIDE for digits, corners in POSITIONS.items()
 }
 
 
@@ -76,8 +101,9 @@ class MultiMnistRecipe:
     holdout: str = "test"  # what the "test" split is made of: "test" digits, or "validation" training digits
 
     def __post_init__(self) -> None:
-        if self.digits not in POSITIONS:
-            raise ValueError(f"Multi-MNIST has 2 or 3 digits, got {self.digits}")
+        if isinstance(self.digits, bool) or not isinstance(self.digits, int) or self.digits not in POSITIONS:
+            counts = [str(digits) for digits in POSITIONS]
+            raise ValueError(f"Multi-MNIST has {', '.join(counts[:-1])} or {counts[-1]} digits, got {self.digits!r}")
         if self.input_size < 8:
             raise ValueError(f"input_size must be >= 8, got {self.input_size}")
         for name in ("train_size", "test_size"):
@@ -181,6 +207,9 @@ class MultiMnist:
     def describe(self) -> str:
         r = self.recipe
         layout = f"random shifts up to {r.shift}px" if r.shift else "fixed positions"
+        if r.digits in GRID_DIGITS:
+            side = math.isqrt(r.digits)
+            layout = f"a {side}x{side} grid, {layout}"
         return (f"Multi-MNIST {r.digits} digits, {r.input_size}x{r.input_size}, {self.train_images.shape[0]} train / "
                 f"{self.test_images.shape[0]} test composites ({layout}) from {self.source}, seed {r.seed}")
 

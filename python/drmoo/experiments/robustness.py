@@ -400,11 +400,11 @@ def _multimnist_experiment(name: str) -> Experiment:
                      eps_space: str = "pixel", reference: str = "double-clip", jobs: int = 1) -> str:
         return compare(configs, out, eps, progress=progress, eps_space=eps_space, reference=reference, jobs=jobs)
 
-    presets = {preset: values[name] for preset, values in multimnist.PRESETS.items()}
+    presets = {preset: values[name] for preset, values in multimnist.PRESETS.items() if name in values}
     hparams = functools.partial(multimnist.method_hparams, experiment=name)
     return Experiment(name, build_multimnist, presets, hparams, evaluate, eval_table, compare_runs,
                       check_data=multimnist.check_digit_source)
 
 
-for _name in multimnist.EXPERIMENTS:  # registered on import (drmoo.experiments.registry looks them up)
+for _name in multimnist.DIGIT_COUNTS:  # registered on import (drmoo.experiments.registry looks them up)
     register(_multimnist_experiment(_name))
