@@ -52,5 +52,5 @@ echo "[oldest] pytest: ops, autograd plumbing, optimizers"
 # As in scripts/test.sh: the pytest entry point keeps the checkout off sys.path, so the tests
 # import the drmoo installed in this venv (with its compiled _C).
 "$venv/bin/pytest" -q tests/kernels tests/optim tests/test_objective.py tests/test_jacobian_and_attacks.py \
-    tests/test_supported_versions.py "$@"
+    tests/test_supported_versions.py tests/reliability/test_ops_checks.py "$@"
 echo "[oldest] done in $(( $(date +%s) - start ))s"
