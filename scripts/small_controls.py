@@ -12,6 +12,8 @@ writes, from the runs' ``eval.json`` and ``config.json`` files:
   rate is read from its config.json and checked against the rate set it is listed in.
 * ``ablations/contrasts.csv``: paired differences between ablation rows and the rows they ablate
   (``ablations/paired.csv`` has Double-Clip minus each ablation row).
+* ``lr-sweep/two-stage.csv``: the sweep's two stages per finalist rate: seed 0 (stage 1), the mean of
+  seeds 1-2 (stage 2), the 3-seed mean that decides, and the winner (``scripts/sweep_rule.py``'s rule).
 * ``w-ranges.csv``: per row of the comparison and of ``ablations/``, the range each w_i took over all
   steps and seeds (the balancing table of ``table.md``, as numbers): ``low_w1``, ``high_w1``, ...,
   and ``max_off_uniform``, the largest |w_i - 1/m| seen.
@@ -32,6 +34,9 @@ from typing import Any
 from drmoo.experiments.paired_stats import paired_differences
 from drmoo.experiments.robustness import preference_trace
 from drmoo.experiments.summaries import mean_std, ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep_rule import clean_by_rate, finalists, winners  # a sibling script
 
 SEEDS = (0, 1, 2, 3, 4)
 EPS = (0.0, 0.01, 0.03, 0.05, 0.08, 0.1, 0.15, 0.2)
@@ -110,6 +115,22 @@ def rate_sensitivity(results: Path) -> tuple[list[dict[str, Any]], str]:
              "ema 0.8; new runs in `common-rate/`). Where a row's rate is the same in two sets the runs are the "
              "same. Cells: mean ± std over seeds 0-4 (rank among these six); Double-Clip minus the row, paired: "
              "mean [95 % CI] wins/5.", ""]
+    lines += ["## The verdict at each rate set", "",
+              "Double-Clip's rank among the six by mean, then the rows whose paired 95 % interval against it "
+              "excludes 0 (Double-Clip ahead: `>`, behind: `<`); every other difference is not distinguishable "
+              "from 0 at n = 5.", "",
+              "| ε | " + " | ".join(RATE_SETS) + " |", "|---|" + "---|" * len(RATE_SETS)]
+    for eps in EPS:
+        cells = []
+        for rate_set in RATE_SETS:
+            mine = [r for r in rows if r["rates"] == rate_set and r["eps"] == eps]
+            (reference,) = [r for r in mine if r["row"] == REFERENCE]
+            ahead = [r["row"] for r in mine if r["diff_mean"] != "" and r["ci_low"] > 0]
+            behind = [r["row"] for r in mine if r["diff_mean"] != "" and r["ci_high"] < 0]
+            cells.append(f"{reference['rank']:g} of {len(mine)}" + (f"; > {', '.join(ahead)}" if ahead else "")
+                         + (f"; < {', '.join(behind)}" if behind else ""))
+        lines.append(f"| {'clean' if eps == 0 else f'{eps:g}'} | " + " | ".join(cells) + " |")
+    lines.append("")
     for eps in EPS:
         label = "clean" if eps == 0 else f"ε {eps:g}"
         lines += [f"## {label}", "", "| row | " + " | ".join(f"{s}: lr, accuracy" for s in RATE_SETS)
@@ -161,6 +182,14 @@ def w_ranges(results: Path) -> list[dict[str, Any]]:
     return out
 
 
+def two_stage(sweep: Path) -> list[dict[str, Any]]:
+    first, second = clean_by_rate(sweep / "table.csv"), clean_by_rate(sweep / "runoff" / "table.csv")
+    chosen = winners(sweep)
+    return [{"method": method, "lr": lr, "seed0": first[method][lr], "seeds12": second[method][lr],
+             "three_seed_mean": (first[method][lr] + 2 * second[method][lr]) / 3, "winner": lr == chosen[method]}
+            for method, pair in finalists(sweep).items() for lr in sorted(pair)]
+
+
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]), lineterminator="\n")
@@ -175,8 +204,10 @@ def main(argv: list[str]) -> int:
     (results / "rate-sensitivity.md").write_text(markdown)
     write_csv(results / "ablations" / "contrasts.csv", contrasts(results))
     write_csv(results / "w-ranges.csv", w_ranges(results))
+    write_csv(results / "lr-sweep" / "two-stage.csv", two_stage(results / "lr-sweep"))
     print(f"wrote {results / 'rate-sensitivity.csv'}, {results / 'rate-sensitivity.md'}, "
-          f"{results / 'ablations' / 'contrasts.csv'}, {results / 'w-ranges.csv'}")
+          f"{results / 'ablations' / 'contrasts.csv'}, {results / 'w-ranges.csv'}, "
+          f"{results / 'lr-sweep' / 'two-stage.csv'}")
     return 0
 
 
