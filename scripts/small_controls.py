@@ -113,9 +113,9 @@ def rate_sensitivity(results: Path) -> tuple[list[dict[str, Any]], str]:
              "`rate-sensitivity.csv`. Rows: the comparison's top five and MGDA. Rates: **stage 1** = the "
              "one-seed sweep's choice (the first comparison, `one-seed-rates/`), **stage 2** = the 3-seed "
              "run-off's choice (the comparison, `./`), **common 0.3** = every row at trunk rate 0.3 (MoCo at its "
-             "first choice, ema 0.9; Double-Clip's runs in `common-rate/`). Where a row's rate is the same in two sets the runs are the "
-             "same. Cells: mean ± std over seeds 0-4 (rank among these six); Double-Clip minus the row, paired: "
-             "mean [95 % CI] wins/5.", ""]
+             "first choice, ema 0.9; Double-Clip's runs in `common-rate/`). Where a row's rate is the same in "
+             "two sets the runs are the same. Cells: mean ± std over seeds 0-4 (rank among these six); "
+             "Double-Clip minus the row, paired: mean [95 % CI] wins/5.", ""]
     lines += ["## The verdict at each rate set", "",
               "Double-Clip's rank among the six by mean, then the rows whose paired 95 % interval against it "
               "excludes 0 (Double-Clip ahead: `>`, behind: `<`); every other difference is not distinguishable "
