@@ -12,8 +12,9 @@ writes, from the runs' ``eval.json`` and ``config.json`` files:
   rate is read from its config.json and checked against the rate set it is listed in.
 * ``ablations/contrasts.csv``: paired differences between ablation rows and the rows they ablate
   (``ablations/paired.csv`` has Double-Clip minus each ablation row).
-* ``lr-sweep/two-stage.csv``: the sweep's two stages per finalist rate: seed 0 (stage 1), the mean of
-  seeds 1-2 (stage 2), the 3-seed mean that decides, and the winner (``scripts/sweep_rule.py``'s rule).
+* ``lr-sweep/two-stage.csv`` (and ``batch64/lr-sweep/two-stage.csv`` once that sweep has both stages):
+  the sweep's two stages per finalist rate: seed 0 (stage 1), the mean of seeds 1-2 (stage 2), the
+  3-seed mean that decides, and the winner (``scripts/sweep_rule.py``'s rule).
 * ``w-ranges.csv``: per row of the comparison and of ``ablations/``, the range each w_i took over all
   steps and seeds (the balancing table of ``table.md``, as numbers): ``low_w1``, ``high_w1``, ...,
   and ``max_off_uniform``, the largest |w_i - 1/m| seen.
@@ -206,6 +207,9 @@ def main(argv: list[str]) -> int:
     write_csv(results / "ablations" / "contrasts.csv", contrasts(results))
     write_csv(results / "w-ranges.csv", w_ranges(results))
     write_csv(results / "lr-sweep" / "two-stage.csv", two_stage(results / "lr-sweep"))
+    regime = results / "batch64" / "lr-sweep"
+    if (regime / "runoff" / "table.csv").is_file():  # the second regime, once its sweep has both stages
+        write_csv(regime / "two-stage.csv", two_stage(regime))
     print(f"wrote {results / 'rate-sensitivity.csv'}, {results / 'rate-sensitivity.md'}, "
           f"{results / 'ablations' / 'contrasts.csv'}, {results / 'w-ranges.csv'}, "
           f"{results / 'lr-sweep' / 'two-stage.csv'}")
