@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENTS = ("README.md", "results/multimnist2-small/README.md", "results/multimnist3-small/README.md")
+DOCUMENTS = ("README.md", "results/multimnist2-small/README.md", "results/multimnist3-small/README.md",
+             "results/multimnist2-small/batch64/README.md")
 
 _NUMBER = r"[+\-−]?\d+(?:,\d{3})*(?:\.\d+)?"
 _CELL = re.compile(r"<!--cell\s+(?P<spec>[^>]*?)\s*-->")
