@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep]   (default 2; set up .venv first: bash scripts/setup_env.sh)
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|common-rate|controls|b64-sweep|b64-runoff|b64]
+#   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
 #        one-batch methods (353 iterations of 2 batches = 705 of 1), and the App. F.1 lambda ablation for
@@ -21,10 +22,23 @@
 #        SMALL_LR["multimnist2"]["moco"]; the grid is extended (as the rate sweeps are) while the best
 #        setting sits at an end of it: ema 0.8 past the first winner (0.9, 0.3), then lr 0.1 and ema 0.6
 #        (1 - ema doubling) past the second (0.8, 0.2); results in results/multimnist2-small/moco-sweep/.
+# ablations: the mechanism controls of issue 27, 5 seeds, paired against Double-Clip (retrained here: the
+#        committed runs keep no checkpoint, so a comparison cannot reuse them): Double-Clip without its
+#        preference update (pref_lr=0), also without DR (lam=100), MGDA at Double-Clip's step length (its lr
+#        1.0 and theta clip c1 = 1.0, c2 = 0.5) and MGDA without DR (lam=100); results in
+#        results/multimnist2-small/ablations/.
+# common-rate: Double-Clip at the common trunk rate 0.3 (the other rows of the rate-sensitivity table have
+#        committed runs at 0.3: MoCo's at its first choice, ema 0.9); results in results/multimnist2-small/common-rate/.
+# controls: tabulates rate-sensitivity.{csv,md} and ablations/contrasts.csv from the committed runs
+#        (scripts/small_controls.py; no training).
+# b64-sweep, b64-runoff, b64: a second training regime (batch 64, 1,200 iterations) for Double-Clip, MGDA,
+#        Nash-MTL and FAMO: the two-stage validation sweep, then 5 test seeds; results in
+#        results/multimnist2-small/batch64/.
 # Finished runs are reused, so an interrupted call continues where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 drmoo="${DRMOO_VENV:-.venv}/bin/drmoo"
+python="${DRMOO_VENV:-.venv}/bin/python"
 jobs="${JOBS:-$(nproc)}"
 eps="0,0.01,0.03,0.05,0.08,0.1,0.15,0.2"
 what="${1:-2}"
@@ -35,6 +49,8 @@ sweep() {
         --jobs "$jobs" --methods "$4" --device cpu --quiet --out "$3" \
         ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"}
 }
+# The second training regime: batch 64, 1,200 iterations (7 epochs of 188 iterations, cut at 1,200).
+b64="--batch-size 64 --epochs 7 --max-steps 1200"
 case "$what" in
 2)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
@@ -43,6 +59,40 @@ case "$what" in
 3)
     "$drmoo" compare --experiment multimnist3 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "all,moco[ema=0.95,lr=0.3]" --device cpu --quiet --out results/multimnist3-small ;;
+ablations)
+    "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
+        --methods "double-clip,double-clip[pref_lr=0],double-clip[lam=100,pref_lr=0],mgda[lr=1.0,clip_c1=1.0,clip_c2=0.5],mgda[lam=100]" \
+        --device cpu --quiet --out results/multimnist2-small/ablations ;;
+common-rate)
+    "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
+        --methods "double-clip[lr=0.3]" --device cpu --quiet --out results/multimnist2-small/common-rate ;;
+controls)
+    "$python" scripts/small_controls.py results/multimnist2-small ;;
+b64-sweep)
+    # The 2-digit grid, extended by the rule while a method's best rate sits at an end of it.
+    spec=""
+    for method in double-clip mgda nashmtl famo; do
+        for lr in 0.1 0.3 1.0 3.0; do spec="$spec${spec:+,}$method[lr=$lr]"; done
+    done
+    while :; do
+        # shellcheck disable=SC2086
+        "$drmoo" compare --experiment multimnist2 --preset small $b64 --eval-split validation --seeds 0 --eps 0 \
+            --jobs "$jobs" --methods "$spec" --device cpu --quiet --out results/multimnist2-small/batch64/lr-sweep
+        more=$("$python" scripts/sweep_rule.py extension results/multimnist2-small/batch64/lr-sweep)
+        [ -n "$more" ] || break
+        spec="$spec,$more"
+    done ;;
+b64-runoff)
+    spec=$("$python" scripts/sweep_rule.py finalists results/multimnist2-small/batch64/lr-sweep)
+    # shellcheck disable=SC2086
+    "$drmoo" compare --experiment multimnist2 --preset small $b64 --eval-split validation --seeds 1,2 --eps 0 \
+        --jobs "$jobs" --methods "$spec" --device cpu --quiet --out results/multimnist2-small/batch64/lr-sweep/runoff ;;
+b64)
+    spec=$("$python" scripts/sweep_rule.py winners results/multimnist2-small/batch64/lr-sweep)
+    reference=$(tr ',' '\n' <<< "$spec" | grep '^double-clip\[')
+    # shellcheck disable=SC2086
+    "$drmoo" compare --experiment multimnist2 --preset small $b64 --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
+        --methods "$spec" --reference "$reference" --device cpu --quiet --out results/multimnist2-small/batch64 ;;
 sweep)
     # The grid, and one more point beyond an end where the best rate sat at that end (see SMALL_LR).
     # MoCo with the paper's ema (the small preset's own ema came later, from moco-sweep).
@@ -77,6 +127,7 @@ moco-sweep)
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep]" >&2; exit 2 ;;
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|common-rate|controls|b64-sweep|b64-runoff|b64]" >&2
+    exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s on $(nproc) cores"

@@ -7,6 +7,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from drmoo_kernels.reference import clip_factor
+
 from ._base import SOLVERS, Closure, ParamsT, check_flag, check_positive
 from ._joint import (
     JointBaseline,
@@ -238,6 +240,10 @@ class MGDA(JointBaseline):
                                                    (see :func:`min_norm_weights`; warm start w_t)
         theta_{t+1} = theta_t - lr * J^T w_{t+1}
         eta_{t+1}   = eta_t   - lr * z (.) w_{t+1}
+        with clip_c1, clip_c2 set (off by default), both steps are scaled by Double-Clip's theta clip
+        (paper Alg. 2, line 7 and its clipping rule, with d = J^T w_{t+1}):
+           alpha = min(clip_c1, clip_c2 / ||d||)   (clip_c1 where d = 0)
+           theta_{t+1} = theta_t - lr * alpha * J^T w_{t+1};  eta_{t+1} = eta_t - lr * alpha * z (.) w_{t+1}
 
     Differences from the authors' implementation (Sener & Koltun's MGDA-UB, isl-org/
     MultiObjectiveOptimization ``multi_task/min_norm_solvers.py``; the MoDo/MoCo authors ship
@@ -283,6 +289,11 @@ class MGDA(JointBaseline):
         max_iter: cap on the active-set steps of the min-norm solver for m > 10 (it typically needs
             fewer than 2m; all are run when ``capturable``, eagerly it stops once exact).
         tol: relative tolerance of its KKT tests (m >= 3).
+        clip_c1: with ``clip_c2``, clip the step as Double-Clip clips theta's: the joint step keeps
+            MGDA's direction and is scaled by alpha = min(clip_c1, clip_c2 / ||J^T w||), so the theta
+            step's length is lr * min(clip_c1 ||J^T w||, clip_c2) (Double-Clip's at the same lr, c1,
+            c2: the ``mgda[lr=1.0,clip_c1=1.0,clip_c2=0.5]`` ablation row).  None (default): no clip.
+        clip_c2: see ``clip_c1``; give both or neither.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
     """
@@ -307,16 +318,23 @@ class MGDA(JointBaseline):
         solver: str = "one_step",
         max_iter: int = 500,
         tol: float = 1e-12,
+        clip_c1: float | None = None,
+        clip_c2: float | None = None,
         capturable: bool = False,
         backend: str | None = None,
     ) -> None:
         if solver not in SOLVERS:
             raise ValueError(f"solver must be one of {', '.join(SOLVERS)}; got {solver!r}")
+        if (clip_c1 is None) != (clip_c2 is None):
+            raise ValueError(f"clip_c1 and clip_c2 clip the step together: give both or neither "
+                             f"(got clip_c1={clip_c1!r}, clip_c2={clip_c2!r})")
         defaults = {
             **common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, rho=rho),
             "solver": solver,
             "max_iter": check_count("max_iter", max_iter),
             "tol": check_positive("tol", tol),
+            "clip_c1": None if clip_c1 is None else check_positive("clip_c1", clip_c1),
+            "clip_c2": None if clip_c2 is None else check_positive("clip_c2", clip_c2),
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
@@ -345,6 +363,11 @@ class MGDA(JointBaseline):
                 K, w, max_iter=h["max_iter"], tol=h["tol"], early_exit=not h.get("capturable", False)
             )
 
-        self.step_joint(batch.jacobian, batch.z, w_next)
+        if h.get("clip_c1") is None:
+            self.step_joint(batch.jacobian, batch.z, w_next)
+        else:  # Double-Clip's theta clip on MGDA's direction (see clip_c1)
+            alpha = clip_factor(h["clip_c1"], h["clip_c2"], joint_norm(gram, w_next))
+            self.apply_direction(batch.jacobian, w_next, alpha)
+            self.step_eta(batch.z, w_next, h["lr"] * alpha)
         self.set_w(w_next)
         return self.finish_step(batch, w_next, joint_norm(gram, w_next), batch.z.double() * w_next)

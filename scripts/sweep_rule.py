@@ -1,0 +1,87 @@
+"""The small preset's two-stage learning-rate rule, applied to a sweep's table.csv files.
+
+    python scripts/sweep_rule.py extension SWEEP   # rates to add to stage 1 (best rate at an end of the grid)
+    python scripts/sweep_rule.py finalists SWEEP   # stage 2: each method's two best stage-1 rates
+    python scripts/sweep_rule.py winners SWEEP     # each method's winner
+
+Each prints a ``--methods`` spec (``method[lr=X],...``; empty when there is nothing to add).  The rule
+is the one the committed sweeps used (see SMALL_LR in python/drmoo/experiments/multimnist.py): stage 1
+(``SWEEP/table.csv``, seed 0) runs the grid 0.1, 0.3, 1, 3 and the next rate of the ladder beyond an
+end while the best rate sits at that end; stage 2 (``SWEEP/runoff/table.csv``, seeds 1 and 2) runs
+each method's two best stage-1 rates (ties to the smaller); the winner has the highest clean
+validation accuracy averaged over seeds 0-2 (ties to the smaller rate).
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+from drmoo.experiments.variants import parse_variants
+
+LADDER = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
+
+
+def clean_by_rate(table: Path) -> dict[str, dict[float, float]]:
+    """{method: {lr: clean validation accuracy (mean over the table's seeds)}} of its lr-only rows."""
+    out: dict[str, dict[float, float]] = {}
+    with table.open() as handle:
+        for row in csv.DictReader(handle):
+            if float(row["eps"]) != 0.0:
+                continue
+            (variant,) = parse_variants(row["method"])
+            if set(variant.hparams) != {"lr"}:
+                continue  # another setting varies too (the 2-digit sweep's MoCo rows): not this rule's
+            out.setdefault(variant.method, {})[float(variant.hparams["lr"])] = float(row["mean_acc"])
+    return out
+
+
+def _best(rates: dict[float, float], count: int) -> list[float]:
+    return sorted(rates, key=lambda lr: (-rates[lr], lr))[:count]
+
+
+def extension(sweep: Path) -> list[str]:
+    spec = []
+    for method, rates in clean_by_rate(sweep / "table.csv").items():
+        best = _best(rates, 1)[0]
+        index = LADDER.index(best)
+        if best == min(rates) and index > 0:
+            spec.append(f"{method}[lr={LADDER[index - 1]!r}]")
+        elif best == max(rates) and index + 1 < len(LADDER):
+            spec.append(f"{method}[lr={LADDER[index + 1]!r}]")
+    return spec
+
+
+def finalists(sweep: Path) -> dict[str, list[float]]:
+    return {method: _best(rates, 2) for method, rates in clean_by_rate(sweep / "table.csv").items()}
+
+
+def winners(sweep: Path) -> dict[str, float]:
+    first, second = clean_by_rate(sweep / "table.csv"), clean_by_rate(sweep / "runoff" / "table.csv")
+    chosen = {}
+    for method, pair in finalists(sweep).items():
+        if sorted(second.get(method, {})) != sorted(pair):
+            ran = sorted(second.get(method, {}))
+            raise ValueError(f"{method}: stage 2 ran {ran}, not the finalists {sorted(pair)}")
+        three_seed = {lr: (first[method][lr] + 2 * second[method][lr]) / 3 for lr in pair}
+        chosen[method] = _best(three_seed, 1)[0]
+    return chosen
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[1] not in ("extension", "finalists", "winners"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    sweep = Path(argv[2])
+    if argv[1] == "extension":
+        print(",".join(extension(sweep)))
+    elif argv[1] == "finalists":
+        print(",".join(f"{m}[lr={lr!r}]" for m, pair in finalists(sweep).items() for lr in pair))
+    else:
+        print(",".join(f"{m}[lr={lr!r}]" for m, lr in winners(sweep).items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,39 @@
+"""scripts/sweep_rule.py, which chooses the batch-64 regime's rates, is the rule that chose SMALL_LR.
+
+The batch-64 regime (``scripts/reproduce_small.sh b64-sweep``, ``b64-runoff``, ``b64``) takes its
+stage-2 finalists and its winners from this script instead of from hand-copied specs, so the script
+must pick exactly what the committed sweeps picked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from drmoo.experiments.multimnist import SMALL_LR
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rule():
+    spec = importlib.util.spec_from_file_location("sweep_rule", ROOT / "scripts" / "sweep_rule.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("sweep_rule", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("experiment", ["multimnist2", "multimnist3"])
+def test_script_picks_the_committed_winners_and_finalists(experiment: str) -> None:
+    rule = _rule()
+    sweep = ROOT / "results" / f"{experiment}-small" / "lr-sweep"
+    own_sweep = {"moco"} if experiment == "multimnist2" else set()  # MoCo's 2-digit rate: its own sweep
+    assert rule.winners(sweep) == {m: lr for m, lr in SMALL_LR[experiment].items() if m not in own_sweep}
+    ran = rule.clean_by_rate(sweep / "runoff" / "table.csv")
+    assert {m: sorted(pair) for m, pair in rule.finalists(sweep).items()} == {m: sorted(r) for m, r in ran.items()}
+    # the committed grids were already extended wherever the rule asked for it
+    assert rule.extension(sweep) == []
