@@ -29,6 +29,10 @@
 #include <string>
 #include <vector>
 
+#ifdef __linux__
+#include <sys/sysinfo.h>
+#endif
+
 #include "../checks.h"
 
 namespace drmoo {
@@ -167,6 +171,18 @@ inline void check_sample_weight_values(const char* op, const Tensor& weights) {
               ": sample_weight (importance weights) must be finite and >= 0; it has negative, NaN or Inf entries");
 }
 
+// This machine's RAM plus swap in bytes (no allocation can exceed it); +infinity where unknown.
+inline double machine_memory_bytes() {
+#ifdef __linux__
+  struct sysinfo info {};
+  if (sysinfo(&info) == 0) {
+    return (static_cast<double>(info.totalram) + static_cast<double>(info.totalswap)) *
+           static_cast<double>(info.mem_unit);
+  }
+#endif
+  return std::numeric_limits<double>::infinity();
+}
+
 // A new contiguous CPU tensor of the given shape in one of the four floating dtypes.
 // Through the C shim's aoti_torch_empty_strided (part of the stable C ABI that
 // torch::stable::Tensor itself is built on) rather than torch::stable::empty, which boxes its
@@ -192,19 +208,22 @@ inline Tensor new_cpu_tensor(const std::vector<int64_t>& sizes, ScalarType dtype
       DRMOO_CHECK(dtype == ScalarType::Float, "drmoo: the CPU kernels allocate floating tensors, not ",
                   dtype_str(dtype));
   }
+  // Refuse a request larger than the machine's memory (RAM + swap) before asking torch: its allocator's
+  // failure would come back as a status only after torch 2.11's shim has logged a C++ backtrace to
+  // stderr, which buries the one-line message below.
+  double requested_bytes = static_cast<double>(float_bytes(dtype));
+  for (const int64_t size : sizes) requested_bytes *= static_cast<double>(size);
   AtenTensorHandle handle = nullptr;
-  const AOTITorchError status = aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
+  const AOTITorchError status = requested_bytes > machine_memory_bytes()
+                                    ? AOTI_TORCH_FAILURE
+                                    : aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
                                                          strides.data(), code, aoti_torch_device_type_cpu(), 0,
                                                          &handle);
   if (status != AOTI_TORCH_SUCCESS) {
-    double bytes = static_cast<double>(float_bytes(dtype));
     std::string shape_text = "[";
-    for (size_t k = 0; k < sizes.size(); ++k) {
-      bytes *= static_cast<double>(sizes[k]);
-      shape_text += (k > 0 ? ", " : "") + std::to_string(sizes[k]);
-    }
+    for (size_t k = 0; k < sizes.size(); ++k) shape_text += (k > 0 ? ", " : "") + std::to_string(sizes[k]);
     char bytes_text[32];
-    std::snprintf(bytes_text, sizeof(bytes_text), "%.0f", bytes);
+    std::snprintf(bytes_text, sizeof(bytes_text), "%.0f", requested_bytes);
     throw std::runtime_error(message::concat("drmoo: allocating a CPU tensor of shape ", shape_text, "] (",
                                              dtype_str(dtype), ", ", bytes_text, " bytes) failed: out of memory?"));
   }
