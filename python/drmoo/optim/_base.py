@@ -57,6 +57,8 @@ from drmoo.jacobian import STRATEGIES, column_views, feed_head_grads, head_leave
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
 from drmoo_kernels._checks import check_positive, trusted_arguments
 
+from ._features import FeaturesJacobian
+
 Closure = Callable[[], Tensor]
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
@@ -183,6 +185,8 @@ def _all_or_nothing(step: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             self._head_grads_before = None
             self._found_inf = None
+            if self.features_engine is not None:
+                self.features_engine.end_step()
         return result
 
     return all_or_nothing_step
@@ -241,6 +245,9 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # cotangent is the same matrix, so it is handed out again instead of running m more backward
         # passes (MoDo, SDMGrad: m backward passes instead of 3m).  Cleared by the Balancer after its step.
         self.jacobian_memo: tuple[Tensor, Tensor, Tensor] | None = None
+        # jacobian="features" (drmoo.optim._features): per-task gradients w.r.t. the representation z;
+        # None: the paper's, w.r.t. the shared parameters.  Set by the method's constructor.
+        self.features_engine: FeaturesJacobian | None = None
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
             raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
         defaults = dict(defaults)
@@ -545,6 +552,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                 "per-sample losses [B, num_tasks]"
             )
         result = closure()
+        if self.features_engine is not None:  # (losses, z[, sample_weight]): z is kept for the step
+            result = self.features_engine.unpack(result, need_graph=need_graph)
         losses, weights = (result if isinstance(result, tuple) and len(result) == 2 else (result, None))
         m = self.num_tasks
         if not isinstance(losses, Tensor):
@@ -729,7 +738,12 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         heads' gradients for the user's optimizer); otherwise only the shared parameters are touched.
         """
         shared = self._shared_params()
-        heads = head_leaves(losses, shared) if feed_heads else []
+        features = self.features_engine
+        if features is not None:  # the leaves above z, after checking the losses read the trunk only through z
+            above_z = features.heads(losses, shared)
+            heads = above_z if feed_heads else []
+        else:
+            heads = head_leaves(losses, shared) if feed_heads else []
         self.set_aside_head_grads(heads)
         scale = self.loss_scale
         scaled = cotangent * scale if scale != 1.0 else cotangent
@@ -741,13 +755,23 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             # The heads still get this draw's gradient, from a pass above them only.
             feed_head_grads(losses, heads, scaled, retain_graph=self.take_graph_reuse())
             return memo[2]
-        jacobian = task_jacobian(losses, scaled, shared, self._buffer(slot), strategy=self.jacobian_strategy,
-                                 feed_heads=feed_heads, retain_graph=self.take_graph_reuse())
+        if features is not None:  # rows w.r.t. z: each rank keeps its samples' columns (task_gram sums)
+            jacobian = features.task_jacobian(self, losses, scaled, slot, heads=heads,
+                                              retain_graph=self.take_graph_reuse())
+        else:
+            jacobian = task_jacobian(losses, scaled, shared, self._buffer(slot), strategy=self.jacobian_strategy,
+                                     feed_heads=feed_heads, retain_graph=self.take_graph_reuse())
         if scale != 1.0:
             jacobian.div_(scale)
-        jacobian = distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
+        if features is None:
+            jacobian = distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
         self.jacobian_memo = (losses, cotangent.clone(), jacobian) if memoize and self.graph_reuses else None
         return jacobian
+
+    def task_gram(self, jacobian: Tensor) -> Tensor:
+        """J J^T of per-task rows through the ``gram`` op; features rows: summed over ranks."""
+        gram = self._ops.gram(jacobian)
+        return gram if self.features_engine is None else self.features_engine.sum_over_ranks(gram)
 
     def dual_forward(self, losses: Tensor, eta: Tensor, lam: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
         """The ``dual_forward`` op on the latest batch (with its importance weights), over all ranks.
@@ -776,6 +800,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         In a capturable step the direction J^T w is formed first and zeroed if the step is
         skipped (0 * NaN would be NaN: scaling lr by 0 is not enough), then written by the same op.
         """
+        if self.features_engine is not None:  # rows w.r.t. z: one backward through the trunk gives d_theta
+            lifted = self.features_engine.apply(self, jacobian, w, factor)
+            if lifted is None:  # direction mode: written into .grad by the lift
+                return
+            jacobian, w, factor = lifted[None, :], torch.ones(1, dtype=w.dtype, device=w.device), 1.0
         if self.direction_mode:
             self._add_direction_to_grad(jacobian, w, factor)
             return

@@ -11,6 +11,7 @@ from drmoo import distributed
 from drmoo_kernels.reference import clip_factor, gram_step_small
 
 from ._base import Closure, MultiObjectiveOptimizer, ParamsT, check_flag, check_positive
+from ._features import configure as configure_jacobian
 
 
 class DoubleClipMGDA(MultiObjectiveOptimizer):
@@ -67,6 +68,8 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         resample: draw a second batch for step 3.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend for the Gram/update (see :mod:`drmoo_kernels.dispatch`).
+        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
+            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
 
     Defaults and presets.  The defaults are the paper's main Multi-MNIST setting (App. D.2; lambda =
     0.8 as App. F.1 says the main experiments used); ``DoubleClipMGDA.preset(name)`` gives the
@@ -106,6 +109,7 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         resample: bool = True,
         capturable: bool = False,
         backend: str | None = None,
+        jacobian: str = "parameters",
     ) -> None:
         defaults = {
             "lr": check_positive("lr", lr, allow_zero=True),
@@ -122,6 +126,7 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
+        self.features_engine = configure_jacobian(self, jacobian)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One iteration of Algorithm 2; calls ``closure`` twice (once if ``resample=False``).
@@ -167,12 +172,14 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
             first = jacobian.view(-1)[:1]
             first.copy_(torch.where(self.found_inf, torch.full_like(first, float("nan")), first))
         w_before = w.clone()
-        if self.direction_mode:
+        if self.direction_mode or self.features_engine is not None:
             # drmoo.Balancer: the same Gram, alpha and w update (the m x m part every backend's
             # gram_step shares), checked before anything is written; the clipped direction
             # alpha * J^T w_t goes into .grad, so that SGD(lr=gamma) takes line 7's step.
+            # jacobian="features" too: J's rows are w.r.t. z, and apply_direction lifts alpha * J^T w_t
+            # through the trunk (one backward), so the fused theta write of gram_step cannot be used.
             with torch.no_grad():
-                gram = ops.gram(jacobian)
+                gram = self.task_gram(jacobian)
                 _, alpha64, d_norm, w_next = gram_step_small(gram, w, h["c1"], h["c2"], h["pref_lr"], h["rho"], mu, z)
             self.check_jacobian(gram, "X")
             self.apply_direction(jacobian, w_before, alpha64)

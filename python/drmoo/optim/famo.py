@@ -12,7 +12,8 @@ from torch import Tensor
 from drmoo.jacobian import column_views, copy_into_row
 
 from ._base import HYPERPARAMETER_CHECKS, STATE_KEY, Closure, ParamsT, check_flag, check_positive
-from ._joint import JointBaseline, TaskGradients, all_finite, common_defaults, norm_f64
+from ._features import configure as configure_jacobian
+from ._joint import JointBaseline, TaskGradients, common_defaults
 
 ReevaluateFn = Callable[[], Tensor]
 
@@ -126,6 +127,8 @@ class FAMO(JointBaseline):
         divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
+            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -149,6 +152,7 @@ class FAMO(JointBaseline):
         divergence: str = "chi2",
         capturable: bool = False,
         backend: str | None = None,
+        jacobian: str = "parameters",
     ) -> None:
         # One number is broadcast to every task (stored as a 1-tuple); otherwise one per task.
         floors = HYPERPARAMETER_CHECKS["loss_floor"]("loss_floor", loss_floor)
@@ -159,6 +163,7 @@ class FAMO(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
+        self.features_engine = configure_jacobian(self, jacobian)
         if len(floors) not in (1, num_tasks):
             raise ValueError(f"loss_floor has {len(floors)} values, but num_tasks={num_tasks}")
         self._floor_cache: tuple[tuple[float, ...], Tensor] | None = None
@@ -230,7 +235,9 @@ class FAMO(JointBaseline):
         weights = inverse / inverse.sum()
 
         combined = self.combined_gradient(batch, weights, "d")
-        self.raise_unless_finite([("sum_i c_i grad L^i", all_finite(combined).expand(self.num_tasks))])
+        theta_norm = self.combined_norm(combined)
+        finite = self.combined_finite(combined, theta_norm).expand(self.num_tasks)
+        self.raise_unless_finite([("sum_i c_i grad L^i", finite)])
         one = torch.ones(1, dtype=torch.float64, device=self.device)
         extra_stats: dict[str, Tensor] = {}
         if reevaluate is None:
@@ -248,7 +255,6 @@ class FAMO(JointBaseline):
             extra_stats["dual_objective_after"] = objective_after.detach()
 
         self.set_w(weights)
-        theta_norm = norm_f64(combined)
         return self.finish_step(
             batch, weights, theta_norm, batch.z.double() * weights,
             logits=state["logits"].clone(), below_floor=below_floor, **extra_stats,

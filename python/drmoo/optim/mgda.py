@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ._base import SOLVERS, Closure, ParamsT, check_flag, check_positive
+from ._features import configure as configure_jacobian
 from ._joint import (
     JointBaseline,
     check_count,
@@ -285,6 +286,8 @@ class MGDA(JointBaseline):
         tol: relative tolerance of its KKT tests (m >= 3).
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
+            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -309,6 +312,7 @@ class MGDA(JointBaseline):
         tol: float = 1e-12,
         capturable: bool = False,
         backend: str | None = None,
+        jacobian: str = "parameters",
     ) -> None:
         if solver not in SOLVERS:
             raise ValueError(f"solver must be one of {', '.join(SOLVERS)}; got {solver!r}")
@@ -320,6 +324,7 @@ class MGDA(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
+        self.features_engine = configure_jacobian(self, jacobian)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One MGDA iteration; calls ``closure`` once.  Nothing changes if a check fails."""
@@ -327,7 +332,7 @@ class MGDA(JointBaseline):
         self.begin_step()
         batch = self.task_gradients(closure, "J", feed_heads=True)
         assert batch.jacobian is not None
-        gram = self._ops.gram(batch.jacobian)
+        gram = self.task_gram(batch.jacobian)
         self.raise_unless_finite([("J", torch.isfinite(torch.diagonal(gram)))])
 
         K = joint_gram(gram, batch.z)

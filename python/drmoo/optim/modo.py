@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ._base import Closure, ParamsT, check_flag
+from ._features import configure as configure_jacobian
 from ._joint import JointBaseline, all_finite, common_defaults, joint_norm, simplex_step
 
 
@@ -65,6 +66,8 @@ class MoDo(JointBaseline):
         divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
+            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
     """
 
     DRAWS_SHARE_ONE_POINT: ClassVar[bool] = True  # its three batches are all taken at (theta_t, eta_t)
@@ -87,9 +90,11 @@ class MoDo(JointBaseline):
         divergence: str = "chi2",
         capturable: bool = False,
         backend: str | None = None,
+        jacobian: str = "parameters",
     ) -> None:
         defaults = common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, rho=rho)
         super().__init__(params, num_tasks, {**defaults, "capturable": check_flag("capturable", capturable)}, backend)
+        self.features_engine = configure_jacobian(self, jacobian)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One MoDo iteration; calls ``closure`` three times.  Nothing changes if a check fails."""
@@ -101,7 +106,7 @@ class MoDo(JointBaseline):
         assert first.jacobian is not None and second.jacobian is not None and third.jacobian is not None
 
         w = self.w.double()
-        gram = self._ops.gram(third.jacobian)
+        gram = self.task_gram(third.jacobian)
         if first.jacobian is second.jacobian is third.jacobian:
             # drmoo.Balancer's single-batch form: the three draws are one batch at one eta, hence one
             # Jacobian G, and G_1 (G_2^T w) = (G G^T) w comes from the Gram the step needs anyway

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from ._base import STATE_KEY, Closure, ParamsT, check_flag, check_positive
-from ._joint import TINY, JointBaseline, all_finite, check_count, common_defaults, joint_gram, joint_norm, norm_f64
+from ._features import configure as configure_jacobian
+from ._joint import TINY, JointBaseline, check_count, common_defaults, joint_gram, joint_norm
 
 # Ridge on the unit-diagonal (Jacobi-scaled) Gram matrix.  When the joint gradients are linearly
 # dependent with conflicting signs (e.g. g_2 = -g_1), F below is unbounded and no alpha solves the
@@ -135,6 +136,8 @@ class NashMTL(JointBaseline):
         divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
+            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -155,6 +158,7 @@ class NashMTL(JointBaseline):
         divergence: str = "chi2",
         capturable: bool = False,
         backend: str | None = None,
+        jacobian: str = "parameters",
     ) -> None:
         defaults = {
             **common_defaults(lam, divergence, lr=lr),
@@ -164,6 +168,7 @@ class NashMTL(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
+        self.features_engine = configure_jacobian(self, jacobian)
 
     def extra_state(self) -> dict[str, Any]:
         return {"alpha": torch.ones(self.num_tasks, device=self.device, dtype=torch.float64)}
@@ -177,7 +182,7 @@ class NashMTL(JointBaseline):
         if update:
             batch = self.task_gradients(closure, "J", feed_heads=True)
             assert batch.jacobian is not None
-            gram = self._ops.gram(batch.jacobian)
+            gram = self.task_gram(batch.jacobian)
             self.raise_unless_finite([("J", torch.isfinite(torch.diagonal(gram)))])
             alpha = nash_weights(joint_gram(gram, batch.z), iters=h["solver_iters"])
             direction, theta_norm = batch.jacobian, joint_norm(gram, alpha)
@@ -186,9 +191,10 @@ class NashMTL(JointBaseline):
             batch = self.draw_batch(closure)
             alpha = state["alpha"]
             combined = self.combined_gradient(batch, alpha, "d")
-            finite = all_finite(combined).expand(self.num_tasks)
+            theta_norm = self.combined_norm(combined)
+            finite = self.combined_finite(combined, theta_norm).expand(self.num_tasks)
             self.raise_unless_finite([("sum_i alpha_i grad L^i", finite)])
-            direction, theta_norm = combined[None, :], norm_f64(combined)
+            direction = combined[None, :]
             theta_weights = torch.ones(1, dtype=torch.float64, device=alpha.device)
 
         eta_part = batch.z.double() * alpha
