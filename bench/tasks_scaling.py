@@ -19,8 +19,8 @@ one full training step (zero_grad, forward, backward, optimizer step):
 Time: the variants run *interleaved* in one process (round r runs every variant once, in turn), after one
 warm-up step each; the table gives each variant's median over the rounds and its ratio to the median of
 ``plain`` -- both measured under the same load.  Memory: each (trunk, m, variant) runs again in a fresh
-subprocess (build, 2 steps) and reports its peak resident set size (``ru_maxrss``): the model, the
-activations and everything the step allocates, interpreter and libraries included.
+subprocess (build, 2 steps), which reports the peak resident set size above the one it had once the
+model was built: the activations, gradients, Jacobians and everything else a step allocates.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -139,22 +138,48 @@ def time_interleaved(trunk_kind: str, num_tasks: int, variants: tuple[str, ...],
     return times
 
 
-def probe_memory(trunk_kind: str, num_tasks: int, variant: str) -> int:
-    """Peak RSS in bytes of this process after building the model and running 2 steps (Linux: KiB units)."""
+def resident_bytes() -> int:
+    """The current resident set size of this process (Linux /proc/self/statm)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def probe_memory(trunk_kind: str, num_tasks: int, variant: str) -> tuple[int, int]:
+    """(resident bytes once the model is built, peak resident bytes above it during 2 steps).
+
+    The peak is sampled every millisecond by a thread (torch's kernels release the GIL) -- the
+    process's own ``ru_maxrss`` is useless here: importing torch alone peaks higher than a step.
+    """
+    import threading
+
     trunk, heads = build(trunk_kind, num_tasks)
     step = make_step(variant, trunk, heads, num_tasks)
     x, y = batch(num_tasks)
+    base = resident_bytes()
+    peak = [base]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], resident_bytes())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     for _ in range(2):
         step(x, y)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    done.set()
+    sampler.join()
+    return base, max(peak[0], resident_bytes()) - base
 
 
-def peak_memory(trunk_kind: str, num_tasks: int, variant: str) -> int:
+def peak_memory(trunk_kind: str, num_tasks: int, variant: str) -> tuple[int, int]:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "python"), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, __file__, "--probe-memory", trunk_kind, str(num_tasks), variant],
                          env=env, check=True, capture_output=True, text=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    base, peak = out.stdout.strip().splitlines()[-1].split()
+    return int(base), int(peak)
 
 
 def loadavg() -> str:
@@ -171,7 +196,8 @@ def table(data: dict[str, Any]) -> str:
         f"Regenerate: `{data['command']}`. Machine: {data['machine']}, {data['cores']} cores, one thread "
         f"(torch {data['torch']}, torchjd {data['torchjd']}); {data['rounds']} interleaved rounds per (trunk, m), "
         "median seconds per step and its ratio to the median of plain training measured in the same rounds; "
-        "peak RSS of a fresh process that builds the model and runs 2 steps.",
+        "then the step's memory: the peak resident set size above the one the process had once the model was built "
+        "(a fresh process per cell, 2 steps, sampled every millisecond).",
         "",
         f"Load while measuring (1/5/15-minute load averages of the shared machine): start {data['load_start']}, "
         f"end {data['load_end']}. Other jobs ran beside this one, so absolute times are noisy; the ratios "
@@ -181,6 +207,8 @@ def table(data: dict[str, Any]) -> str:
     for trunk_kind in data["trunks"]:
         lines += [f"## ResNet18 with {'GroupNorm' if trunk_kind == 'groupnorm' else 'BatchNorm'}, "
                   f"{IMAGE} px, batch {BATCH}, Linear(512, 1) heads", "",
+                  "Each cell: median seconds per step (ratio to plain), peak memory of the step above the built model.",
+                  "",
                   "| m | " + " | ".join(data["variants"]) + " |",
                   "|---:|" + "---:|" * len(data["variants"])]
         for record in [r for r in data["records"] if r["trunk"] == trunk_kind]:
@@ -188,7 +216,7 @@ def table(data: dict[str, Any]) -> str:
             cells = []
             for variant in data["variants"]:
                 seconds = record["median_s"][variant]
-                memory = record["peak_rss_gb"].get(variant)
+                memory = record["step_peak_rss_gb"].get(variant)
                 mem = f", {memory:.2f} GB" if memory is not None else ""
                 ratio = "" if variant == "plain" else f" ({seconds / plain:.2f}x)"
                 cells.append(f"{seconds:.3f} s{ratio}{mem}")
@@ -212,7 +240,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.probe_memory:
         trunk_kind, m, variant = args.probe_memory
-        print(probe_memory(trunk_kind, int(m), variant))
+        print(*probe_memory(trunk_kind, int(m), variant))
         return
     import torchjd
 
@@ -234,12 +262,15 @@ def main() -> None:
             times = time_interleaved(trunk_kind, m, tuple(args.variants), args.rounds)
             record = {"trunk": trunk_kind, "m": m, "times_s": times,
                       "median_s": {v: statistics.median(t) for v, t in times.items()},
-                      "min_s": {v: min(t) for v, t in times.items()}, "peak_rss_gb": {}, "load": loadavg()}
+                      "min_s": {v: min(t) for v, t in times.items()}, "step_peak_rss_gb": {}, "load": loadavg()}
             if not args.no_memory:
+                record["model_rss_gb"] = {}
                 for variant in args.variants:
-                    record["peak_rss_gb"][variant] = peak_memory(trunk_kind, m, variant) / 1e9
+                    base, peak = peak_memory(trunk_kind, m, variant)
+                    record["model_rss_gb"][variant] = base / 1e9
+                    record["step_peak_rss_gb"][variant] = peak / 1e9
             data["records"].append(record)
-            print(trunk_kind, m, {v: f"{s:.3f}" for v, s in record["median_s"].items()}, record["peak_rss_gb"],
+            print(trunk_kind, m, {v: f"{s:.3f}" for v, s in record["median_s"].items()}, record["step_peak_rss_gb"],
                   flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             data["load_end"] = loadavg()

@@ -230,6 +230,7 @@ def heads_above_features(losses: Tensor, features: Sequence[Tensor], shared: Seq
         )
     shared_ids = {id(p) for p in shared}
     reached: set[tuple[int, int]] = set()
+    bypassed: Tensor | None = None  # a shared parameter reached without passing through z
     heads: list[Tensor] = []
     head_ids: set[int] = set()
     visited: dict[int, Any] = {}
@@ -244,11 +245,7 @@ def heads_above_features(losses: Tensor, features: Sequence[Tensor], shared: Seq
             if id(variable) in z_leaves:
                 reached.add((id(variable), 0))
             elif id(variable) in shared_ids:
-                raise ValueError(
-                    f"the losses reach a shared parameter (shape {tuple(variable.shape)}) without passing through the "
-                    "features z: a head reads the trunk's parameters (or an intermediate of the trunk) directly. With "
-                    "jacobian='features' every path from the losses to the shared parameters must go through z"
-                )
+                bypassed = variable if bypassed is None else bypassed  # reported after the walk (see below)
             elif id(variable) not in head_ids:
                 head_ids.add(id(variable))
                 heads.append(variable)
@@ -273,4 +270,10 @@ def heads_above_features(losses: Tensor, features: Sequence[Tensor], shared: Seq
                 f"the losses do not depend on features[{index}] (shape {tuple(piece.shape)}): z must be the trunk's "
                 "output that the heads read to compute these losses (not z of another batch or another forward)"
             )
+    if bypassed is not None:
+        raise ValueError(
+            f"the losses reach a shared parameter (shape {tuple(bypassed.shape)}) without passing through the "
+            "features z: a head reads the trunk's parameters (or an intermediate of the trunk) directly. With "
+            "jacobian='features' every path from the losses to the shared parameters must go through z"
+        )
     return heads

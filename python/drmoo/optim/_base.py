@@ -756,8 +756,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             feed_head_grads(losses, heads, scaled, retain_graph=self.take_graph_reuse())
             return memo[2]
         if features is not None:  # rows w.r.t. z: each rank keeps its samples' columns (task_gram sums)
-            jacobian = features.task_jacobian(self, losses, scaled, slot, heads=heads,
-                                              retain_graph=self.take_graph_reuse())
+            jacobian = features.task_jacobian(self, losses, scaled, slot, heads=heads)
         else:
             jacobian = task_jacobian(losses, scaled, shared, self._buffer(slot), strategy=self.jacobian_strategy,
                                      feed_heads=feed_heads, retain_graph=self.take_graph_reuse())

@@ -181,14 +181,17 @@ class FeaturesJacobian:
         return buf
 
     def task_jacobian(self, optimizer: MultiObjectiveOptimizer, losses: Tensor, cotangent: Tensor, slot: str, *,
-                      heads: Sequence[Tensor], retain_graph: bool) -> Tensor:
+                      heads: Sequence[Tensor]) -> Tensor:
         """J_z [m, sum of z's numel]: row i = d (sum_b cotangent[b, i] losses[b, i]) / dz, flattened; the
-        heads accumulate their gradients in the same passes (above z only: the trunk is not traversed)."""
+        heads accumulate their gradients in the same passes (above z only: the trunk is not traversed).
+
+        The graph above z is always kept: it is small (the heads), the step's later draws of the same
+        batch walk it again, and the trunk's graph below z -- the large one -- is freed by the lift."""
         assert self.features is not None
         shared = optimizer._shared_params()
         out = self._buffer(slot, optimizer.num_tasks, shared[0].dtype, shared[0].device)
         return task_jacobian(losses, cotangent, self.features, out, strategy=optimizer.jacobian_strategy,
-                             feed_heads=bool(heads), retain_graph=retain_graph, heads=heads)
+                             feed_heads=bool(heads), retain_graph=True, heads=heads)
 
     def combined_gradient(self, optimizer: MultiObjectiveOptimizer, losses: Tensor, weighted: Tensor, slot: str, *,
                           retain_graph: bool) -> Tensor:

@@ -107,10 +107,11 @@ class MoDo(JointBaseline):
 
         w = self.w.double()
         gram = self.task_gram(third.jacobian)
-        if first.jacobian is second.jacobian is third.jacobian:
+        if first.jacobian is second.jacobian is third.jacobian or self.features_engine is not None:
             # drmoo.Balancer's single-batch form: the three draws are one batch at one eta, hence one
             # Jacobian G, and G_1 (G_2^T w) = (G G^T) w comes from the Gram the step needs anyway
             # (two passes over [m, n] fewer).  A non-finite entry of G reaches its diagonal.
+            # jacobian="features" draws one batch too (others are refused): the same G, in z's coordinates.
             cross = gram.double() @ w + first.z.double() * second.z.double() * w
             self.raise_unless_finite([("G1", torch.isfinite(cross)), ("G3", torch.isfinite(torch.diagonal(gram)))])
         else:
