@@ -51,6 +51,18 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
     (L^i at eta_{t+1} on xi_bar), ``balanced_grad_norm`` = ||grad_{theta,eta} L^(theta_t, eta_{t+1}) w_t||
     on xi_bar (the measure of Theorem 5.2, eq. (9)) and ``theta_grad_norm`` = ||J^T w_t||.
 
+    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  J's rows are the
+    gradients w.r.t. the representation z (m backward passes through the heads only): the Gram G of
+    step 4 and w's update (step 5) use z's coordinates, and so does the theta clip: alpha = min(c1,
+    c2 / ||J_z^T w||), ||d|| being a z-space norm, so the step's length is bounded by gamma * c2 *
+    ||dz/dtheta|| rather than gamma * c2.  theta moves along alpha * (dz/dtheta)^T J_z^T w_t (ONE
+    backward through the trunk of sum_i alpha w_i L^_i; not the fused ``gram_step`` write).  The eta
+    step and its clip mu (steps 1-2) are unchanged: they use the dual gradients z = dL/deta only.
+    ``theta_grad_norm`` and ``balanced_grad_norm`` are z-space.
+    The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
+    the batch, operator norm) relates every norm taken in z to the true one; inner products (the
+    Gram's off-diagonal) have no such bound.  The per-sample f*' weights and eta are exact.
+
     Args:
         params: the shared parameters (or parameter groups with identical hyperparameters).
         num_tasks: m, the number of columns of the per-sample losses.

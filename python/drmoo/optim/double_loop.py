@@ -51,6 +51,17 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
     ``balanced_grad_norm`` = ||[Y^T w_t ; z (.) w_t]|| on xi (the joint (theta, eta) measure used for
     every method) and ``theta_grad_norm`` = ||Y^T w_t||, ``inner_indices`` = (d, d_bar, d_tilde).
 
+    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  Y, Y_bar and Y_tilde
+    are taken w.r.t. the representation z, which belongs to one batch: features mode runs the
+    single-batch form (xi = xi_bar = xi_tilde, each at its own inner iterate of eta:
+    ``Balancer.backward(losses, features=z)`` or a closure returning the same batch; fresh batches
+    are refused at the second outer draw).  Y_bar Y_tilde^T w is then in z's coordinates and theta
+    moves along (dz/dtheta)^T Y^T w_t (ONE backward through the trunk).  The inner loop on eta is
+    unchanged.  Norms in ``stats`` are z-space.
+    The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
+    the batch, operator norm) relates every norm taken in z to the true one; inner products (the
+    Gram's off-diagonal) have no such bound.  The per-sample f*' weights and eta are exact.
+
     Args:
         params: the shared parameters (or parameter groups with identical hyperparameters).
         num_tasks: m.

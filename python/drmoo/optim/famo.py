@@ -115,6 +115,12 @@ class FAMO(JointBaseline):
     Presets: ``multimnist`` (defaults: lr 1e-4, pref_lr 2.5e-3, gamma 1e-2), ``celeba``
     (pref_lr 5e-6).  The paper gives no synthetic settings for FAMO.
 
+    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  FAMO's inputs are the
+    dual objectives' values, not gradients, and its step is already one backward pass: its weights c
+    and its theta step are the same in both modes (the step's backward runs to z, then through the
+    trunk).  Only the reported ``theta_grad_norm`` / ``balanced_grad_norm`` become z-space norms.
+    The mode is accepted so that every method takes the same closure ``(losses, z)``.
+
     Args:
         params: the shared parameters.
         num_tasks: m.

@@ -250,7 +250,8 @@ class MGDA(JointBaseline):
       ``min_norm`` is exact (to ~1e-12 relative, whatever the spread of the gradient norms) and
       on the device; ``one_step`` is the DR paper's stochastic baseline.
     * No gradient normalization (their ``l2`` / ``loss`` / ``loss+`` options; ``none`` here).
-    * The full shared gradient, not MGDA-UB's upper bound through the shared representation.
+    * The full shared gradient by default; MGDA-UB's upper bound through the shared representation
+      is ``jacobian="features"`` (below).
 
     Cost per step: 1 closure call (one batch of B samples), m backward passes; ``min_norm`` adds
     one batched solve of 2^m - 1 tiny KKT systems for 3 <= m <= 10, and for m > 10 active-set
@@ -271,6 +272,16 @@ class MGDA(JointBaseline):
     weighted mean of the task gradients): the step grows with the gradients, as in SGD on the
     weighted mean loss.  It does not transfer to Double-Clip's clipped step (see
     :class:`~drmoo.optim.DoubleClipMGDA`).
+
+    Feature space (``jacobian="features"``, MGDA-UB; :mod:`drmoo.optim._features`).  J's rows are
+    the gradients w.r.t. the representation z (m x B*d, m backward passes through the heads only),
+    so the Gram K = J_z J_z^T + diag(z^2) -- and the weights of both solvers -- are taken in z's
+    coordinates; theta moves along (dz/dtheta)^T J_z^T w_{t+1} = grad_theta sum_i w_i L^i (ONE
+    backward through the trunk).  ``balanced_grad_norm`` and ``theta_grad_norm`` are z-space norms.
+    With ``pref_lr = 0`` (w stays uniform) the direction is the parameter-space one, to rounding.
+    The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
+    the batch, operator norm) relates every norm taken in z to the true one; inner products (the
+    Gram's off-diagonal) have no such bound.  The per-sample f*' weights and eta are exact.
 
     Args:
         params: the shared parameters.

@@ -64,6 +64,12 @@ class MoCo(JointBaseline):
     lr = pref_lr = 1e-5, rho = 1e-5), ``wine`` (App. E.2: lr 1e-3, pref_lr 6e-4, rho = 1e-6);
     ema = 0.95 throughout.
 
+    Feature space: refused (``jacobian="features"`` raises at construction).  The tracked Y
+    averages per-task gradients across steps, i.e. across batches; a features Jacobian's columns are
+    one batch's samples (sample b of one batch is not sample b of the next), so Y would average
+    unrelated samples, and Y^T w could not be lifted through any one batch's trunk.  (Tracking the
+    per-task gradients w.r.t. z would only be defined for a fixed batch of fixed samples.)
+
     Args:
         params: the shared parameters.
         num_tasks: m.

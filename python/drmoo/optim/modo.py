@@ -56,6 +56,17 @@ class MoDo(JointBaseline):
     Presets: ``multimnist`` (defaults), ``celeba``, ``linear`` (App. E.1: lr = pref_lr = 1e-5,
     rho = 1e-5), ``wine`` (App. E.2: lr 1e-3, pref_lr 6e-4, rho = 1e-6).
 
+    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  Rows w.r.t. the
+    representation z are one batch's per-sample coordinates, so products of two independent batches'
+    rows (G_1 G_2^T w) estimate nothing: features mode runs the single-batch form only (the three
+    draws are one batch: ``Balancer.backward(losses, features=z)``, or a closure returning the same
+    batch), where cross = J_z J_z^T w (the z-space Gram, biased by the gradient covariance like any
+    one-batch estimate); fresh batches are refused at the second draw.  theta moves along
+    (dz/dtheta)^T J_z^T w_{t+1} (ONE backward through the trunk).  Norms in ``stats`` are z-space.
+    The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
+    the batch, operator norm) relates every norm taken in z to the true one; inner products (the
+    Gram's off-diagonal) have no such bound.  The per-sample f*' weights and eta are exact.
+
     Args:
         params: the shared parameters.
         num_tasks: m.

@@ -125,6 +125,16 @@ class NashMTL(JointBaseline):
     Presets: ``multimnist`` (defaults: lr 1e-4), ``celeba`` (lr 1e-4).  The paper gives no
     synthetic settings for Nash-MTL.
 
+    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  On weight-update steps
+    J's rows are the gradients w.r.t. the representation z, so the bargaining system K alpha =
+    1/alpha is solved for the z-space Gram K = J_z J_z^T + diag(z^2), and the clip min(1, max_norm /
+    ||d||) reads the z-space norm (still sqrt(m) on update steps); on reuse steps ||d|| is the norm
+    of grad_z sum_i alpha_i L^i.  theta moves along clip * (dz/dtheta)^T d_z (ONE backward through
+    the trunk).  ``theta_grad_norm`` and ``balanced_grad_norm`` are z-space.
+    The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
+    the batch, operator norm) relates every norm taken in z to the true one; inner products (the
+    Gram's off-diagonal) have no such bound.  The per-sample f*' weights and eta are exact.
+
     Args:
         params: the shared parameters.
         num_tasks: m.

@@ -84,6 +84,16 @@ class SDMGrad(JointBaseline):
     ``linear`` (App. E.1: S = 10, lr 1e-4, pref_lr 5e-4, rho 1e-5), ``wine`` (App. E.2: S = 15,
     lr 1e-3, pref_lr 5e-4, rho 1e-4).
 
+    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  As for MoDo: rows
+    w.r.t. the representation z belong to one batch, so A = J_xi J_xi'^T needs xi = xi' (the
+    single-batch form: ``Balancer.backward(losses, features=z)`` or a closure returning the same
+    batch; fresh batches are refused at the second draw).  A, its normalisation s and the inner
+    solve are then in z's coordinates, and theta moves along (dz/dtheta)^T J_z^T c (ONE backward
+    through the trunk).  Norms in ``stats`` are z-space.
+    The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
+    the batch, operator norm) relates every norm taken in z to the true one; inner products (the
+    Gram's off-diagonal) have no such bound.  The per-sample f*' weights and eta are exact.
+
     Args:
         params: the shared parameters.
         num_tasks: m.
