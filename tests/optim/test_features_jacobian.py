@@ -431,3 +431,32 @@ def test_state_dict_round_trip_and_deepcopy_continue_identically(method: str) ->
         for a, b in zip(expected, got):
             assert a is not None and b is not None and torch.equal(a, b)
         assert torch.equal(other.w, balancer.w) and torch.equal(other.eta, balancer.eta)
+
+
+def test_a_head_reading_an_intermediate_of_the_trunk_is_refused() -> None:
+    """A skip connection from inside the trunk to a head bypasses z: its gradient would be missing from
+    the features Jacobian, so it is refused (nothing changes), not silently dropped."""
+    net = Net(tanh=True)
+    x, y = batches(1)[0]
+    hidden = net.trunk[0](x)
+    z = net.trunk[1](hidden)
+    losses = (torch.cat([head(z) for head in net.heads], dim=1) + hidden[:, :1] - y) ** 2
+    balancer = drmoo.Balancer("mgda", net.trunk.parameters(), NUM_TASKS, jacobian="features")
+    with pytest.raises(ValueError, match="without passing through the features z"):
+        balancer.backward(losses, features=z)
+    assert all(p.grad is None for p in net.parameters()) and balancer.steps_taken == 0
+
+
+def test_the_batched_strategy_gives_the_loop_rows_in_features_mode() -> None:
+    """``jacobian_strategy = "batched"`` (one vmapped pass above z) writes the same .grad as the loop."""
+    x, y = batches(1)[0]
+    written = []
+    for strategy in ("loop", "batched"):
+        net = Net(tanh=True)
+        balancer = drmoo.Balancer("mgda", net.trunk.parameters(), NUM_TASKS, jacobian="features")
+        balancer.algorithm.jacobian_strategy = strategy
+        losses, z = net.losses(x, y)
+        balancer.backward(losses, features=z)
+        written.append(grads(net))
+    for a, b in zip(*written):
+        torch.testing.assert_close(a, b)

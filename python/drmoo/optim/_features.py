@@ -32,6 +32,12 @@ losses, features=z)``) of MoDo, SDMGrad and Double-Loop qualify; their multi-bat
 batches per closure call) are refused at the second draw.  MoCo's tracked Jacobian averages rows
 over steps, i.e. over batches: refused at construction.
 
+The heads are the trainable leaves between the losses and z (found by walking the graph down to z,
+which also refuses a graph that reaches the shared parameters other than through z); they keep their
+own DR gradient, as in parameters mode.  A trainable leaf *below* z that is not among the shared
+parameters receives nothing here (parameters mode would give it the gradient of sum_i L^i): give the
+whole trunk as the shared parameters.
+
 Under torch.distributed only m x m quantities (the Gram, the cross products, squared norms), the
 dual statistics and the one n-sized direction (as DDP's own gradient all-reduce) cross ranks.
 """
