@@ -107,6 +107,11 @@ def configure(optimizer: MultiObjectiveOptimizer, jacobian: str) -> FeaturesJaco
     refusal = getattr(type(optimizer), "FEATURES_REFUSAL", None)
     if refusal:
         raise ValueError(f"{type(optimizer).__name__} cannot use jacobian='features': {refusal}")
+    # One vmapped pass above z for the m rows: a per-task pass walks every head (the cotangent is zero
+    # on the other tasks' columns, but autograd still runs their heads' backward), m^2 small head
+    # backwards in all -- 0.46 s of a 1.0 s step at m = 40 heads of Linear(512, 1) on one CPU thread.
+    # Set ``optimizer.jacobian_strategy = "loop"`` afterwards for heads whose ops vmap cannot batch.
+    optimizer.jacobian_strategy = "batched"
     return FeaturesJacobian(type(optimizer).__name__)
 
 
