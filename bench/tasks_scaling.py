@@ -242,12 +242,19 @@ def main() -> None:
         trunk_kind, m, variant = args.probe_memory
         print(*probe_memory(trunk_kind, int(m), variant))
         return
-    import torchjd
+    from importlib.metadata import version
+
+    defaults = {"tasks": list(TASKS), "trunks": list(TRUNKS), "variants": list(VARIANTS), "rounds": [3]}
+    grid_arguments = {key: value for key, value in {"tasks": args.tasks, "trunks": args.trunks,
+                                                     "variants": args.variants, "rounds": [args.rounds]}.items()
+                      if value != defaults[key]}
 
     data: dict[str, Any] = {
-        "command": "python bench/tasks_scaling.py" + ("" if sys.argv[1:] == [] else " " + " ".join(sys.argv[1:])),
+        # the grid's arguments (not where the files went: --out)
+        "command": " ".join(["python bench/tasks_scaling.py", *(f"--{key} {' '.join(map(str, value))}"
+                                                                  for key, value in grid_arguments.items())]),
         "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-        "torch": torch.__version__, "torchjd": getattr(torchjd, "__version__", "?"),
+        "torch": torch.__version__, "torchjd": version("torchjd"),
         "rounds": args.rounds, "trunks": args.trunks, "variants": args.variants, "tasks": args.tasks,
         "load_start": loadavg(), "records": [],
     }
