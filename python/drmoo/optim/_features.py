@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 JACOBIANS: tuple[str, ...] = ("parameters", "features")
 
-FeaturesInput = Tensor | tuple[Tensor, ...] | list[Tensor]
+FeaturesInput = Tensor | tuple[Tensor, ...] | list[Tensor]  # z: one tensor, or the pieces the heads read
 
 
 def as_pieces(features: Any) -> tuple[Tensor, ...]:
@@ -72,7 +72,7 @@ def as_pieces(features: Any) -> tuple[Tensor, ...]:
     return tuple(pieces)
 
 
-def with_features(losses: Any, features: Any, features_mode: bool) -> Any:
+def with_features(losses: Any, features: FeaturesInput | None, features_mode: bool) -> Any:
     """What a closure returns for ``Balancer.backward(losses, features=z)``: ``losses`` (or
     ``(losses, sample_weight)``) unchanged in parameters mode, ``(losses, z[, sample_weight])`` in
     features mode.  ``losses`` None: the closure form (z comes from the closure, not the keyword)."""
