@@ -154,7 +154,7 @@ def test_fixed_weights_give_the_same_trunk_grad_in_both_modes(method: str) -> No
     product with X (gamma_B).  Both are within (gamma_B + gamma_m + gamma_B gamma_m) S of D, with
     S = (sum_i c_i |G_i|)^T |X| entrywise, so they differ by at most twice that.  (G_i, the dual
     weights and c are computed by the same operations in both modes.)  A wrong direction -- another
-    weighting, a lost task, the wrong batch -- is off by O(|D|) = O(S), 10^6 times more."""
+    weighting, a lost task, the wrong batch -- is off by O(|D|) = O(S), ~10^5 times the tolerance."""
     kw = FIXED_WEIGHTS[method]
     x, y = batches(1)[0]
     written = {}
