@@ -90,6 +90,7 @@ from torch import Tensor
 from .jacobian import graph_leaves
 from .optim import NonFiniteStepError, available, create
 from .optim._base import MultiObjectiveOptimizer, check_flag
+from .optim._features import with_features
 
 LossesInput = Tensor | tuple[Tensor, Tensor] | Callable[[], Any]
 SharedParams = Iterable[Tensor] | Iterable[dict[str, Any]]
@@ -273,7 +274,8 @@ class Balancer:
         return f"Balancer({self.method!r}, num_tasks={self.num_tasks}, steps_taken={self.steps_taken})"
 
     # ------------------------------------------------------------------------------- backward
-    def backward(self, losses: LossesInput, *, scaler: torch.amp.GradScaler | None = None) -> Tensor:
+    def backward(self, losses: LossesInput, *, scaler: torch.amp.GradScaler | None = None,
+                 features: Tensor | tuple[Tensor, ...] | None = None) -> Tensor:
         """Write the method's direction into the shared parameters' ``.grad`` (and the heads' DR
         gradients into theirs), updating eta, w and the method's state.
 
@@ -283,6 +285,9 @@ class Balancer:
                 draws a fresh batch per call and returns either -- the method's multi-batch form.
             scaler: a ``torch.amp.GradScaler`` whose scale multiplies the backward passes and
                 ``.grad`` (see the module docstring, "Mixed precision"); the losses stay unscaled.
+            features: with ``jacobian="features"`` (required then, with losses): z, the trunk's output
+                that every head reads (a tensor or a tuple of tensors); the closure form returns
+                ``(losses, z)`` or ``(losses, z, sample_weight)`` instead (:mod:`drmoo.optim._features`).
 
         Returns the per-task dual objectives of the step (detached), as the method's ``step`` does.
         Raises ValueError/TypeError naming the problem for bad losses, and
@@ -292,12 +297,13 @@ class Balancer:
         drawn: list[Any] = []  # what every draw of this step returned (the overflow marker finds the heads in it)
         if isinstance(losses, (Tensor, tuple)):
             self._check_losses(losses)
-            given = losses
+            given = with_features(losses, features, algorithm.features_engine is not None)
             drawn.append(given)
             closure: Callable[[], Any] = lambda: given  # noqa: E731
             graph_reuses = _GRAPH_PASSES.get(self.method, 1) - 1
             algorithm.losses_origin = "Balancer.backward was given"
         elif callable(losses):
+            with_features(None, features, algorithm.features_engine is not None)  # the closure returns z
             user_closure = losses
 
             def closure() -> Any:

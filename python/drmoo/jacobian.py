@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["STRATEGIES", "accumulate_into_grad", "column_views", "copy_into_row", "feed_head_grads", "graph_leaves",
-           "head_leaves", "require_reached", "task_jacobian"]
+           "head_leaves", "heads_above_features", "require_reached", "task_jacobian"]
 
 STRATEGIES: tuple[str, ...] = ("loop", "batched")
 
@@ -139,10 +139,15 @@ def task_jacobian(
     strategy: str = "loop",
     feed_heads: bool = True,
     retain_graph: bool = False,
+    heads: Sequence[Tensor] | None = None,
 ) -> Tensor:
     """Fill ``out`` [m, n] with the per-task gradients of ``shared``; returns ``out``.
 
     ``retain_graph``: keep the losses' graph after the last pass (another backward over it follows).
+    ``heads``: the leaves to feed (with ``feed_heads``), when the caller knows them; by default every
+    leaf of the graph other than ``shared`` (:func:`head_leaves`).  ``shared`` may also be the
+    representation z (features mode): its rows are then the gradients with respect to z, and the
+    heads the leaves above z (:func:`heads_above_features`).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown Jacobian strategy {strategy!r}; valid choices: {', '.join(STRATEGIES)}")
@@ -151,7 +156,10 @@ def task_jacobian(
     if tuple(out.shape) != (num_tasks, n):
         raise ValueError(f"Jacobian buffer has shape {tuple(out.shape)}, expected ({num_tasks}, {n})")
     cotangent = cotangent.to(losses.dtype)
-    heads = head_leaves(losses, shared) if feed_heads else []
+    if not feed_heads:
+        heads = []
+    elif heads is None:
+        heads = head_leaves(losses, shared)
     if strategy == "loop":
         for task in range(num_tasks):
             task_cotangent = torch.zeros_like(cotangent)
@@ -187,3 +195,85 @@ def feed_head_grads(losses: Tensor, heads: Sequence[Tensor], cotangent: Tensor, 
         grads = torch.autograd.grad(losses, heads, grad_outputs=cotangent.to(losses.dtype), retain_graph=retain_graph,
                                     allow_unused=True)
         accumulate_into_grad(heads, grads)
+
+
+def heads_above_features(losses: Tensor, features: Sequence[Tensor], shared: Sequence[Tensor]) -> list[Tensor]:
+    """The trainable leaves between ``losses`` and the representation ``features`` (the heads), found
+    by walking the graph of ``losses`` down to z and no further; refuses a graph in which z is not
+    the only way down to the trunk.  Structural: no backward pass, no tensor value read.
+
+    Raises ValueError naming the problem when a piece of z is not reached (the losses do not depend
+    on it: z of another batch or of another forward), when the losses and z come out of one autograd
+    node (a model compiled as one ``torch.compile`` graph: z is internal to it), when the losses reach
+    another output of the node that made z, or a shared parameter, without passing through z (a head
+    that reads the trunk's parameters or an intermediate of the trunk directly: its gradient would
+    be left out of the features Jacobian).
+    """
+    # z's nodes (and the outputs of each that are pieces of z); the wrappers are held here so that
+    # the node objects met in the walk are these very objects (see graph_leaves on wrapper lifetimes).
+    z_nodes: dict[int, tuple[Any, set[int]]] = {}
+    z_leaves: dict[int, int] = {}  # id(leaf piece) -> its index in features
+    for index, piece in enumerate(features):
+        node = piece.grad_fn
+        if node is None:
+            z_leaves[id(piece)] = index
+        else:
+            z_nodes.setdefault(id(node), (node, set()))[1].add(piece.output_nr)
+    start = losses.grad_fn
+    if start is None:
+        raise ValueError("the losses have no autograd graph: they cannot depend on the features z")
+    if id(start) in z_nodes:
+        raise ValueError(
+            "the losses and the features z come out of one autograd node (e.g. trunk and heads compiled as one "
+            "torch.compile graph, in which z is internal): compile the trunk and the heads separately, so that z "
+            "is the trunk's output"
+        )
+    shared_ids = {id(p) for p in shared}
+    reached: set[tuple[int, int]] = set()
+    bypassed: Tensor | None = None  # a shared parameter reached without passing through z
+    heads: list[Tensor] = []
+    head_ids: set[int] = set()
+    visited: dict[int, Any] = {}
+    stack = [start]
+    while stack:
+        node = stack.pop()
+        if id(node) in visited:
+            continue
+        visited[id(node)] = node
+        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if isinstance(variable, Tensor):
+            if id(variable) in z_leaves:
+                reached.add((id(variable), 0))
+            elif id(variable) in shared_ids:
+                bypassed = variable if bypassed is None else bypassed  # reported after the walk (see below)
+            elif id(variable) not in head_ids:
+                head_ids.add(id(variable))
+                heads.append(variable)
+            continue
+        for next_node, output_nr in node.next_functions:
+            if next_node is None:
+                continue
+            entry = z_nodes.get(id(next_node))
+            if entry is None:
+                stack.append(next_node)
+            elif output_nr in entry[1]:
+                reached.add((id(next_node), output_nr))  # z: below it is the trunk, not walked
+            else:
+                raise ValueError(
+                    "the losses read an output of the trunk's last operation that is not among the features z "
+                    "(pass every tensor the heads read from the trunk as z, e.g. a tuple)"
+                )
+    for index, piece in enumerate(features):
+        key = (id(piece), 0) if piece.grad_fn is None else (id(piece.grad_fn), piece.output_nr)
+        if key not in reached:
+            raise ValueError(
+                f"the losses do not depend on features[{index}] (shape {tuple(piece.shape)}): z must be the trunk's "
+                "output that the heads read to compute these losses (not z of another batch or another forward)"
+            )
+    if bypassed is not None:
+        raise ValueError(
+            f"the losses reach a shared parameter (shape {tuple(bypassed.shape)}) without passing through the "
+            "features z: a head reads the trunk's parameters (or an intermediate of the trunk) directly. With "
+            "jacobian='features' every path from the losses to the shared parameters must go through z"
+        )
+    return heads

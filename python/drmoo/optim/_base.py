@@ -57,6 +57,8 @@ from drmoo.jacobian import STRATEGIES, column_views, feed_head_grads, head_leave
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
 from drmoo_kernels._checks import check_positive, trusted_arguments, untrusted_arguments
 
+from ._features import FeaturesJacobian
+
 Closure = Callable[[], Tensor]
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
@@ -196,6 +198,8 @@ def _all_or_nothing(step: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             self._head_grads_before = None
             self._found_inf = None
+            if self.features_engine is not None:
+                self.features_engine.end_step()
         return result
 
     return all_or_nothing_step
@@ -265,6 +269,9 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # How the messages name where the losses came from: "the closure returned" for step(closure);
         # the Balancer names its own argument when it was given the losses themselves.
         self.losses_origin = "the closure returned"
+        # jacobian="features" (drmoo.optim._features): per-task gradients w.r.t. the representation z;
+        # None: the paper's, w.r.t. the shared parameters.  Set by the method's constructor.
+        self.features_engine: FeaturesJacobian | None = None
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
             raise ValueError(f"num_tasks must be an int in [1, {MAX_TASKS}], got {num_tasks!r}")
         defaults = dict(defaults)
@@ -585,6 +592,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         origin = self.losses_origin
         with untrusted_arguments():  # the ops the closure calls check everything (see trusted_arguments)
             result = closure()
+        if self.features_engine is not None:  # (losses, z[, sample_weight]): z is kept for the step
+            result = self.features_engine.unpack(result, need_graph=need_graph)
         losses, weights = (result if isinstance(result, tuple) and len(result) == 2 else (result, None))
         m = self.num_tasks
         if not isinstance(losses, Tensor):
@@ -798,7 +807,12 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         heads' gradients for the user's optimizer); otherwise only the shared parameters are touched.
         """
         shared = self._shared_params()
-        heads = head_leaves(losses, shared) if feed_heads else []
+        features = self.features_engine
+        if features is not None:  # the leaves above z, after checking the losses read the trunk only through z
+            above_z = features.heads(losses, shared)
+            heads = above_z if feed_heads else []
+        else:
+            heads = head_leaves(losses, shared) if feed_heads else []
         self.set_aside_head_grads(heads)
         scale = self.loss_scale
         scaled = cotangent * scale if scale != 1.0 else cotangent
@@ -811,15 +825,24 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             feed_head_grads(losses, heads, scaled, retain_graph=self.take_graph_reuse())
             self.check_head_grads(heads)
             return memo[2]
-        jacobian = task_jacobian(losses, scaled, shared, self._buffer(slot), strategy=self.jacobian_strategy,
-                                 feed_heads=feed_heads, retain_graph=self.take_graph_reuse())
+        if features is not None:  # rows w.r.t. z: each rank keeps its samples' columns (task_gram sums)
+            jacobian = features.task_jacobian(self, losses, scaled, slot, heads=heads)
+        else:
+            jacobian = task_jacobian(losses, scaled, shared, self._buffer(slot), strategy=self.jacobian_strategy,
+                                     feed_heads=feed_heads, retain_graph=self.take_graph_reuse())
         if scale != 1.0:
             jacobian.div_(scale)
-        jacobian = distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
+        if features is None:
+            jacobian = distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
         self.check_head_grads(heads)
         self._refuse_partly_shared_params(jacobian)
         self.jacobian_memo = (losses, cotangent.clone(), jacobian) if memoize and self.graph_reuses else None
         return jacobian
+
+    def task_gram(self, jacobian: Tensor) -> Tensor:
+        """J J^T of per-task rows through the ``gram`` op; features rows: summed over ranks."""
+        gram = self._ops.gram(jacobian)
+        return gram if self.features_engine is None else self.features_engine.sum_over_ranks(gram)
 
     def check_head_grads(self, heads: Sequence[Tensor]) -> None:
         """The heads' gradients this step fed must be finite before anything is written.
@@ -908,6 +931,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         In a capturable step the direction J^T w is formed first and zeroed if the step is
         skipped (0 * NaN would be NaN: scaling lr by 0 is not enough), then written by the same op.
         """
+        if self.features_engine is not None:  # rows w.r.t. z: one backward through the trunk gives d_theta
+            lifted = self.features_engine.apply(self, jacobian, w, factor)
+            if lifted is None:  # direction mode: written into .grad by the lift
+                return
+            jacobian, w, factor = lifted[None, :], torch.ones(1, dtype=w.dtype, device=w.device), 1.0
         if self.direction_mode:
             self._add_direction_to_grad(jacobian, w, factor)
             return

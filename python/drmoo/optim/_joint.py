@@ -166,16 +166,22 @@ class JointBaseline(MultiObjectiveOptimizer):
         restricted to the head leaves, which only traverses the graph above them.
         """
         shared = self._shared_params()
-        flat = self._vector(slot)
-        heads = head_leaves(batch.losses, shared)
+        features = self.features_engine
+        heads = head_leaves(batch.losses, shared) if features is None else features.heads(batch.losses, shared)
         scale = self.loss_scale  # fp16 gradient scaling (see MultiObjectiveOptimizer.loss_scale)
         weighted = (batch.cotangent * task_weights.to(batch.cotangent.dtype) * scale).to(batch.losses.dtype)
         reuse = self.take_graph_reuse()
-        grads = torch.autograd.grad(batch.losses, shared, grad_outputs=weighted, retain_graph=reuse or bool(heads),
-                                    allow_unused=True)
-        require_reached(grads)
-        copy_into_row(shared, flat, grads)
-        del grads
+        if features is not None:
+            # jacobian="features": the gradient w.r.t. z (a pass above z only); apply_direction lifts it
+            # through the trunk.  Each rank keeps its samples' entries (combined_norm sums over ranks).
+            flat = features.combined_gradient(self, batch.losses, weighted, slot, retain_graph=reuse or bool(heads))
+        else:
+            flat = self._vector(slot)
+            grads = torch.autograd.grad(batch.losses, shared, grad_outputs=weighted,
+                                        retain_graph=reuse or bool(heads), allow_unused=True)
+            require_reached(grads)
+            copy_into_row(shared, flat, grads)
+            del grads
         if heads:
             self.set_aside_head_grads(heads)
             torch.autograd.backward(batch.losses, grad_tensors=(batch.cotangent * scale).to(batch.losses.dtype),
@@ -183,7 +189,29 @@ class JointBaseline(MultiObjectiveOptimizer):
             self.check_head_grads(heads)
         if scale != 1.0:
             flat.div_(scale)
+        if features is not None:
+            return flat
         return distributed.all_reduce_sum_(flat)  # shard gradients -> the global batch's
+
+    def combined_norm(self, combined: Tensor) -> Tensor:
+        """||combined|| (0-d float64) of a :meth:`combined_gradient`; features mode: over all ranks' samples."""
+        if self.features_engine is None:
+            return norm_f64(combined)
+        square = torch.linalg.vector_norm(combined).double() ** 2
+        return torch.sqrt(self.features_engine.sum_over_ranks(square.reshape(1)))[0]
+
+    def combined_finite(self, combined: Tensor, norm: Tensor) -> Tensor:
+        """0-d bool: a :meth:`combined_gradient` is finite (features mode: on every rank, read from its
+        norm summed over ranks, so that all ranks agree before the one that failed raises)."""
+        return all_finite(combined) if self.features_engine is None else torch.isfinite(norm)
+
+    def task_cross(self, first: Tensor, z_first: Tensor, second: Tensor, z_second: Tensor) -> Tensor:
+        """The joint cross product J_1 J_2^T + diag(z_1 (.) z_2) (:func:`joint_cross`); features rows:
+        the J part summed over ranks (each holds its samples' columns)."""
+        if self.features_engine is None:
+            return joint_cross(first, z_first, second, z_second)
+        cross = self.features_engine.sum_over_ranks(cross_gram(first, second))
+        return cross + torch.diag(z_first.double() * z_second.double())
 
     def _vector(self, name: str) -> Tensor:
         shared = self._shared_params()

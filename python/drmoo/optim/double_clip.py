@@ -11,6 +11,7 @@ from drmoo import distributed
 from drmoo_kernels.reference import clip_factor, gram_step_small
 
 from ._base import Closure, MultiObjectiveOptimizer, ParamsT, check_flag, check_positive
+from ._features import configure as configure_jacobian
 
 
 class DoubleClipMGDA(MultiObjectiveOptimizer):
@@ -50,6 +51,18 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
     (L^i at eta_{t+1} on xi_bar), ``balanced_grad_norm`` = ||grad_{theta,eta} L^(theta_t, eta_{t+1}) w_t||
     on xi_bar (the measure of Theorem 5.2, eq. (9)) and ``theta_grad_norm`` = ||J^T w_t||.
 
+    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  J's rows are the
+    gradients w.r.t. the representation z (m backward passes through the heads only): the Gram G of
+    step 4 and w's update (step 5) use z's coordinates, and so does the theta clip: alpha = min(c1,
+    c2 / ||J_z^T w||), ||d|| being a z-space norm, so the step's length is bounded by gamma * c2 *
+    ||dz/dtheta|| rather than gamma * c2.  theta moves along alpha * (dz/dtheta)^T J_z^T w_t (ONE
+    backward through the trunk of sum_i alpha w_i L^_i; not the fused ``gram_step`` write).  The eta
+    step and its clip mu (steps 1-2) are unchanged: they use the dual gradients z = dL/deta only.
+    ``theta_grad_norm`` and ``balanced_grad_norm`` are z-space.
+    The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
+    the batch, operator norm) relates every norm taken in z to the true one; inner products (the
+    Gram's off-diagonal) have no such bound.  The per-sample f*' weights and eta are exact.
+
     Args:
         params: the shared parameters (or parameter groups with identical hyperparameters).
         num_tasks: m, the number of columns of the per-sample losses.
@@ -67,6 +80,8 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         resample: draw a second batch for step 3.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend for the Gram/update (see :mod:`drmoo_kernels.dispatch`).
+        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
+            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
 
     Defaults and presets.  The defaults are the paper's main Multi-MNIST setting (App. D.2; lambda =
     0.8 as App. F.1 says the main experiments used); ``DoubleClipMGDA.preset(name)`` gives the
@@ -106,6 +121,7 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         resample: bool = True,
         capturable: bool = False,
         backend: str | None = None,
+        jacobian: str = "parameters",
     ) -> None:
         defaults = {
             "lr": check_positive("lr", lr, allow_zero=True),
@@ -122,6 +138,7 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
+        self.features_engine = configure_jacobian(self, jacobian)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One iteration of Algorithm 2; calls ``closure`` twice (once if ``resample=False``).
@@ -172,12 +189,14 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
             first = jacobian.view(-1)[:1]
             first.copy_(torch.where(self.found_inf, torch.full_like(first, float("nan")), first))
         w_before = w.clone()
-        if self.direction_mode:
+        if self.direction_mode or self.features_engine is not None:
             # drmoo.Balancer: the same Gram, alpha and w update (the m x m part every backend's
             # gram_step shares), checked before anything is written; the clipped direction
             # alpha * J^T w_t goes into .grad, so that SGD(lr=gamma) takes line 7's step.
+            # jacobian="features" too: J's rows are w.r.t. z, and apply_direction lifts alpha * J^T w_t
+            # through the trunk (one backward), so the fused theta write of gram_step cannot be used.
             with torch.no_grad():
-                gram = ops.gram(jacobian)
+                gram = self.task_gram(jacobian)
                 _, alpha64, d_norm, w_next = gram_step_small(gram, w, h["c1"], h["c2"], h["pref_lr"], h["rho"], mu, z)
             self.check_jacobian(gram, "X")
             self.apply_direction(jacobian, w_before, alpha64)

@@ -12,6 +12,7 @@ from torch import Tensor
 from drmoo_kernels.reference import project_simplex
 
 from ._base import STATE_KEY, Closure, MultiObjectiveOptimizer, ParamsT, check_flag, check_positive
+from ._features import configure as configure_jacobian
 
 
 class DoubleLoopMGDA(MultiObjectiveOptimizer):
@@ -50,6 +51,17 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
     ``balanced_grad_norm`` = ||[Y^T w_t ; z (.) w_t]|| on xi (the joint (theta, eta) measure used for
     every method) and ``theta_grad_norm`` = ||Y^T w_t||, ``inner_indices`` = (d, d_bar, d_tilde).
 
+    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  Y, Y_bar and Y_tilde
+    are taken w.r.t. the representation z, which belongs to one batch: features mode runs the
+    single-batch form (xi = xi_bar = xi_tilde, each at its own inner iterate of eta:
+    ``Balancer.backward(losses, features=z)`` or a closure returning the same batch; fresh batches
+    are refused at the second outer draw).  Y_bar Y_tilde^T w is then in z's coordinates and theta
+    moves along (dz/dtheta)^T Y^T w_t (ONE backward through the trunk).  The inner loop on eta is
+    unchanged.  Norms in ``stats`` are z-space.
+    The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
+    the batch, operator norm) relates every norm taken in z to the true one; inner products (the
+    Gram's off-diagonal) have no such bound.  The per-sample f*' weights and eta are exact.
+
     Args:
         params: the shared parameters (or parameter groups with identical hyperparameters).
         num_tasks: m.
@@ -64,6 +76,8 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
             ``torch.manual_seed`` fixes it).
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
+            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
 
     Defaults and presets.  The defaults are the paper's main Multi-MNIST setting (App. D.2, with
     lambda = 0.8 as App. F.1 says); ``DoubleLoopMGDA.preset(name)`` gives ``multimnist``,
@@ -96,6 +110,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         seed: int | None = None,
         capturable: bool = False,
         backend: str | None = None,
+        jacobian: str = "parameters",
     ) -> None:
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be an int >= 1, got {inner_steps!r}")
@@ -110,6 +125,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
+        self.features_engine = configure_jacobian(self, jacobian)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -194,7 +210,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         self, closure: Closure | None, etas: list[Tensor], indices: list[int]
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Lines 8-11 on three independent batches, checked: Y, Y_bar (Y_tilde^T w), L, z on xi, Y Y^T."""
-        h, ops = self.param_groups[0], self._ops
+        h = self.param_groups[0]
         jacobians, objective, z_main = [], None, None
         for role, index in zip(("Y", "Y_bar", "Y_tilde"), indices):
             losses = self.draw_losses(closure, need_graph=True)
@@ -205,12 +221,14 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
                 objective, z_main = obj, z
         assert objective is not None and z_main is not None
         jac, jac_bar, jac_tilde = jacobians
-        gram = ops.gram(jac)
+        gram = self.task_gram(jac)
         self.check_jacobian(gram, "Y")
         # Y_bar (Y_tilde^T w), in the Jacobians' accumulation precision, is all the w update uses of
         # them: a NaN/Inf anywhere in either reaches it (also through a zero weight: 0 * Inf = NaN).
         acc = torch.float64 if jac_bar.dtype == torch.float64 else torch.float32
         cross = (jac_bar.to(acc) @ (self.w.to(acc) @ jac_tilde.to(acc))).double()
+        if self.features_engine is not None:  # rows w.r.t. z: each rank holds its samples' columns
+            cross = self.features_engine.sum_over_ranks(cross)
         self.require_finite(torch.isfinite(cross), lambda bad: (
             f"non-finite gradients of the shared parameters (Y_bar, Y_tilde) in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))

@@ -12,7 +12,8 @@ from torch import Tensor
 from drmoo.jacobian import column_views, copy_into_row
 
 from ._base import HYPERPARAMETER_CHECKS, STATE_KEY, Closure, ParamsT, check_flag, check_positive
-from ._joint import JointBaseline, TaskGradients, all_finite, common_defaults, norm_f64
+from ._features import configure as configure_jacobian
+from ._joint import JointBaseline, TaskGradients, common_defaults
 
 ReevaluateFn = Callable[[], Tensor]
 
@@ -114,6 +115,12 @@ class FAMO(JointBaseline):
     Presets: ``multimnist`` (defaults: lr 1e-4, pref_lr 2.5e-3, gamma 1e-2), ``celeba``
     (pref_lr 5e-6).  The paper gives no synthetic settings for FAMO.
 
+    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  FAMO's inputs are the
+    dual objectives' values, not gradients, and its step is already one backward pass: its weights c
+    and its theta step are the same in both modes (the step's backward runs to z, then through the
+    trunk).  Only the reported ``theta_grad_norm`` / ``balanced_grad_norm`` become z-space norms.
+    The mode is accepted so that every method takes the same closure ``(losses, z)``.
+
     Args:
         params: the shared parameters.
         num_tasks: m.
@@ -126,6 +133,8 @@ class FAMO(JointBaseline):
         divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
+            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -149,6 +158,7 @@ class FAMO(JointBaseline):
         divergence: str = "chi2",
         capturable: bool = False,
         backend: str | None = None,
+        jacobian: str = "parameters",
     ) -> None:
         # One number is broadcast to every task (stored as a 1-tuple); otherwise one per task.
         floors = HYPERPARAMETER_CHECKS["loss_floor"]("loss_floor", loss_floor)
@@ -159,6 +169,7 @@ class FAMO(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
+        self.features_engine = configure_jacobian(self, jacobian)
         if len(floors) not in (1, num_tasks):
             raise ValueError(f"loss_floor has {len(floors)} values, but num_tasks={num_tasks}")
         self._floor_cache: tuple[tuple[float, ...], Tensor] | None = None
@@ -243,7 +254,9 @@ class FAMO(JointBaseline):
         weights = inverse / inverse.sum()
 
         combined = self.combined_gradient(batch, weights, "d")
-        self.raise_unless_finite([("sum_i c_i grad L^i", all_finite(combined).expand(self.num_tasks))])
+        theta_norm = self.combined_norm(combined)
+        finite = self.combined_finite(combined, theta_norm).expand(self.num_tasks)
+        self.raise_unless_finite([("sum_i c_i grad L^i", finite)])
         one = torch.ones(1, dtype=torch.float64, device=self.device)
         extra_stats: dict[str, Tensor] = {}
         if reevaluate is None:
@@ -261,7 +274,6 @@ class FAMO(JointBaseline):
             extra_stats["dual_objective_after"] = objective_after.detach()
 
         self.set_w(weights)
-        theta_norm = norm_f64(combined)
         return self.finish_step(
             batch, weights, theta_norm, batch.z.double() * weights,
             logits=state["logits"].clone(), below_floor=below_floor, **extra_stats,

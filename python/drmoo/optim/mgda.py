@@ -10,6 +10,7 @@ from torch import Tensor
 from drmoo_kernels.reference import clip_factor
 
 from ._base import SOLVERS, Closure, ParamsT, check_flag, check_positive
+from ._features import configure as configure_jacobian
 from ._joint import (
     JointBaseline,
     check_count,
@@ -255,7 +256,8 @@ class MGDA(JointBaseline):
       ``min_norm`` is exact (to ~1e-12 relative, whatever the spread of the gradient norms) and
       on the device; ``one_step`` is the DR paper's stochastic baseline.
     * No gradient normalization (their ``l2`` / ``loss`` / ``loss+`` options; ``none`` here).
-    * The full shared gradient, not MGDA-UB's upper bound through the shared representation.
+    * The full shared gradient by default; MGDA-UB's upper bound through the shared representation
+      is ``jacobian="features"`` (below).
 
     Cost per step: 1 closure call (one batch of B samples), m backward passes; ``min_norm`` adds
     one batched solve of 2^m - 1 tiny KKT systems for 3 <= m <= 10, and for m > 10 active-set
@@ -277,6 +279,16 @@ class MGDA(JointBaseline):
     weighted mean loss.  It does not transfer to Double-Clip's clipped step (see
     :class:`~drmoo.optim.DoubleClipMGDA`).
 
+    Feature space (``jacobian="features"``, MGDA-UB; :mod:`drmoo.optim._features`).  J's rows are
+    the gradients w.r.t. the representation z (m x B*d, m backward passes through the heads only),
+    so the Gram K = J_z J_z^T + diag(z^2) -- and the weights of both solvers -- are taken in z's
+    coordinates; theta moves along (dz/dtheta)^T J_z^T w_{t+1} = grad_theta sum_i w_i L^i (ONE
+    backward through the trunk).  ``balanced_grad_norm`` and ``theta_grad_norm`` are z-space norms.
+    With ``pref_lr = 0`` (w stays uniform) the direction is the parameter-space one, to rounding.
+    The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
+    the batch, operator norm) relates every norm taken in z to the true one; inner products (the
+    Gram's off-diagonal) have no such bound.  The per-sample f*' weights and eta are exact.
+
     Args:
         params: the shared parameters.
         num_tasks: m.
@@ -296,6 +308,8 @@ class MGDA(JointBaseline):
         clip_c2: see ``clip_c1``; give both or neither.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
+            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -322,6 +336,7 @@ class MGDA(JointBaseline):
         clip_c2: float | None = None,
         capturable: bool = False,
         backend: str | None = None,
+        jacobian: str = "parameters",
     ) -> None:
         if solver not in SOLVERS:
             raise ValueError(f"solver must be one of {', '.join(SOLVERS)}; got {solver!r}")
@@ -338,6 +353,7 @@ class MGDA(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
+        self.features_engine = configure_jacobian(self, jacobian)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One MGDA iteration; calls ``closure`` once.  Nothing changes if a check fails.
@@ -351,7 +367,7 @@ class MGDA(JointBaseline):
         self.begin_step()
         batch = self.task_gradients(closure, "J", feed_heads=True)
         assert batch.jacobian is not None
-        gram = self._ops.gram(batch.jacobian)
+        gram = self.task_gram(batch.jacobian)
         self.raise_unless_finite([("J", torch.isfinite(torch.diagonal(gram)))])
 
         K = joint_gram(gram, batch.z)

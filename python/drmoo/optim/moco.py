@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ._base import STATE_KEY, Closure, ParamsT, check_flag
+from ._features import configure as configure_jacobian
 from ._joint import JointBaseline, check_fraction, common_defaults, joint_gram, joint_norm, simplex_step
 
 
@@ -63,6 +64,12 @@ class MoCo(JointBaseline):
     lr = pref_lr = 1e-5, rho = 1e-5), ``wine`` (App. E.2: lr 1e-3, pref_lr 6e-4, rho = 1e-6);
     ema = 0.95 throughout.
 
+    Feature space: refused (``jacobian="features"`` raises at construction).  The tracked Y
+    averages per-task gradients across steps, i.e. across batches; a features Jacobian's columns are
+    one batch's samples (sample b of one batch is not sample b of the next), so Y would average
+    unrelated samples, and Y^T w could not be lifted through any one batch's trunk.  (Tracking the
+    per-task gradients w.r.t. z would only be defined for a fixed batch of fixed samples.)
+
     Args:
         params: the shared parameters.
         num_tasks: m.
@@ -74,8 +81,16 @@ class MoCo(JointBaseline):
         divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
+            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
     """
 
+    # jacobian="features" (drmoo.optim._features) is refused at construction, for this reason:
+    FEATURES_REFUSAL: ClassVar[str] = (
+        "its tracked Jacobian Y averages per-task gradients over steps, and a features Jacobian's columns are "
+        "one batch's samples (sample b of one batch is not sample b of the next), so Y would average unrelated "
+        "samples and Y^T w could not be lifted through any one batch's trunk; use jacobian='parameters'"
+    )
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "multimnist": {"lr": 5e-4, "pref_lr": 1e-4, "rho": 1e-5, "lam": 0.8, "ema": 0.95},
         "celeba": {"lr": 5e-4, "pref_lr": 5e-5, "rho": 5e-5, "lam": 0.8, "ema": 0.95},
@@ -96,6 +111,7 @@ class MoCo(JointBaseline):
         divergence: str = "chi2",
         capturable: bool = False,
         backend: str | None = None,
+        jacobian: str = "parameters",
     ) -> None:
         defaults = {
             **common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, rho=rho),
@@ -103,6 +119,7 @@ class MoCo(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
+        self.features_engine = configure_jacobian(self, jacobian)
 
     def extra_state(self) -> dict[str, Any]:
         dtype = self._shared_params()[0].dtype

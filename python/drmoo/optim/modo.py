@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ._base import Closure, ParamsT, check_flag
+from ._features import configure as configure_jacobian
 from ._joint import JointBaseline, all_finite, common_defaults, joint_norm, simplex_step
 
 
@@ -55,6 +56,17 @@ class MoDo(JointBaseline):
     Presets: ``multimnist`` (defaults), ``celeba``, ``linear`` (App. E.1: lr = pref_lr = 1e-5,
     rho = 1e-5), ``wine`` (App. E.2: lr 1e-3, pref_lr 6e-4, rho = 1e-6).
 
+    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  Rows w.r.t. the
+    representation z are one batch's per-sample coordinates, so products of two independent batches'
+    rows (G_1 G_2^T w) estimate nothing: features mode runs the single-batch form only (the three
+    draws are one batch: ``Balancer.backward(losses, features=z)``, or a closure returning the same
+    batch), where cross = J_z J_z^T w (the z-space Gram, biased by the gradient covariance like any
+    one-batch estimate); fresh batches are refused at the second draw.  theta moves along
+    (dz/dtheta)^T J_z^T w_{t+1} (ONE backward through the trunk).  Norms in ``stats`` are z-space.
+    The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
+    the batch, operator norm) relates every norm taken in z to the true one; inner products (the
+    Gram's off-diagonal) have no such bound.  The per-sample f*' weights and eta are exact.
+
     Args:
         params: the shared parameters.
         num_tasks: m.
@@ -65,6 +77,8 @@ class MoDo(JointBaseline):
         divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
+            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
     """
 
     DRAWS_SHARE_ONE_POINT: ClassVar[bool] = True  # its three batches are all taken at (theta_t, eta_t)
@@ -87,9 +101,11 @@ class MoDo(JointBaseline):
         divergence: str = "chi2",
         capturable: bool = False,
         backend: str | None = None,
+        jacobian: str = "parameters",
     ) -> None:
         defaults = common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, rho=rho)
         super().__init__(params, num_tasks, {**defaults, "capturable": check_flag("capturable", capturable)}, backend)
+        self.features_engine = configure_jacobian(self, jacobian)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One MoDo iteration; calls ``closure`` three times.  Nothing changes if a check fails.
@@ -107,11 +123,12 @@ class MoDo(JointBaseline):
         assert first.jacobian is not None and second.jacobian is not None and third.jacobian is not None
 
         w = self.w.double()
-        gram = self._ops.gram(third.jacobian)
-        if first.jacobian is second.jacobian is third.jacobian:
+        gram = self.task_gram(third.jacobian)
+        if first.jacobian is second.jacobian is third.jacobian or self.features_engine is not None:
             # drmoo.Balancer's single-batch form: the three draws are one batch at one eta, hence one
             # Jacobian G, and G_1 (G_2^T w) = (G G^T) w comes from the Gram the step needs anyway
             # (two passes over [m, n] fewer).  A non-finite entry of G reaches its diagonal.
+            # jacobian="features" draws one batch too (others are refused): the same G, in z's coordinates.
             cross = gram.double() @ w + first.z.double() * second.z.double() * w
             self.raise_unless_finite([("G1", torch.isfinite(cross)), ("G3", torch.isfinite(torch.diagonal(gram)))])
         else:

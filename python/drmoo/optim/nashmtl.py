@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from ._base import STATE_KEY, Closure, ParamsT, check_flag, check_positive
-from ._joint import TINY, JointBaseline, all_finite, check_count, common_defaults, joint_gram, joint_norm, norm_f64
+from ._features import configure as configure_jacobian
+from ._joint import TINY, JointBaseline, check_count, common_defaults, joint_gram, joint_norm
 
 # Ridge on the unit-diagonal (Jacobi-scaled) Gram matrix.  When the joint gradients are linearly
 # dependent with conflicting signs (e.g. g_2 = -g_1), F below is unbounded and no alpha solves the
@@ -124,6 +125,16 @@ class NashMTL(JointBaseline):
     Presets: ``multimnist`` (defaults: lr 1e-4), ``celeba`` (lr 1e-4).  The paper gives no
     synthetic settings for Nash-MTL.
 
+    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  On weight-update steps
+    J's rows are the gradients w.r.t. the representation z, so the bargaining system K alpha =
+    1/alpha is solved for the z-space Gram K = J_z J_z^T + diag(z^2), and the clip min(1, max_norm /
+    ||d||) reads the z-space norm (still sqrt(m) on update steps); on reuse steps ||d|| is the norm
+    of grad_z sum_i alpha_i L^i.  theta moves along clip * (dz/dtheta)^T d_z (ONE backward through
+    the trunk).  ``theta_grad_norm`` and ``balanced_grad_norm`` are z-space.
+    The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
+    the batch, operator norm) relates every norm taken in z to the true one; inner products (the
+    Gram's off-diagonal) have no such bound.  The per-sample f*' weights and eta are exact.
+
     Args:
         params: the shared parameters.
         num_tasks: m.
@@ -135,6 +146,8 @@ class NashMTL(JointBaseline):
         divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
+            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -155,6 +168,7 @@ class NashMTL(JointBaseline):
         divergence: str = "chi2",
         capturable: bool = False,
         backend: str | None = None,
+        jacobian: str = "parameters",
     ) -> None:
         defaults = {
             **common_defaults(lam, divergence, lr=lr),
@@ -164,6 +178,7 @@ class NashMTL(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
+        self.features_engine = configure_jacobian(self, jacobian)
 
     def extra_state(self) -> dict[str, Any]:
         return {"alpha": torch.ones(self.num_tasks, device=self.device, dtype=torch.float64)}
@@ -183,7 +198,7 @@ class NashMTL(JointBaseline):
         if update:
             batch = self.task_gradients(closure, "J", feed_heads=True)
             assert batch.jacobian is not None
-            gram = self._ops.gram(batch.jacobian)
+            gram = self.task_gram(batch.jacobian)
             self.raise_unless_finite([("J", torch.isfinite(torch.diagonal(gram)))])
             alpha = nash_weights(joint_gram(gram, batch.z), iters=h["solver_iters"])
             direction, theta_norm = batch.jacobian, joint_norm(gram, alpha)
@@ -192,9 +207,10 @@ class NashMTL(JointBaseline):
             batch = self.draw_batch(closure)
             alpha = state["alpha"]
             combined = self.combined_gradient(batch, alpha, "d")
-            finite = all_finite(combined).expand(self.num_tasks)
+            theta_norm = self.combined_norm(combined)
+            finite = self.combined_finite(combined, theta_norm).expand(self.num_tasks)
             self.raise_unless_finite([("sum_i alpha_i grad L^i", finite)])
-            direction, theta_norm = combined[None, :], norm_f64(combined)
+            direction = combined[None, :]
             theta_weights = torch.ones(1, dtype=torch.float64, device=alpha.device)
 
         eta_part = batch.z.double() * alpha

@@ -8,13 +8,13 @@ import torch
 from torch import Tensor
 
 from ._base import STATE_KEY, Closure, ParamsT, check_flag
+from ._features import configure as configure_jacobian
 from ._joint import (
     TINY,
     JointBaseline,
     check_count,
     check_fraction,
     common_defaults,
-    joint_cross,
     joint_norm,
     rows_finite,
     simplex_step,
@@ -84,6 +84,16 @@ class SDMGrad(JointBaseline):
     ``linear`` (App. E.1: S = 10, lr 1e-4, pref_lr 5e-4, rho 1e-5), ``wine`` (App. E.2: S = 15,
     lr 1e-3, pref_lr 5e-4, rho 1e-4).
 
+    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  As for MoDo: rows
+    w.r.t. the representation z belong to one batch, so A = J_xi J_xi'^T needs xi = xi' (the
+    single-batch form: ``Balancer.backward(losses, features=z)`` or a closure returning the same
+    batch; fresh batches are refused at the second draw).  A, its normalisation s and the inner
+    solve are then in z's coordinates, and theta moves along (dz/dtheta)^T J_z^T c (ONE backward
+    through the trunk).  Norms in ``stats`` are z-space.
+    The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
+    the batch, operator norm) relates every norm taken in z to the true one; inner products (the
+    Gram's off-diagonal) have no such bound.  The per-sample f*' weights and eta are exact.
+
     Args:
         params: the shared parameters.
         num_tasks: m.
@@ -98,6 +108,8 @@ class SDMGrad(JointBaseline):
         divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
+        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
+            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
     """
 
     DRAWS_SHARE_ONE_POINT: ClassVar[bool] = True  # its three batches are all taken at (theta_t, eta_t)
@@ -124,6 +136,7 @@ class SDMGrad(JointBaseline):
         divergence: str = "chi2",
         capturable: bool = False,
         backend: str | None = None,
+        jacobian: str = "parameters",
     ) -> None:
         defaults = {
             **common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, rho=rho, sdm_lambda=sdm_lambda),
@@ -133,6 +146,7 @@ class SDMGrad(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
+        self.features_engine = configure_jacobian(self, jacobian)
 
     def extra_state(self) -> dict[str, Any]:
         return {"momentum_buffer": torch.zeros(self.num_tasks, device=self.device, dtype=torch.float64)}
@@ -155,8 +169,8 @@ class SDMGrad(JointBaseline):
         assert weights_batch.jacobian is not None and weights_batch_bis.jacobian is not None
         assert step_batch.jacobian is not None
 
-        A = joint_cross(weights_batch.jacobian, weights_batch.z, weights_batch_bis.jacobian, weights_batch_bis.z)
-        gram = self._ops.gram(step_batch.jacobian)
+        A = self.task_cross(weights_batch.jacobian, weights_batch.z, weights_batch_bis.jacobian, weights_batch_bis.z)
+        gram = self.task_gram(step_batch.jacobian)
         # Row i of A carries J_xi's row i; every row carries all of J_xi' (the check covers both).
         self.raise_unless_finite([("G_xi, G_xi'", rows_finite(A)), ("G_zeta", torch.isfinite(torch.diagonal(gram)))])
 

@@ -1,0 +1,296 @@
+"""Step time and peak memory against the number of tasks m: plain training, drmoo's two Jacobians, TorchJD.
+
+One command regenerates ``bench/results/tasks-scaling-cpu.{json,md}``::
+
+    python bench/tasks_scaling.py                       # the committed grid (see --help for a smaller one)
+
+Setting (issue 26): torchvision's ResNet18 trunk (its classifier removed: z = the 512 pooled features)
+with GroupNorm(32) -- and a second trunk with BatchNorm -- on 32 x 32 inputs, batch 32, one
+``Linear(512, 1)`` head per task with a per-sample logistic loss, SGD, one thread (CPU).  Variants, each
+one full training step (zero_grad, forward, backward, optimizer step):
+
+* ``plain``: ``losses.mean(0).sum().backward()`` (the floor: one forward, one backward);
+* ``parameters``: ``drmoo.Balancer("mgda", trunk, m)`` -- m backward passes through the trunk, J is m x n;
+* ``features``: ``drmoo.Balancer("mgda", trunk, m, jacobian="features")``, ``backward(losses, features=z)``;
+* ``features-double-clip``: the same with Double-Clip MGDA (the paper's method);
+* ``torchjd-mgda`` / ``torchjd-upgrad``: TorchJD's ``mtl_backward(losses, features=z)`` then
+  ``jac_to_grad(trunk parameters, MGDA() / UPGrad())`` (the parameter-space Jacobian, like ``parameters``).
+
+Time: the variants run *interleaved* in one process (round r runs every variant once, in turn), after one
+warm-up step each; the table gives each variant's median over the rounds and its ratio to the median of
+``plain`` -- both measured under the same load.  Memory: each (trunk, m, variant) runs again in a fresh
+subprocess (build, 2 steps), which reports the peak resident set size above the one it had once the
+model was built: the activations, gradients, Jacobians and everything else a step allocates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+VARIANTS = ("plain", "parameters", "features", "features-double-clip", "torchjd-mgda", "torchjd-upgrad")
+TASKS = (2, 3, 8, 40)
+TRUNKS = ("groupnorm", "batchnorm")
+BATCH = 32
+IMAGE = 32
+
+
+def build(trunk_kind: str, num_tasks: int, seed: int = 0) -> tuple[Any, Any]:
+    """(trunk, heads): ResNet18 with GroupNorm(32, c) or BatchNorm2d, fc removed; m Linear(512, 1)."""
+    import torch
+    import torchvision
+
+    torch.manual_seed(seed)
+    norm = (lambda channels: torch.nn.GroupNorm(32, channels)) if trunk_kind == "groupnorm" else torch.nn.BatchNorm2d
+    trunk = torchvision.models.resnet18(norm_layer=norm)
+    trunk.fc = torch.nn.Identity()
+    heads = torch.nn.ModuleList(torch.nn.Linear(512, 1) for _ in range(num_tasks))
+    return trunk.train(), heads.train()
+
+
+def make_step(variant: str, trunk: Any, heads: Any, num_tasks: int) -> Callable[[Any, Any], None]:
+    """One training step of ``variant`` on a batch (x, y): zero_grad, forward, backward, SGD step."""
+    import torch
+    import torch.nn.functional as F
+
+    import drmoo
+
+    shared = list(trunk.parameters())
+    optimizer = torch.optim.SGD([*shared, *heads.parameters()], lr=1e-3)
+
+    def forward(x: Any, y: Any) -> tuple[Any, Any]:
+        z = trunk(x)
+        if variant.startswith("torchjd-"):  # one graph per task: mtl_backward runs a pass per task above z
+            return [F.binary_cross_entropy_with_logits(head(z)[:, 0], y[:, task])
+                    for task, head in enumerate(heads)], z
+        logits = torch.cat([head(z) for head in heads], dim=1)
+        return F.binary_cross_entropy_with_logits(logits, y, reduction="none"), z  # [B, m]
+
+    if variant == "plain":
+        def backward(losses: Any, z: Any) -> None:
+            losses.mean(0).sum().backward()
+    elif variant in ("parameters", "features", "features-double-clip"):
+        method = "double-clip" if variant == "features-double-clip" else "mgda"
+        mode = "parameters" if variant == "parameters" else "features"
+        balancer = drmoo.Balancer(method, shared, num_tasks, jacobian=mode, lr=1e-3)
+
+        def backward(losses: Any, z: Any) -> None:
+            if mode == "features":
+                balancer.backward(losses, features=z)
+            else:
+                balancer.backward(losses)
+    elif variant.startswith("torchjd-"):
+        from torchjd.aggregation import MGDA, UPGrad
+        from torchjd.autojac import jac_to_grad, mtl_backward
+
+        aggregator = MGDA() if variant == "torchjd-mgda" else UPGrad()
+
+        def backward(losses: Any, z: Any) -> None:
+            mtl_backward(losses, features=z)  # the m per-task mean losses
+            jac_to_grad(shared, aggregator)
+    else:
+        raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+
+    def step(x: Any, y: Any) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        losses, z = forward(x, y)
+        backward(losses, z)
+        optimizer.step()
+
+    return step
+
+
+def batch(num_tasks: int, seed: int = 1) -> tuple[Any, Any]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(BATCH, 3, IMAGE, IMAGE, generator=generator)
+    y = torch.randint(0, 2, (BATCH, num_tasks), generator=generator).float()
+    return x, y
+
+
+def time_interleaved(trunk_kind: str, num_tasks: int, variants: tuple[str, ...], rounds: int) -> dict[str, list[float]]:
+    """Seconds per step of each variant: one warm-up step each, then ``rounds`` rounds of one step per variant."""
+    steps = {}
+    for variant in variants:
+        trunk, heads = build(trunk_kind, num_tasks)
+        steps[variant] = make_step(variant, trunk, heads, num_tasks)
+    x, y = batch(num_tasks)
+    for step in steps.values():
+        step(x, y)
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
+    for _ in range(rounds):
+        for variant, step in steps.items():
+            start = time.perf_counter()
+            step(x, y)
+            times[variant].append(time.perf_counter() - start)
+    return times
+
+
+def resident_bytes() -> int:
+    """The current resident set size of this process (Linux /proc/self/statm)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def probe_memory(trunk_kind: str, num_tasks: int, variant: str) -> tuple[int, int]:
+    """(resident bytes once the model is built, peak resident bytes above it during 2 steps).
+
+    The peak is sampled every millisecond by a thread (torch's kernels release the GIL) -- the
+    process's own ``ru_maxrss`` is useless here: importing torch alone peaks higher than a step.
+    """
+    import threading
+
+    trunk, heads = build(trunk_kind, num_tasks)
+    step = make_step(variant, trunk, heads, num_tasks)
+    x, y = batch(num_tasks)
+    base = resident_bytes()
+    peak = [base]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], resident_bytes())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    for _ in range(2):
+        step(x, y)
+    done.set()
+    sampler.join()
+    return base, max(peak[0], resident_bytes()) - base
+
+
+def peak_memory(trunk_kind: str, num_tasks: int, variant: str) -> tuple[int, int]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "python"), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, __file__, "--probe-memory", trunk_kind, str(num_tasks), variant],
+                         env=env, check=True, capture_output=True, text=True)
+    base, peak = out.stdout.strip().splitlines()[-1].split()
+    return int(base), int(peak)
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def table(data: dict[str, Any]) -> str:
+    lines = [
+        "# Step time and peak memory against the number of tasks (CPU)",
+        "",
+        f"Regenerate: `{data['command']}`. Machine: {data['machine']}, {data['cores']} cores, one thread "
+        f"(torch {data['torch']}, torchjd {data['torchjd']}); {data['rounds']} interleaved rounds per (trunk, m), "
+        "median seconds per step and its ratio to the median of plain training measured in the same rounds; "
+        "then the step's memory: the peak resident set size above the one the process had once the model was built "
+        "(a fresh process per cell, 2 steps, sampled every millisecond).",
+        "",
+        f"Load while measuring (1/5/15-minute load averages of the shared machine): start {data['load_start']}, "
+        f"end {data['load_end']}. Other jobs ran beside this one, so absolute times are noisy; the ratios "
+        "compare variants measured interleaved under the same load.",
+        "",
+    ]
+    for trunk_kind in data["trunks"]:
+        lines += [f"## ResNet18 with {'GroupNorm' if trunk_kind == 'groupnorm' else 'BatchNorm'}, "
+                  f"{IMAGE} px, batch {BATCH}, Linear(512, 1) heads", "",
+                  "Each cell: median seconds per step (its ratio to plain's median; the ratio of the two minima), "
+                  "peak memory of the step above the built model. With 3 rounds on a shared machine one disturbed "
+                  "step moves a median: where the two ratios disagree, the minima are the steadier comparison.",
+                  "",
+                  "| m | " + " | ".join(data["variants"]) + " |",
+                  "|---:|" + "---:|" * len(data["variants"])]
+        for record in [r for r in data["records"] if r["trunk"] == trunk_kind]:
+            plain = record["median_s"]["plain"]
+            cells = []
+            for variant in data["variants"]:
+                seconds = record["median_s"][variant]
+                memory = record["step_peak_rss_gb"].get(variant)
+                mem = f", {memory:.2f} GB" if memory is not None else ""
+                fastest = record["min_s"][variant] / record["min_s"]["plain"]
+                ratio = "" if variant == "plain" else f" ({seconds / plain:.2f}x; min {fastest:.2f}x)"
+                cells.append(f"{seconds:.3f} s{ratio}{mem}")
+            lines.append(f"| {record['m']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", type=int, nargs="+", default=list(TASKS))
+    parser.add_argument("--trunks", nargs="+", default=list(TRUNKS), choices=TRUNKS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--out", type=Path, default=RESULTS / "tasks-scaling-cpu")
+    parser.add_argument("--summary-only", type=Path, metavar="JSON", help="only rebuild the .md table of this JSON")
+    parser.add_argument("--probe-memory", nargs=3, metavar=("TRUNK", "M", "VARIANT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.summary_only is not None:
+        args.summary_only.with_suffix(".md").write_text(table(json.loads(args.summary_only.read_text())) + "\n")
+        return
+    import torch
+
+    torch.set_num_threads(1)
+    if args.probe_memory:
+        trunk_kind, m, variant = args.probe_memory
+        print(*probe_memory(trunk_kind, int(m), variant))
+        return
+    from importlib.metadata import version
+
+    defaults = {"tasks": list(TASKS), "trunks": list(TRUNKS), "variants": list(VARIANTS), "rounds": [3]}
+    grid_arguments = {key: value for key, value in {"tasks": args.tasks, "trunks": args.trunks,
+                                                     "variants": args.variants, "rounds": [args.rounds]}.items()
+                      if value != defaults[key]}
+
+    data: dict[str, Any] = {
+        # the grid's arguments (not where the files went: --out)
+        "command": " ".join(["python bench/tasks_scaling.py", *(f"--{key} {' '.join(map(str, value))}"
+                                                                  for key, value in grid_arguments.items())]),
+        "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "torch": torch.__version__, "torchjd": version("torchjd"),
+        "rounds": args.rounds, "trunks": args.trunks, "variants": args.variants, "tasks": args.tasks,
+        "load_start": loadavg(), "records": [],
+    }
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+        data["machine"] = names[0] if names else data["machine"]
+    except OSError:
+        pass
+    for trunk_kind in args.trunks:
+        for m in args.tasks:
+            times = time_interleaved(trunk_kind, m, tuple(args.variants), args.rounds)
+            record = {"trunk": trunk_kind, "m": m, "times_s": times,
+                      "median_s": {v: statistics.median(t) for v, t in times.items()},
+                      "min_s": {v: min(t) for v, t in times.items()}, "step_peak_rss_gb": {}, "load": loadavg()}
+            if not args.no_memory:
+                record["model_rss_gb"] = {}
+                for variant in args.variants:
+                    base, peak = peak_memory(trunk_kind, m, variant)
+                    record["model_rss_gb"][variant] = base / 1e9
+                    record["step_peak_rss_gb"][variant] = peak / 1e9
+            data["records"].append(record)
+            print(trunk_kind, m, {v: f"{s:.3f}" for v, s in record["median_s"].items()}, record["step_peak_rss_gb"],
+                  flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            data["load_end"] = loadavg()
+            args.out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+            args.out.with_suffix(".md").write_text(table(data) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""``jacobian="features"``: per-task gradients with respect to the shared representation z.
+
+The paper takes every task's gradient with respect to the shared parameters theta: m backward passes
+through the trunk and a Jacobian J_theta of m x n.  In features mode (Sener & Koltun's MGDA-UB,
+LibMTL's ``rep_grad``) the per-task gradients are taken with respect to z, the trunk's output that
+every head reads (a tensor or a tuple of tensors, batch included):
+
+    J_z[i] = d L^i / d z          (m cheap backward passes through the heads only; m x (B*d))
+
+and every method's m x m algebra -- the Gram through the same ``gram`` op, the clips, the solvers --
+runs on J_z instead of J_theta.  A method combines its rows into one direction c^T J_z (c its
+coefficients: MGDA's w, Double-Clip's alpha*w, Nash-MTL's clip*alpha, ...); theta then moves along
+
+    d_theta = (dz/dtheta)^T (c^T J_z) = grad_theta sum_i c_i L^i          (ONE backward through the trunk)
+
+by the chain rule.  The per-sample f*' weights and eta are exact (they come from the loss values);
+what is approximated is the *geometry*: J_theta = J_z (dz/dtheta), so each Gram entry, norm and
+inner product the method uses is taken in z's coordinates, and ||J_theta^T c|| <= ||dz/dtheta|| *
+||J_z^T c|| (operator norm) bounds the true direction's norm by the one the method sees.
+
+Design: one engine for every method.  The methods keep their math, written over "a Jacobian": rows
+(``task_jacobian``), their Gram (``task_gram``), and ``apply_direction(rows, c, factor)``.  This
+module supplies the features version of each: the rows w.r.t. z, the Gram summed over ranks (each
+rank holds the columns of its own samples), and the lift of c^T J_z to theta by one backward pass,
+after which the parameters-mode code path writes theta (or ``.grad``) exactly as it does for
+J_theta^T c.
+
+Batches.  A features Jacobian's columns are one batch's samples, so rows of *different* batches
+live in different coordinates and their products estimate nothing: in features mode every per-task
+gradient of a step must come from one batch (one z).  The single-batch forms (``Balancer.backward(
+losses, features=z)``) of MoDo, SDMGrad and Double-Loop qualify; their multi-batch forms (fresh
+batches per closure call) are refused at the second draw.  MoCo's tracked Jacobian averages rows
+over steps, i.e. over batches: refused at construction.
+
+The heads are the trainable leaves between the losses and z (found by walking the graph down to z,
+which also refuses a graph that reaches the shared parameters other than through z); they keep their
+own DR gradient, as in parameters mode.  A trainable leaf *below* z that is not among the shared
+parameters receives nothing here (parameters mode would give it the gradient of sum_i L^i): give the
+whole trunk as the shared parameters.
+
+Under torch.distributed only m x m quantities (the Gram, the cross products, squared norms), the
+dual statistics and the one n-sized direction (as DDP's own gradient all-reduce) cross ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from drmoo import distributed
+from drmoo.jacobian import copy_into_row, heads_above_features, require_reached, task_jacobian
+
+if TYPE_CHECKING:
+    from ._base import MultiObjectiveOptimizer
+
+JACOBIANS: tuple[str, ...] = ("parameters", "features")
+
+# Features mode computes the rows above z in one vmapped pass above this many tasks (see configure).
+BATCHED_ABOVE_TASKS = 4
+
+FeaturesInput = Tensor | tuple[Tensor, ...] | list[Tensor]  # z: one tensor, or the pieces the heads read
+
+
+def as_pieces(features: Any) -> tuple[Tensor, ...]:
+    """z as a tuple of tensors (a tensor, or a tuple/list of them); TypeError otherwise."""
+    pieces = (features,) if isinstance(features, Tensor) else features
+    if not isinstance(pieces, (tuple, list)) or not pieces or not all(isinstance(p, Tensor) for p in pieces):
+        raise TypeError(
+            "features z must be a Tensor (the trunk's output that every head reads) or a non-empty tuple of "
+            f"Tensors; got {type(features).__name__}"
+        )
+    return tuple(pieces)
+
+
+def with_features(losses: Any, features: FeaturesInput | None, features_mode: bool) -> Any:
+    """What a closure returns for ``Balancer.backward(losses, features=z)``: ``losses`` (or
+    ``(losses, sample_weight)``) unchanged in parameters mode, ``(losses, z[, sample_weight])`` in
+    features mode.  ``losses`` None: the closure form (z comes from the closure, not the keyword)."""
+    if not features_mode:
+        if features is not None:
+            raise ValueError("features=z is for jacobian='features'; this balancer takes the Jacobian w.r.t. the "
+                             "shared parameters (jacobian='parameters')")
+        return losses
+    if losses is None:
+        if features is not None:
+            raise ValueError("with a closure, jacobian='features' takes z from the closure, which returns "
+                             "(losses, z) or (losses, z, sample_weight): do not pass features=")
+        return None
+    if features is None:
+        raise ValueError("jacobian='features' needs the representation z: backward(losses, features=z), z being the "
+                         "trunk's output that every head reads")
+    pieces = as_pieces(features)
+    z = pieces[0] if isinstance(features, Tensor) else pieces
+    return (losses[0], z, losses[1]) if isinstance(losses, tuple) else (losses, z)
+
+
+def configure(optimizer: MultiObjectiveOptimizer, jacobian: str) -> FeaturesJacobian | None:
+    """The engine for ``jacobian`` ("parameters": None, the paper's J_theta; "features": J_z).
+
+    A method that cannot be written in feature space says why in its class attribute
+    ``FEATURES_REFUSAL`` and is refused here, at construction (never a silent fallback).
+    """
+    if jacobian not in JACOBIANS:
+        raise ValueError(f"jacobian must be one of {', '.join(JACOBIANS)}; got {jacobian!r}")
+    if jacobian == "parameters":
+        return None
+    refusal = getattr(type(optimizer), "FEATURES_REFUSAL", None)
+    if refusal:
+        raise ValueError(f"{type(optimizer).__name__} cannot use jacobian='features': {refusal}")
+    # The rows above z: a per-task pass walks every head (the cotangent is zero on the other tasks'
+    # columns, but autograd still runs their heads' backward), m^2 small head backwards in all; one
+    # vmapped pass ("batched") does them at once but costs a fixed setup.  Measured on ResNet18's
+    # z (B = 32, d = 512) with m Linear(512, 1) heads, one CPU thread: loop 0.7 / 13.5 / ~460 ms at
+    # m = 2 / 8 / 40, batched 8.9 / 5.4 / 38 ms.  Set ``optimizer.jacobian_strategy`` afterwards to
+    # override (e.g. "loop" for heads whose ops vmap cannot batch).
+    optimizer.jacobian_strategy = "batched" if optimizer.num_tasks > BATCHED_ABOVE_TASKS else "loop"
+    return FeaturesJacobian(type(optimizer).__name__)
+
+
+class FeaturesJacobian:
+    """The features-mode engine of one optimizer (see the module docstring).
+
+    Holds, during one step only, the z of the step's batch and what was learnt from walking the
+    losses' graph down to it (the heads); :meth:`end_step` forgets both (the graph is not kept
+    alive between steps, and a pickled / deep-copied optimizer carries none of it).
+    """
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self._buffers: dict[str, Tensor] = {}
+        self.end_step()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"method": self.method}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.method = state["method"]
+        self._buffers = {}
+        self.end_step()
+
+    def end_step(self) -> None:
+        """Forget the step's z and graph walk (called when a step returns or raises)."""
+        self.features: tuple[Tensor, ...] | None = None
+        self._checked: tuple[Tensor, list[Tensor]] | None = None  # (losses, heads above z)
+
+    # ------------------------------------------------------------------------------ the closure
+    def unpack(self, result: Any, *, need_graph: bool) -> Any:
+        """A closure's ``(losses, z)`` or ``(losses, z, sample_weight)``: record z (for a draw with a
+        graph) and return what the parameters-mode closure returns (``losses`` or ``(losses, weights)``)."""
+        if not isinstance(result, tuple) or len(result) not in (2, 3):
+            raise TypeError(
+                "with jacobian='features' the closure must return (losses, z) or (losses, z, sample_weight), z "
+                f"being the trunk's output that every head reads; got {type(result).__name__}"
+                + (f" of {len(result)} items" if isinstance(result, tuple) else "")
+            )
+        pieces = as_pieces(result[1])
+        if need_graph:
+            for index, piece in enumerate(pieces):
+                if not piece.requires_grad:
+                    raise ValueError(
+                        f"features[{index}] (shape {tuple(piece.shape)}) needs no grad (computed under "
+                        "torch.no_grad(), detached, or from parameters that do not require grad): z must be the "
+                        "trunk's output with its graph"
+                    )
+                if not piece.is_floating_point():
+                    raise TypeError(f"features[{index}] must be floating point, got {piece.dtype}")
+            if self.features is None:
+                self.features = pieces
+            elif len(pieces) != len(self.features) or any(a is not b for a, b in zip(pieces, self.features)):
+                raise ValueError(
+                    f"{self.method} takes per-task gradients on several independent batches in one step, and with "
+                    "jacobian='features' their columns are different samples, so products of their Jacobians "
+                    "estimate nothing: give it one batch (Balancer.backward(losses, features=z), or a closure "
+                    "returning the same batch at every call) or use jacobian='parameters'"
+                )
+        return (result[0], result[2]) if len(result) == 3 else result[0]
+
+    def heads(self, losses: Tensor, shared: Sequence[Tensor]) -> list[Tensor]:
+        """The leaves above z (the heads), after checking that the losses read the trunk only through z."""
+        if self.features is None:
+            raise ValueError("jacobian='features': no features z were given with these losses")
+        if self._checked is None or self._checked[0] is not losses:
+            self._checked = (losses, heads_above_features(losses, self.features, shared))
+        return self._checked[1]
+
+    # ------------------------------------------------------------------------------ rows of J_z
+    def _buffer(self, slot: str, rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        assert self.features is not None
+        width = sum(piece.numel() for piece in self.features)
+        buf = self._buffers.get(slot)
+        if buf is None or buf.shape != (rows, width) or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(rows, width, dtype=dtype, device=device)
+            self._buffers[slot] = buf
+        return buf
+
+    def task_jacobian(self, optimizer: MultiObjectiveOptimizer, losses: Tensor, cotangent: Tensor, slot: str, *,
+                      heads: Sequence[Tensor]) -> Tensor:
+        """J_z [m, sum of z's numel]: row i = d (sum_b cotangent[b, i] losses[b, i]) / dz, flattened; the
+        heads accumulate their gradients in the same passes (above z only: the trunk is not traversed).
+
+        The graph above z is always kept: it is small (the heads), the step's later draws of the same
+        batch walk it again, and the trunk's graph below z -- the large one -- is freed by the lift."""
+        assert self.features is not None
+        shared = optimizer._shared_params()
+        out = self._buffer(slot, optimizer.num_tasks, shared[0].dtype, shared[0].device)
+        return task_jacobian(losses, cotangent, self.features, out, strategy=optimizer.jacobian_strategy,
+                             feed_heads=bool(heads), retain_graph=True, heads=heads)
+
+    def combined_gradient(self, optimizer: MultiObjectiveOptimizer, losses: Tensor, weighted: Tensor, slot: str, *,
+                          retain_graph: bool) -> Tensor:
+        """d (sum_b,i weighted[b, i] losses[b, i]) / dz, flattened (one pass above z), into buffer ``slot``."""
+        assert self.features is not None
+        shared = optimizer._shared_params()
+        flat = self._buffer(slot, 1, shared[0].dtype, shared[0].device)[0]
+        grads = torch.autograd.grad(losses, self.features, grad_outputs=weighted, retain_graph=retain_graph,
+                                    allow_unused=True)
+        copy_into_row(self.features, flat, grads)
+        return flat
+
+    @staticmethod
+    def sum_over_ranks(small: Tensor) -> Tensor:
+        """An m x m (or m) product of features rows, summed over ranks: each rank's rows hold the
+        columns of its own samples, and the global batch's columns are their concatenation."""
+        return distributed.all_reduce_sum_(small)
+
+    # --------------------------------------------------------------------------------- the lift
+    def apply(self, optimizer: MultiObjectiveOptimizer, rows: Tensor, coefficients: Tensor,
+              factor: Tensor | float) -> Tensor | None:
+        """The method's direction ``factor * coefficients^T rows`` (rows w.r.t. z) lifted to theta by ONE
+        backward pass through the trunk: d_theta = (dz/dtheta)^T (factor * coefficients^T rows).
+
+        Summed over ranks and checked finite (eagerly: raises before anything is written; capturable:
+        into the step's found_inf).  Direction mode (``drmoo.Balancer``): the gradients autograd returns
+        become the shared parameters' ``.grad`` contribution directly (times ``grad_scale``, added to an
+        existing ``.grad`` once the step succeeds) and None is returned.  Otherwise the flat [n]
+        direction is returned, for :meth:`MultiObjectiveOptimizer.apply_direction` to write theta.
+        """
+        assert self.features is not None, "a features direction is applied within the step that made it"
+        width = sum(piece.numel() for piece in self.features)
+        if rows.shape[-1] != width:
+            raise ValueError(f"features rows have {rows.shape[-1]} columns, but z has {width} entries")
+        acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        scale = optimizer.loss_scale  # fp16: the trunk's backward runs on scaled cotangents
+        with torch.no_grad():
+            direction = torch.mv(rows.to(acc).T, coefficients.to(acc))  # [sum numel z], z's coordinates
+            if not (isinstance(factor, float) and factor == 1.0):
+                direction = direction * factor
+            if scale != 1.0:
+                direction = direction * scale
+            found_inf = optimizer.found_inf
+            if found_inf is not None:  # a skipped capturable step: a zero cotangent, no NaN into the trunk
+                direction = direction.masked_fill(found_inf, 0.0)
+            cotangents, offset = [], 0
+            for piece in self.features:
+                cotangents.append(direction[offset: offset + piece.numel()].view_as(piece).to(piece.dtype))
+                offset += piece.numel()
+        shared = optimizer._shared_params()
+        grads = list(torch.autograd.grad(self.features, shared, grad_outputs=cotangents, allow_unused=True))
+        require_reached(grads)
+        with torch.no_grad():
+            grads = [torch.zeros_like(param) if grad is None else grad for param, grad in zip(shared, grads)]
+            if distributed.is_distributed():  # shard directions -> the global batch's (one flat all-reduce)
+                flat = torch.cat([grad.reshape(-1) for grad in grads])
+                distributed.all_reduce_sum_(flat)
+                grads = [part.view_as(grad) for part, grad in zip(flat.split([g.numel() for g in grads]), grads)]
+            norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64)
+            optimizer.require_finite(torch.isfinite(norms.sum()).reshape(1), lambda _: (
+                f"non-finite gradient of the shared parameters from the backward pass through the trunk in "
+                f"{optimizer.failing_iteration}; the step was abandoned and nothing was updated"))
+            if optimizer.direction_mode:
+                gain = optimizer.grad_scale / scale
+                if gain != 1.0:
+                    torch._foreach_mul_(grads, gain)
+                if found_inf is not None:
+                    for grad in grads:
+                        grad.masked_fill_(found_inf, 0.0)
+                optimizer.set_aside_head_grads(shared)  # the step's .grad, committed once it succeeds
+                for param, grad in zip(shared, grads):
+                    param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
+                return None
+            n = sum(param.numel() for param in shared)
+            flat = self._buffers.get("theta")
+            if flat is None or flat.numel() != n or flat.dtype != shared[0].dtype or flat.device != shared[0].device:
+                flat = self._buffers["theta"] = torch.empty(n, dtype=shared[0].dtype, device=shared[0].device)
+            copy_into_row(shared, flat, grads)
+            if scale != 1.0:
+                flat.div_(scale)
+            return flat
