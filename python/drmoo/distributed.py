@@ -109,7 +109,14 @@ def all_reduce_grads(params: Iterable[Tensor]) -> None:
 
 def fingerprint(value: object) -> int:
     """A deterministic 32-bit digest of ``repr(value)`` (the same on every rank and run, unlike ``hash``
-    of a string), for comparing structured values across ranks with one integer."""
+    of a string), for comparing structured values across ranks with one integer.
+
+    Args:
+        value: any value whose ``repr`` is deterministic (tuples of shapes and dtype names).
+
+    Returns:
+        The CRC-32 of ``repr(value)``, an int in [0, 2**32).
+    """
     return zlib.crc32(repr(value).encode())
 
 
@@ -120,6 +127,14 @@ def check_same_on_every_rank(quantities: dict[str, int], *, device: torch.device
     One fixed-size collective (a MAX all-reduce of [q, -q] per quantity): the ranks must call it with
     the same keys, in the same order -- which is why it compares sizes that later collectives
     depend on *before* those run.  Does nothing in a single process.
+
+    Args:
+        quantities: name -> integer value on this rank (e.g. ``num_tasks``, the batch size, a
+            :func:`fingerprint` of the shared parameters' shapes).
+        device: where the collective's tensor lives (the process group's device: CUDA for NCCL).
+
+    Raises:
+        ValueError: on every rank, when some quantity differs between ranks.
     """
     if not is_distributed():
         return

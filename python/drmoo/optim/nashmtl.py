@@ -133,7 +133,7 @@ class NashMTL(JointBaseline):
     the trunk).  ``theta_grad_norm`` and ``balanced_grad_norm`` are z-space.
     The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
     the batch, operator norm) relates every norm taken in z to the true one; inner products (the
-    Gram's off-diagonal) have no such bound.  The per-sample f*' weights and eta are exact.
+    Gram's off-diagonal) have no such bound.  The per-sample ``f*'`` weights and eta are exact.
 
     Args:
         params: the shared parameters.
