@@ -433,20 +433,31 @@ class _BatchLosses:
         self.logits: list[Tensor] = []
         self.labels: Tensor | None = None
 
-    def __call__(self, same_batch: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    def __call__(self, same_batch: bool = False) -> Tensor | tuple[Tensor, ...]:
         run = self.run
         rows = self.rows if same_batch else distributed.shard(run.stream())  # this rank's share
         self.rows = rows
         x = run.data.images(run.data.train_images[rows]).to(run.device, non_blocking=True)
         y = run.data.train_labels[rows].to(run.device, non_blocking=True)
+        # jacobian="features" (a method variant such as double-clip[jacobian=features]): the optimizer takes
+        # the task gradients w.r.t. the trunk's output, so the closure hands it that output too.
+        features_mode = getattr(run.optimizer, "features_engine", None) is not None
         with torch.autocast(run.device.type, dtype=AMP_DTYPES.get(run.config.amp), enabled=run.config.amp != "none"):
-            logits = run.model(x)
+            if features_mode:
+                model = getattr(run.model, "_orig_mod", run.model)  # a compiled model: its module's parts
+                trunk_output = model.features(x)
+                logits = [head(trunk_output) for head in model.heads]
+            else:
+                logits = run.model(x)
         # losses and the dual math in float32 at least, whatever the forward's dtype (a float64 model, as the
         # reproduction test's exact reference trajectory uses, stays float64)
         logits = [z if z.dtype == torch.float64 else z.float() for z in logits]
         self.logits, self.labels = [z.detach() for z in logits], y
         losses = per_sample_losses(logits, y)
-        return losses if self.sample_weight is None else (losses, self.sample_weight(y))
+        weights = None if self.sample_weight is None else self.sample_weight(y)
+        if features_mode:
+            return (losses, trunk_output) if weights is None else (losses, trunk_output, weights)
+        return losses if weights is None else (losses, weights)
 
 
 def _loop(run: _Run, closure: _BatchLosses, progress: bool) -> None:
