@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|common-rate|controls|b64-sweep|b64-runoff|b64]
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|common-rate|controls|b64-sweep|b64-runoff|b64]
 #   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
@@ -27,6 +27,10 @@
 #        preference update (pref_lr=0), also without DR (lam=100), MGDA at Double-Clip's step length (its lr
 #        1.0 and theta clip c1 = 1.0, c2 = 0.5) and MGDA without DR (lam=100); results in
 #        results/multimnist2-small/ablations/.
+# features: issue 26's accuracy check of jacobian="features": Double-Clip, MGDA, FAMO and Nash-MTL in
+#        features mode, 5 seeds, at their comparison rates; paired against the same methods' committed
+#        parameters-mode runs by scripts/small_controls.py (features/vs-parameters.{csv,md});
+#        results in results/multimnist2-small/features/.
 # common-rate: Double-Clip at the common trunk rate 0.3 (the other rows of the rate-sensitivity table have
 #        committed runs at 0.3: MoCo's at its first choice, ema 0.9); results in results/multimnist2-small/common-rate/.
 # controls: tabulates rate-sensitivity.{csv,md} and ablations/contrasts.csv from the committed runs
@@ -63,6 +67,11 @@ ablations)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "double-clip,double-clip[pref_lr=0],double-clip[lam=100,pref_lr=0],mgda[lr=1.0,clip_c1=1.0,clip_c2=0.5],mgda[lam=100]" \
         --device cpu --quiet --out results/multimnist2-small/ablations ;;
+features)
+    "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
+        --methods "double-clip[jacobian=features],mgda[jacobian=features],famo[jacobian=features],nashmtl[jacobian=features]" \
+        --reference "double-clip[jacobian=features]" --device cpu --quiet --out results/multimnist2-small/features
+    "$python" scripts/small_controls.py results/multimnist2-small ;;
 common-rate)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "double-clip[lr=0.3]" --device cpu --quiet --out results/multimnist2-small/common-rate ;;
@@ -127,7 +136,7 @@ moco-sweep)
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|common-rate|controls|b64-sweep|b64-runoff|b64]" >&2
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|common-rate|controls|b64-sweep|b64-runoff|b64]" >&2
     exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s on $(nproc) cores"

@@ -15,6 +15,11 @@ writes, from the runs' ``eval.json`` and ``config.json`` files:
 * ``lr-sweep/two-stage.csv`` (and ``batch64/lr-sweep/two-stage.csv`` once that sweep has both stages):
   the sweep's two stages per finalist rate: seed 0 (stage 1), the mean of seeds 1-2 (stage 2), the
   3-seed mean that decides, and the winner (``scripts/sweep_rule.py``'s rule).
+* ``features/vs-parameters.csv`` / ``features/vs-parameters.md`` (once ``features/`` holds its runs,
+  ``bash scripts/reproduce_small.sh features``): each method of ``FEATURES_METHODS`` with
+  ``jacobian="features"`` minus the same method in parameters mode (the comparison's committed run
+  of the same seed, rate and data: both are deterministic), paired over seeds 0-4 per ε, and the
+  mean training wall time of both (the trunk is a small LeNet, so the time saved is small here).
 * ``w-ranges.csv``: per row of the comparison and of ``ablations/``, the range each w_i took over all
   steps and seeds (the balancing table of ``table.md``, as numbers): ``low_w1``, ``high_w1``, ...,
   and ``max_off_uniform``, the largest |w_i - 1/m| seen.
@@ -161,6 +166,39 @@ def contrasts(results: Path) -> list[dict[str, Any]]:
     return out
 
 
+FEATURES_METHODS = ("double-clip", "mgda", "famo", "nashmtl")  # issue 26 item 7's rows
+
+
+def _mean_wall_time(results: Path, prefix: str) -> float:
+    times = [json.loads((results / f"{prefix}-seed{seed}" / "metrics.json").read_text())[-1]["wall_time_s"]
+             for seed in SEEDS]
+    return sum(times) / len(times)
+
+
+def features_vs_parameters(results: Path) -> tuple[list[dict[str, Any]], str]:
+    """Features mode minus parameters mode per method (paired over seeds), and the markdown table."""
+    rows: list[dict[str, Any]] = []
+    lines = ["# Features mode against parameters mode (2 digits, small preset, 5 paired seeds)", "",
+             "Each cell: the method with `jacobian=\"features\"` minus the same method with the paper's",
+             "Jacobian, in accuracy points: mean [95 % t interval] (seeds where features mode is higher).",
+             "Written by `scripts/small_controls.py`; the runs are in `features/` and the comparison's own",
+             "directories.", "",
+             "| method | " + " | ".join(f"ε {eps:g}" for eps in EPS) + " | training s (features / parameters) |",
+             "|---|" + "---:|" * (len(EPS) + 1)]
+    for method in FEATURES_METHODS:
+        features_row = f"{method}[jacobian=features]"
+        prefix = f"features/{method}_jacobian-features"
+        per_seed = {features_row: accuracies(results, prefix), method: accuracies(results, method)}
+        paired = paired_differences(per_seed, features_row, list(EPS))
+        rows += paired
+        cells = [f"{_fmt(r['mean'], True)} [{_fmt(r['ci_low'], True)}, {_fmt(r['ci_high'], True)}] ({r['wins']})"
+                 for r in paired]
+        times = f"{_mean_wall_time(results, prefix):.0f} / {_mean_wall_time(results, method):.0f}"
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {times} |")
+    lines.append("")
+    return rows, "\n".join(lines)
+
+
 def w_ranges(results: Path) -> list[dict[str, Any]]:
     out = []
     for directory in (results, results / "ablations"):
@@ -207,6 +245,11 @@ def main(argv: list[str]) -> int:
     write_csv(results / "ablations" / "contrasts.csv", contrasts(results))
     write_csv(results / "w-ranges.csv", w_ranges(results))
     write_csv(results / "lr-sweep" / "two-stage.csv", two_stage(results / "lr-sweep"))
+    if all((results / "features" / f"{m}_jacobian-features-seed{seed}" / "eval.json").is_file()
+           for m in FEATURES_METHODS for seed in SEEDS):
+        rows, markdown = features_vs_parameters(results)
+        write_csv(results / "features" / "vs-parameters.csv", rows)
+        (results / "features" / "vs-parameters.md").write_text(markdown)
     regime = results / "batch64" / "lr-sweep"
     if (regime / "runoff" / "table.csv").is_file():  # the second regime, once its sweep has both stages
         write_csv(regime / "two-stage.csv", two_stage(regime))
