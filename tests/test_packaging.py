@@ -498,5 +498,5 @@ def test_the_demo_installs_only_the_runtime_the_experiments_extra_and_the_build_
         assert "-c requirements-dev.txt" not in setup_env
     for name in listed.split():
         assert re.search(rf"^{name}(==|>=|\s*$)", pinned, re.M), name
-    assert "-c requirements-dev.txt $demo_packages" in setup_env
+    assert '-c "$constraints" $demo_packages' in setup_env
     assert "DRMOO_SETUP=demo bash scripts/setup_env.sh" in (REPO / "scripts" / "demo.sh").read_text()

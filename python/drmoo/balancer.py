@@ -159,6 +159,7 @@ class Balancer:
                  jacobian: JacobianMode = "parameters",
                  lr: float = ..., pref_lr: float = ..., rho: float = ..., lam: float = ..., divergence: str = ...,
                  solver: SolverName = ..., max_iter: int = ..., tol: float = ...,
+                 clip_c1: float | None = ..., clip_c2: float | None = ...,
                  capturable: bool = False, backend: str | None = None) -> None: ...
     @overload
     def __init__(self, method: Literal["modo"], shared_params: SharedParams, num_tasks: int, *,
