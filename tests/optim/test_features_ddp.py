@@ -14,6 +14,9 @@ balancer walks the heads' graph down to it and lifts the direction through the c
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -101,8 +103,28 @@ def _worker(rank: int, world: int, init_file: str, method: str, form: str, out_d
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.save(_train(method, form), Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # neither rank tears gloo down while the other may still be in a collective
     finally:
         dist.destroy_process_group()
+
+
+def _run_ranks(world: int, *args: str) -> None:
+    """Run ``_worker`` in ``world`` fresh interpreters, not forked ones: once an earlier test of the session
+    has started autograd's worker threads, a forked child may not run a backward (torch 2.11 refuses:
+    "Unable to handle autograd's threading in combination with fork-based multiprocessing")."""
+    script = (
+        "import importlib.util, json, sys\n"
+        f"spec = importlib.util.spec_from_file_location('features_ddp_worker', {str(Path(__file__))!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "module._worker(int(sys.argv[1]), *json.loads(sys.argv[2]))\n"
+    )
+    arguments = json.dumps([world, *args])
+    workers = [subprocess.Popen([sys.executable, "-c", script, str(rank), arguments], stderr=subprocess.PIPE,
+                                text=True) for rank in range(world)]
+    errors = [(worker.communicate(timeout=600)[1], worker.returncode) for worker in workers]
+    for rank, (stderr, code) in enumerate(errors):
+        assert code == 0, f"rank {rank} failed (exit {code}):\n{stderr[-4000:]}"
 
 
 DDP_CASES = [(method, "losses") for method in FEATURE_METHODS] + [("double-clip", "closure"), ("famo", "closure")]
@@ -112,8 +134,7 @@ DDP_CASES = [(method, "losses") for method in FEATURE_METHODS] + [("double-clip"
 def test_features_mode_under_ddp_equals_one_process_on_the_whole_batch(tmp_path: Path, method: str,
                                                                        form: str) -> None:
     single = _train(method, form)
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), method, form, str(tmp_path)), nprocs=2,
-                       start_method="fork", join=True)
+    _run_ranks(2, str(tmp_path / "init"), method, form, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     for step, (first, second) in enumerate(zip(ranks[0]["grads"], ranks[1]["grads"])):
         for index, (a, b) in enumerate(zip(first, second)):
