@@ -14,7 +14,7 @@ echo "[test] docs: mkdocs build --strict"
 start=$(date +%s)
 NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir site
 echo "[test] docs built in $(( $(date +%s) - start ))s (site/)"
-echo "[test] pytest"
+echo "[test] pytest (includes tests/typing: mypy --strict on the public API, mypy and pyright on typed usage)"
 # The pytest entry point (not `python -m pytest`) keeps the source tree off sys.path, so the tests
 # import the installed drmoo_kernels with its compiled _C, not the uncompiled copy in the checkout.
 "$venv/bin/pytest" -q "$@"

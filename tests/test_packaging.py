@@ -211,35 +211,35 @@ def _fake_gxx(tmp_path: Path) -> Path:
     return fake_cxx
 
 
-def test_a_stale_per_python_build_in_build_lib_is_not_packed(tmp_path: Path) -> None:
-    """A wheel packs whatever build/lib* holds: a _C.cpython-311-*.so left there by an older build would
-    ship beside the new _C.abi3.so and be the one Python imports, so build_ext removes it there too."""
+def _cpu_build_over_a_stale_extension(tmp_path: Path, name: str,
+                                      content: bytes) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """A CPU-only build_ext (stand-in compiler) into a build/lib that already holds ``drmoo_kernels/name``:
+    the planted file and the finished build, which must have left exactly ``_C.abi3.so`` there."""
     out = tmp_path / "out"
-    stale = out / "drmoo_kernels" / "_C.cpython-311-x86_64-linux-gnu.so"
+    stale = out / "drmoo_kernels" / name
     stale.parent.mkdir(parents=True)
-    stale.write_bytes(b"an older build")
+    stale.write_bytes(content)
     fake_cxx = _fake_gxx(tmp_path)
     env = {"DRMOO_BUILD_KERNELS": "", "DRMOO_BUILD_CUDA": "0", "CC": str(fake_cxx), "CXX": str(fake_cxx),
            "MAX_JOBS": "1"}
     done = _run_setup(["build_ext", "--build-lib", str(out), "--build-temp", str(tmp_path / "tmp")], env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [p.name for p in out.rglob("_C*.so")] == ["_C.abi3.so"]
+    return stale, done
+
+
+def test_a_stale_per_python_build_in_build_lib_is_not_packed(tmp_path: Path) -> None:
+    """A wheel packs whatever build/lib* holds: a _C.cpython-311-*.so left there by an older build would
+    ship beside the new _C.abi3.so and be the one Python imports, so build_ext removes it there too."""
+    stale, done = _cpu_build_over_a_stale_extension(tmp_path, "_C.cpython-311-x86_64-linux-gnu.so", b"an older build")
     assert f"drmoo: removed {stale}, an older build that would shadow the new abi3 one" in _drmoo_lines(done.stderr)
 
 
 def test_an_earlier_builds_cuda_kernels_in_build_lib_are_not_packed(tmp_path: Path) -> None:
     """pip builds in the tree, reusing build/lib*: after a DRMOO_BUILD_CUDA=1 build, a CPU-only build's wheel
     still carried the old _C_cuda.abi3.so (found by scripts/build_wheel.sh: 4.0 MB instead of 1.4 MB)."""
-    out = tmp_path / "out"
-    stale = out / "drmoo_kernels" / "_C_cuda.abi3.so"
-    stale.parent.mkdir(parents=True)
-    stale.write_bytes(b"the CUDA kernels of an earlier build")
-    fake_cxx = _fake_gxx(tmp_path)
-    env = {"DRMOO_BUILD_KERNELS": "", "DRMOO_BUILD_CUDA": "0", "CC": str(fake_cxx), "CXX": str(fake_cxx),
-           "MAX_JOBS": "1"}
-    done = _run_setup(["build_ext", "--build-lib", str(out), "--build-temp", str(tmp_path / "tmp")], env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert [p.name for p in out.rglob("_C*.so")] == ["_C.abi3.so"]
+    stale, done = _cpu_build_over_a_stale_extension(tmp_path, "_C_cuda.abi3.so",
+                                                    b"the CUDA kernels of an earlier build")
     assert any(line.startswith(f"drmoo: removed {stale}, left by an earlier build") for line in
                _drmoo_lines(done.stderr)), done.stderr[-3000:]
 

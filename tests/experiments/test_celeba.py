@@ -123,17 +123,25 @@ def test_table_five_settings_and_presets() -> None:
         get_experiment("imagenet")
 
 
-def test_train_passes_the_weights_then_eval_reports_every_metric(
-        tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def _record_batch_weights(monkeypatch: pytest.MonkeyPatch, num_tasks: int) -> list[torch.Tensor | None]:
+    """The importance weights of every batch the optimizer draws, in order (its losses must have
+    ``num_tasks`` columns)."""
     seen: list[torch.Tensor | None] = []
     original = MultiObjectiveOptimizer.draw_losses
 
     def record(self: MultiObjectiveOptimizer, *args: object, **kwargs: object) -> torch.Tensor:
         losses = original(self, *args, **kwargs)
         seen.append(self.batch_weight)
+        assert losses.shape[-1] == num_tasks
         return losses
 
     monkeypatch.setattr(MultiObjectiveOptimizer, "draw_losses", record)
+    return seen
+
+
+def test_train_passes_the_weights_then_eval_reports_every_metric(
+        tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    seen = _record_batch_weights(monkeypatch, num_tasks=8)
     run = tmp_path / "run"
     assert main(["train", "--max-steps", "1", "--data-root", str(tree.parent), "--out", str(run), *TINY]) == 0
     assert seen and all(w is not None and w.shape == (8, 8) for w in seen)
@@ -240,16 +248,7 @@ def test_forty_attribute_weights_balance_each_attribute_and_guard_one_class_colu
 @pytest.mark.usefixtures("small_model")
 def test_celeba40_trains_with_forty_weight_columns_evaluates_and_compares(
         tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    seen: list[torch.Tensor | None] = []
-    original = MultiObjectiveOptimizer.draw_losses
-
-    def record(self: MultiObjectiveOptimizer, *args: object, **kwargs: object) -> torch.Tensor:
-        losses = original(self, *args, **kwargs)
-        seen.append(self.batch_weight)
-        assert losses.shape[-1] == 40
-        return losses
-
-    monkeypatch.setattr(MultiObjectiveOptimizer, "draw_losses", record)
+    seen = _record_batch_weights(monkeypatch, num_tasks=40)
     forty = ["--experiment", "celeba40", *TINY[2:]]
     run = tmp_path / "run"
     assert main(["train", "--max-steps", "2", "--data-root", str(tree), "--out", str(run), *forty]) == 0
