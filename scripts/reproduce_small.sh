@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|common-rate|controls|b64-sweep|b64-runoff|b64]
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|common-rate|controls|b64-sweep|b64-runoff|b64]
 #   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
@@ -31,6 +31,12 @@
 #        features mode, 5 seeds, at their comparison rates; paired against the same methods' committed
 #        parameters-mode runs by scripts/small_controls.py (features/vs-parameters.{csv,md});
 #        results in results/multimnist2-small/features/.
+# features-sweep, features-runoff, features-swept: the two-stage validation sweep of the two methods whose
+#        features-mode step depends on the Gram's scale (Double-Clip's theta clip, Nash-MTL's 1/|g_i|
+#        weights), run in features mode (the grid 0.1-3, extended down to 1e-4 while the best rate sits at an
+#        end), then 5 test seeds at the winners, paired against the parameters-mode runs by
+#        scripts/small_controls.py; results in results/multimnist2-small/features/lr-sweep/ and
+#        results/multimnist2-small/features/swept/.
 # common-rate: Double-Clip at the common trunk rate 0.3 (the other rows of the rate-sensitivity table have
 #        committed runs at 0.3: MoCo's at its first choice, ema 0.9); results in results/multimnist2-small/common-rate/.
 # controls: tabulates rate-sensitivity.{csv,md} and ablations/contrasts.csv from the committed runs
@@ -71,6 +77,26 @@ features)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "double-clip[jacobian=features],mgda[jacobian=features],famo[jacobian=features],nashmtl[jacobian=features]" \
         --reference "double-clip[jacobian=features]" --device cpu --quiet --out results/multimnist2-small/features
+    "$python" scripts/small_controls.py results/multimnist2-small ;;
+features-sweep)
+    spec=""
+    for method in double-clip nashmtl; do
+        for lr in 0.1 0.3 1.0 3.0; do spec="$spec${spec:+,}$method[jacobian=features,lr=$lr]"; done
+    done
+    while :; do
+        sweep multimnist2 0 results/multimnist2-small/features/lr-sweep "$spec"
+        more=$("$python" scripts/sweep_rule.py extension results/multimnist2-small/features/lr-sweep)
+        [ -n "$more" ] || break
+        spec="$spec,$more"
+    done ;;
+features-runoff)
+    spec=$("$python" scripts/sweep_rule.py finalists results/multimnist2-small/features/lr-sweep)
+    sweep multimnist2 1,2 results/multimnist2-small/features/lr-sweep/runoff "$spec" ;;
+features-swept)
+    spec=$("$python" scripts/sweep_rule.py winners results/multimnist2-small/features/lr-sweep)
+    reference=$(tr ',' '\n' <<< "$spec" | grep '^double-clip\[')
+    "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
+        --methods "$spec" --reference "$reference" --device cpu --quiet --out results/multimnist2-small/features/swept
     "$python" scripts/small_controls.py results/multimnist2-small ;;
 common-rate)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
@@ -136,7 +162,7 @@ moco-sweep)
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|common-rate|controls|b64-sweep|b64-runoff|b64]" >&2
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|common-rate|controls|b64-sweep|b64-runoff|b64]" >&2
     exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s on $(nproc) cores"

@@ -10,6 +10,10 @@ is the one the committed sweeps used (see SMALL_LR in python/drmoo/experiments/m
 end while the best rate sits at that end; stage 2 (``SWEEP/runoff/table.csv``, seeds 1 and 2) runs
 each method's two best stage-1 rates (ties to the smaller); the winner has the highest clean
 validation accuracy averaged over seeds 0-2 (ties to the smaller rate).
+
+A row may also set ``jacobian`` (issue 26's features-mode sweep): the rule then runs per method and
+mode, e.g. ``double-clip[jacobian=features]`` is swept apart from ``double-clip``, and the specs it
+prints keep the mode.  Rows that vary any other setting are not this rule's.
 """
 
 from __future__ import annotations
@@ -20,20 +24,30 @@ from pathlib import Path
 
 from drmoo.experiments.variants import parse_variants
 
-LADDER = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
+LADDER = (1e-4, 3e-4, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
+
+
+# Settings a swept row may carry besides lr: each value is swept on its own (its own key).
+MODE_SETTINGS = ("jacobian",)
 
 
 def clean_by_rate(table: Path) -> dict[str, dict[float, float]]:
-    """{method: {lr: clean validation accuracy (mean over the table's seeds)}} of its lr-only rows."""
+    """{key: {lr: clean validation accuracy (mean over the table's seeds)}} of its lr-only rows.
+
+    The key is the method's name, with ``[jacobian=...]`` when the row sets the mode.
+    """
     out: dict[str, dict[float, float]] = {}
     with table.open() as handle:
         for row in csv.DictReader(handle):
             if float(row["eps"]) != 0.0:
                 continue
             (variant,) = parse_variants(row["method"])
-            if set(variant.hparams) != {"lr"}:
+            others = {k: v for k, v in variant.hparams.items() if k != "lr"}
+            if "lr" not in variant.hparams or set(others) - set(MODE_SETTINGS):
                 continue  # another setting varies too (the 2-digit sweep's MoCo rows): not this rule's
-            out.setdefault(variant.method, {})[float(variant.hparams["lr"])] = float(row["mean_acc"])
+            mode = ",".join(f"{k}={v}" for k, v in sorted(others.items()))
+            key = f"{variant.method}[{mode}]" if mode else variant.method
+            out.setdefault(key, {})[float(variant.hparams["lr"])] = float(row["mean_acc"])
     return out
 
 
@@ -47,10 +61,17 @@ def extension(sweep: Path) -> list[str]:
         best = _best(rates, 1)[0]
         index = LADDER.index(best)
         if best == min(rates) and index > 0:
-            spec.append(f"{method}[lr={LADDER[index - 1]!r}]")
+            spec.append(with_rate(method, LADDER[index - 1]))
         elif best == max(rates) and index + 1 < len(LADDER):
-            spec.append(f"{method}[lr={LADDER[index + 1]!r}]")
+            spec.append(with_rate(method, LADDER[index + 1]))
     return spec
+
+
+def with_rate(key: str, lr: float) -> str:
+    """The ``--methods`` row of KEY (``method`` or ``method[jacobian=...]``) at rate LR."""
+    if key.endswith("]"):
+        return f"{key[:-1]},lr={lr!r}]"
+    return f"{key}[lr={lr!r}]"
 
 
 def finalists(sweep: Path) -> dict[str, list[float]]:
@@ -77,9 +98,9 @@ def main(argv: list[str]) -> int:
     if argv[1] == "extension":
         print(",".join(extension(sweep)))
     elif argv[1] == "finalists":
-        print(",".join(f"{m}[lr={lr!r}]" for m, pair in finalists(sweep).items() for lr in pair))
+        print(",".join(with_rate(m, lr) for m, pair in finalists(sweep).items() for lr in pair))
     else:
-        print(",".join(f"{m}[lr={lr!r}]" for m, lr in winners(sweep).items()))
+        print(",".join(with_rate(m, lr) for m, lr in winners(sweep).items()))
     return 0
 
 

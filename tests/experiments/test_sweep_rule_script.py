@@ -7,6 +7,7 @@ must pick exactly what the committed sweeps picked.
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import sys
 from pathlib import Path
@@ -37,3 +38,20 @@ def test_script_picks_the_committed_winners_and_finalists(experiment: str) -> No
     assert {m: sorted(pair) for m, pair in rule.finalists(sweep).items()} == {m: sorted(r) for m, r in ran.items()}
     # the committed grids were already extended wherever the rule asked for it
     assert rule.extension(sweep) == []
+
+
+def test_features_rows_are_swept_apart_from_parameters_rows(tmp_path: Path) -> None:
+    """A ``jacobian=features`` row is its own key: its rates never mix with the parameters-mode rows'."""
+    rule = _rule()
+    rows = [("double-clip[lr=1.0]", 90.0), ("double-clip[lr=0.3]", 80.0),
+            ("double-clip[jacobian=features,lr=0.1]", 70.0), ("double-clip[jacobian=features,lr=0.3]", 60.0),
+            ("moco[ema=0.95,lr=0.3]", 99.0)]
+    with (tmp_path / "table.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["method", "eps", "mean_acc"])
+        writer.writerows([name, 0.0, acc] for name, acc in rows)
+    assert rule.clean_by_rate(tmp_path / "table.csv") == {
+        "double-clip": {1.0: 90.0, 0.3: 80.0}, "double-clip[jacobian=features]": {0.1: 70.0, 0.3: 60.0}}
+    # the features row's best rate sits at the low end: the next rate down, in its own mode
+    assert rule.extension(tmp_path) == ["double-clip[lr=3.0]", "double-clip[jacobian=features,lr=0.03]"]
+    assert rule.with_rate("double-clip[jacobian=features]", 0.003) == "double-clip[jacobian=features,lr=0.003]"
