@@ -33,7 +33,7 @@
 #        results in results/multimnist2-small/features/.
 # features-sweep, features-runoff, features-swept: the two-stage validation sweep of the two methods whose
 #        features-mode step depends on the Gram's scale (Double-Clip's theta clip, Nash-MTL's 1/|g_i|
-#        weights), run in features mode (the grid 0.1-3, extended down to 1e-4 while the best rate sits at an
+#        weights), run in features mode (the grid 0.001-3, extended by the ladder while the best rate sits at an
 #        end), then 5 test seeds at the winners, paired against the parameters-mode runs by
 #        scripts/small_controls.py; results in results/multimnist2-small/features/lr-sweep/ and
 #        results/multimnist2-small/features/swept/.
@@ -80,8 +80,10 @@ features)
     "$python" scripts/small_controls.py results/multimnist2-small ;;
 features-sweep)
     spec=""
+    # A wider grid than parameters mode's 0.1-3: how far the step's scale moves is not known beforehand
+    # (it goes with |dz/dtheta| / |J_z|), and a first run of Nash-MTL on 0.1-10 stayed at chance at every rate.
     for method in double-clip nashmtl; do
-        for lr in 0.1 0.3 1.0 3.0; do spec="$spec${spec:+,}$method[jacobian=features,lr=$lr]"; done
+        for lr in 0.001 0.003 0.01 0.03 0.1 0.3 1.0 3.0; do spec="$spec${spec:+,}$method[jacobian=features,lr=$lr]"; done
     done
     while :; do
         sweep multimnist2 0 results/multimnist2-small/features/lr-sweep "$spec"

@@ -32,7 +32,8 @@ Shared means shared.  A parameter passed as shared that only some tasks' losses 
 e.g. from ``model.parameters()``) would get w_i times its gradient; the first backward finds such
 parameters in the Jacobian it computes anyway and refuses them, naming their shapes and tasks.
 ``allow_partial_shared=True`` accepts them (a deliberately partial sharing).  FAMO computes no
-per-task Jacobian (one combined backward per step) and is not checked.
+per-task Jacobian (one combined backward per step), so its first backward takes one more backward
+per task to find them (once: not on later steps).
 
 What ``.grad`` receives.  The shared parameters: the method's direction d (Double-Clip: the clipped
 alpha * J^T w_t; Nash-MTL: clip * J^T alpha; the baselines: J^T w), *added* to any existing ``.grad``

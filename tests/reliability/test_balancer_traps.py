@@ -50,11 +50,7 @@ def losses_of(model: nn.Module, seed: int = 1) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------- 1. heads
-# FAMO forms no per-task Jacobian (one combined backward per step): it has nothing to read this from.
-JACOBIAN_METHODS = sorted(set(available()) - {"famo"})
-
-
-@pytest.mark.parametrize("method", JACOBIAN_METHODS)
+@pytest.mark.parametrize("method", sorted(available()))
 def test_heads_passed_as_shared_parameters_are_refused_by_the_balancer(method: str) -> None:
     """Guards the trap: model.parameters() as the shared set gave each head w_i of its gradient silently."""
     model = ThreeTaskNet()
@@ -67,7 +63,7 @@ def test_heads_passed_as_shared_parameters_are_refused_by_the_balancer(method: s
     assert balancer.steps_taken == 0 and all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("method", ["mgda", "double-clip", "nashmtl"])
+@pytest.mark.parametrize("method", ["mgda", "double-clip", "nashmtl", "famo"])
 def test_heads_passed_as_shared_parameters_are_refused_by_the_step_optimizers(method: str) -> None:
     model = ThreeTaskNet()
     optimizer = create(method, model.parameters(), M)
@@ -75,6 +71,19 @@ def test_heads_passed_as_shared_parameters_are_refused_by_the_step_optimizers(me
     with pytest.raises(ValueError, match=r"only by the losses of task\(s\) \[0\]"):
         optimizer.step(lambda: losses_of(model))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_famo_checks_with_one_backward_per_task_on_its_first_step_only() -> None:
+    """FAMO forms no Jacobian, so its check takes a backward per task -- on the first step, not after
+    (guards both the check, which FAMO skipped, and its cost, which must not recur every step)."""
+    model = ThreeTaskNet()
+    balancer = drmoo.Balancer("famo", model.trunk.parameters(), num_tasks=M, lr=0.01)
+    passes = []
+    model.trunk[0].weight.register_hook(lambda grad: passes.append(1))
+    balancer.backward(losses_of(model, seed=1))
+    first = len(passes)
+    balancer.backward(losses_of(model, seed=2))
+    assert (first, len(passes) - first) == (M + 1, 1)
 
 
 def test_allow_partial_shared_keeps_the_old_behaviour() -> None:

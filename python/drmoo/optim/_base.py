@@ -219,6 +219,9 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
     # Whether every batch a step draws is taken at the same (theta, eta) (MoDo, SDMGrad: yes; Double-Loop
     # draws at random inner iterates of eta): then draws over one graph give one Jacobian (jacobian_memo).
     DRAWS_SHARE_ONE_POINT: ClassVar[bool] = False
+    # Whether a step forms the task Jacobian (every method but FAMO, whose step is one combined backward):
+    # the heads-as-shared check reads it, and takes one backward per task where there is none.
+    FORMS_JACOBIAN: ClassVar[bool] = True
 
     @classmethod
     def preset(cls, name: str) -> dict[str, Any]:
@@ -863,6 +866,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             f"non-finite gradients of the task-specific parameters (the heads) in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))
 
+    def _shared_reach_pending(self) -> bool:
+        """Whether the heads-as-shared check (``_refuse_partly_shared_params``) still has to run."""
+        checks_done = getattr(self, "_shared_reach_checked", 0)
+        return checks_done < _SHARED_REACH_CHECKS and not getattr(self, "allow_partial_shared", False)
+
     def _refuse_partly_shared_params(self, jacobian: Tensor) -> None:
         """Refuse a shared parameter that only some tasks reach (a head passed as shared), once.
 
@@ -873,21 +881,49 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         its sample weights zero, a zero-initialised head in front of it) tells nothing and is left
         out; the check is repeated (up to ``_SHARED_REACH_CHECKS`` Jacobians) until every task has
         been seen.  ``allow_partial_shared = True`` keeps such parameters (a deliberately partial sharing).
-        FAMO forms no per-task Jacobian (one combined backward per step), so it is not checked: the
-        check would cost it m more backward passes.
+        A method that forms no Jacobian (FAMO) reads the same table from
+        :meth:`_refuse_partly_shared_params_by_backward`.
         """
-        checks_done = getattr(self, "_shared_reach_checked", 0)
-        if checks_done >= _SHARED_REACH_CHECKS or getattr(self, "allow_partial_shared", False):
+        if not self._shared_reach_pending():
             return
         shared = self._shared_params()
         if self.num_tasks < 2 or jacobian.dim() != 2 or jacobian.shape[1] != sum(p.numel() for p in shared):
             return  # one task, or not a Jacobian with respect to the shared parameters themselves
         with torch.no_grad():
-            nonzero = jacobian != 0
-            reached = torch.stack([view.any(dim=1) for view in column_views_2d(shared, nonzero)], dim=1)  # [m, P]
-            informative = nonzero.any(dim=1)
+            reached = torch.stack([view.any(dim=1) for view in column_views_2d(shared, jacobian != 0)], dim=1)
+        self._judge_shared_reach(shared, reached)
+
+    def _refuse_partly_shared_params_by_backward(self, losses: Tensor, cotangent: Tensor) -> None:
+        """The heads-as-shared check for a method that forms no Jacobian (FAMO's one combined backward).
+
+        Each task's gradient w.r.t. the shared parameters is taken alone (one backward per task,
+        keeping the graph) and reduced at once to "nonzero on parameter p", so the memory is one
+        task's gradient, not a Jacobian.  This costs m backward passes on the steps where the check
+        is pending -- the first, unless a task's gradient is all zero -- and nothing afterwards.
+        """
+        if not self._shared_reach_pending() or self.num_tasks < 2:
+            return
+        shared = self._shared_params()
+        rows = []
+        for task in range(self.num_tasks):
+            grads = torch.autograd.grad(losses[:, task], shared, grad_outputs=cotangent[:, task].to(losses.dtype),
+                                        retain_graph=True, allow_unused=True)
+            with torch.no_grad():
+                rows.append(torch.stack([torch.zeros((), dtype=torch.bool, device=self.device) if grad is None
+                                         else (grad != 0).any().to(self.device) for grad in grads]))
+            del grads
+        reached = torch.stack(rows)
+        if distributed.is_distributed():  # the shards' gradients sum to the global batch's
+            reached = distributed.all_reduce_sum_(reached.to(torch.float32)) > 0
+        self._judge_shared_reach(shared, reached)
+
+    def _judge_shared_reach(self, shared: Sequence[Tensor], reached: Tensor) -> None:
+        """Raise if a shared parameter is reached by some informative tasks only (``reached``: [m, P] bool)."""
+        with torch.no_grad():
+            informative = reached.any(dim=1)
             table = reached[informative].tolist()
         tasks = [task for task, ok in enumerate(informative.tolist()) if ok]
+        checks_done = getattr(self, "_shared_reach_checked", 0)
         # Done once every task has been seen (or after a few Jacobians); a refused step checks again.
         passed = _SHARED_REACH_CHECKS if len(tasks) == self.num_tasks else checks_done + 1
         for index, param in enumerate(shared):

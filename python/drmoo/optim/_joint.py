@@ -171,6 +171,8 @@ class JointBaseline(MultiObjectiveOptimizer):
         scale = self.loss_scale  # fp16 gradient scaling (see MultiObjectiveOptimizer.loss_scale)
         weighted = (batch.cotangent * task_weights.to(batch.cotangent.dtype) * scale).to(batch.losses.dtype)
         reuse = self.take_graph_reuse()
+        if features is None and not self.FORMS_JACOBIAN:  # the heads-as-shared check has no Jacobian to read
+            self._refuse_partly_shared_params_by_backward(batch.losses, batch.cotangent)
         if features is not None:
             # jacobian="features": the gradient w.r.t. z (a pass above z only); apply_direction lifts it
             # through the trunk.  Each rank keeps its samples' entries (combined_norm sums over ranks).

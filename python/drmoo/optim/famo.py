@@ -137,6 +137,7 @@ class FAMO(JointBaseline):
             representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
     """
 
+    FORMS_JACOBIAN: ClassVar[bool] = False  # (the heads-as-shared check takes m backward passes, once)
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "multimnist": {"lr": 1e-4, "pref_lr": 2.5e-3, "logit_decay": 1e-2, "lam": 0.8},
         "celeba": {"lr": 1e-4, "pref_lr": 5e-6, "logit_decay": 1e-2, "lam": 0.8},
