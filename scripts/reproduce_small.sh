@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|common-rate|controls|b64-sweep|b64-runoff|b64]
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|common-rate|controls|b64-sweep|b64-runoff|b64]
 #   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
@@ -37,6 +37,12 @@
 #        end), then 5 test seeds at the winners, paired against the parameters-mode runs by
 #        scripts/small_controls.py; results in results/multimnist2-small/features/lr-sweep/ and
 #        results/multimnist2-small/features/swept/.
+# k4:    issue 26's many-task comparison on Multi-MNIST-4 (30 epochs), 3 seeds: all eight methods in
+#        parameters mode, and in features mode every method that has it (MoCo refuses it).  Rates: the
+#        preset's (SMALL_LR, the 3-digit rates); features mode keeps them where its step is the exact
+#        lift of J_z^T w (the trunk gets the gradient of sum_i c_i L^i either way) and takes the
+#        features-swept 2-digit winners (features-sweep/-runoff) for Double-Clip and Nash-MTL, whose step
+#        length reads the Gram's scale; results in results/multimnist-k-small/multimnist4/.
 # common-rate: Double-Clip at the common trunk rate 0.3 (the other rows of the rate-sensitivity table have
 #        committed runs at 0.3: MoCo's at its first choice, ema 0.9); results in results/multimnist2-small/common-rate/.
 # controls: tabulates rate-sensitivity.{csv,md} and ablations/contrasts.csv from the committed runs
@@ -59,6 +65,8 @@ sweep() {
         --jobs "$jobs" --methods "$4" --device cpu --quiet --out "$3" \
         ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"}
 }
+# one_row METHOD SPEC: METHOD's row of a spec whose rows all carry [...] (sweep_rule.py's output).
+one_row() { sed 's/\],/]\n/g' <<< "$2" | grep "^$1\["; }
 # The second training regime: batch 64, 1,200 iterations (7 epochs of 188 iterations, cut at 1,200).
 b64="--batch-size 64 --epochs 7 --max-steps 1200"
 case "$what" in
@@ -96,10 +104,17 @@ features-runoff)
     sweep multimnist2 1,2 results/multimnist2-small/features/lr-sweep/runoff "$spec" ;;
 features-swept)
     spec=$("$python" scripts/sweep_rule.py winners results/multimnist2-small/features/lr-sweep)
-    reference=$(tr ',' '\n' <<< "$spec" | grep '^double-clip\[')
+    reference=$(one_row double-clip "$spec")
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "$spec" --reference "$reference" --device cpu --quiet --out results/multimnist2-small/features/swept
     "$python" scripts/small_controls.py results/multimnist2-small ;;
+k4)
+    swept=$("$python" scripts/sweep_rule.py winners results/multimnist2-small/features/lr-sweep)
+    spec="mgda,mgda[jacobian=features],double-clip,$(one_row double-clip "$swept"),famo,famo[jacobian=features]"
+    spec="$spec,nashmtl,$(one_row nashmtl "$swept"),moco,modo,modo[jacobian=features],sdmgrad,sdmgrad[jacobian=features]"
+    spec="$spec,double-loop,double-loop[jacobian=features]"
+    "$drmoo" compare --experiment multimnist4 --preset small --seeds 0,1,2 --eps "$eps" --jobs "$jobs" \
+        --methods "$spec" --device cpu --quiet --out results/multimnist-k-small/multimnist4 ;;
 common-rate)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "double-clip[lr=0.3]" --device cpu --quiet --out results/multimnist2-small/common-rate ;;
@@ -164,7 +179,7 @@ moco-sweep)
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|common-rate|controls|b64-sweep|b64-runoff|b64]" >&2
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|common-rate|controls|b64-sweep|b64-runoff|b64]" >&2
     exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s on $(nproc) cores"

@@ -19,7 +19,10 @@ writes, from the runs' ``eval.json`` and ``config.json`` files:
   ``bash scripts/reproduce_small.sh features``): each method of ``FEATURES_METHODS`` with
   ``jacobian="features"`` minus the same method in parameters mode (the comparison's committed run
   of the same seed, rate and data: both are deterministic), paired over seeds 0-4 per ε, and the
-  mean training wall time of both (the trunk is a small LeNet, so the time saved is small here).
+  mean training wall time of both (the trunk is a small LeNet, so the time saved is small here); and,
+  once ``features/swept/`` holds them (``features-sweep``, ``features-runoff``, ``features-swept``),
+  the same for Double-Clip and Nash-MTL at the rate swept in features mode, with the sweep's
+  ``features/lr-sweep/two-stage.csv``.
 * ``w-ranges.csv``: per row of the comparison and of ``ablations/``, the range each w_i took over all
   steps and seeds (the balancing table of ``table.md``, as numbers): ``low_w1``, ``high_w1``, ...,
   and ``max_off_uniform``, the largest |w_i - 1/m| seen.
@@ -185,18 +188,37 @@ def features_vs_parameters(results: Path) -> tuple[list[dict[str, Any]], str]:
              "directories.", "",
              "| method | " + " | ".join(f"ε {eps:g}" for eps in EPS) + " | training s (features / parameters) |",
              "|---|" + "---:|" * (len(EPS) + 1)]
-    for method in FEATURES_METHODS:
-        features_row = f"{method}[jacobian=features]"
-        prefix = f"features/{method}_jacobian-features"
+    # At the parameters-mode rate (reproduce_small.sh features), then at the rate swept in features mode
+    # (features-sweep/-runoff/-swept: Double-Clip and Nash-MTL), once those runs exist.
+    at_rates = [(method, f"{method}[jacobian=features]", f"features/{method}_jacobian-features")
+                for method in FEATURES_METHODS]
+    for method, lr in swept_features_rates(results).items():
+        at_rates.append((method, f"{method}[jacobian=features,lr={lr!r}]",
+                         f"features/swept/{method}_jacobian-features_lr-{lr!r}"))
+    for method, features_row, prefix in at_rates:
         per_seed = {features_row: accuracies(results, prefix), method: accuracies(results, method)}
         paired = paired_differences(per_seed, features_row, list(EPS))
         rows += paired
         cells = [f"{_fmt(r['mean'], True)} [{_fmt(r['ci_low'], True)}, {_fmt(r['ci_high'], True)}] ({r['wins']})"
                  for r in paired]
         times = f"{_mean_wall_time(results, prefix):.0f} / {_mean_wall_time(results, method):.0f}"
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {times} |")
+        lines.append(f"| {features_row} | " + " | ".join(cells) + f" | {times} |")
     lines.append("")
     return rows, "\n".join(lines)
+
+
+def swept_features_rates(results: Path) -> dict[str, float]:
+    """{method: rate} of the features-mode sweep's winners whose 5 test seeds are all in features/swept/."""
+    sweep = results / "features" / "lr-sweep"
+    if not (sweep / "runoff" / "table.csv").is_file():
+        return {}
+    out = {}
+    for key, lr in winners(sweep).items():
+        method = key.split("[", 1)[0]
+        runs = [results / "features" / "swept" / f"{method}_jacobian-features_lr-{lr!r}-seed{seed}" for seed in SEEDS]
+        if all((run / "eval.json").is_file() for run in runs):
+            out[method] = lr
+    return out
 
 
 def w_ranges(results: Path) -> list[dict[str, Any]]:
@@ -250,6 +272,8 @@ def main(argv: list[str]) -> int:
         rows, markdown = features_vs_parameters(results)
         write_csv(results / "features" / "vs-parameters.csv", rows)
         (results / "features" / "vs-parameters.md").write_text(markdown)
+    if (results / "features" / "lr-sweep" / "runoff" / "table.csv").is_file():
+        write_csv(results / "features" / "lr-sweep" / "two-stage.csv", two_stage(results / "features" / "lr-sweep"))
     regime = results / "batch64" / "lr-sweep"
     if (regime / "runoff" / "table.csv").is_file():  # the second regime, once its sweep has both stages
         write_csv(regime / "two-stage.csv", two_stage(regime))
