@@ -134,7 +134,9 @@ def _is_cuda_source(path: str) -> bool:
 
 def _min_torch() -> tuple[int, int]:
     """drmoo_kernels._compat.MIN_TORCH, read without importing the package (its __init__ imports torch)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drmoo_kernels", "_compat.py")
+    # python/drmoo_kernels: the link to drmoo_kernels/ in a checkout, the package's real folder in an sdist
+    # (which holds the files the link reaches, under python/).
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python", "drmoo_kernels", "_compat.py")
     spec = importlib.util.spec_from_file_location("_drmoo_compat", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -1,6 +1,6 @@
 """The repository's layout is the design card's, and the trap that layout sets is loud.
 
-The card (DESIGN.md, "Repository layout") puts ``drmoo_kernels/`` at the top level, beside ``csrc/`` and
+The card (DESIGN.md, "Layers and layout") puts ``drmoo_kernels/`` at the top level, beside ``csrc/`` and
 ``python/``.  setuptools still sees one import root, ``python/``: ``python/drmoo_kernels`` is a committed
 link to ``../drmoo_kernels``, so an editable install stays one static .pth entry (tests/test_packaging.py,
 the editable install run from a folder that holds a ``drmoo/`` clone).
