@@ -134,6 +134,8 @@ def _is_cuda_source(path: str) -> bool:
 
 def _min_torch() -> tuple[int, int]:
     """drmoo_kernels._compat.MIN_TORCH, read without importing the package (its __init__ imports torch)."""
+    # python/drmoo_kernels: the link to drmoo_kernels/ in a checkout, the package's real folder in an sdist
+    # (which holds the files the link reaches, under python/).
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python", "drmoo_kernels", "_compat.py")
     spec = importlib.util.spec_from_file_location("_drmoo_compat", path)
     assert spec is not None and spec.loader is not None
@@ -330,6 +332,7 @@ def _optional_build_command(mode: str) -> type:
         def _remove_shadowing_builds(self) -> None:
             # In place, and in build/lib*: a wheel packs whatever that directory holds, so a stale
             # per-Python build left there by an older drmoo would ship beside the abi3 one and win.
+            # (In place: python/drmoo_kernels is the link to the top-level drmoo_kernels/.)
             package_dir = os.path.join("python" if self.inplace else self.build_lib, "drmoo_kernels")
             for path in shadowing_builds(package_dir):
                 os.remove(path)
@@ -409,6 +412,9 @@ if __name__ == "__main__":
     except KernelBuildError as error:
         sys.exit(f"drmoo: error: {error}")
     setup(
+        # python/drmoo and python/drmoo_kernels, a link to the top-level drmoo_kernels/ (pyproject.toml,
+        # [tool.setuptools]): find_packages walks with os.walk(followlinks=True), and build_py copies the
+        # files it reaches through the link, so wheels and sdists hold real files.
         packages=find_packages("python"),
         ext_modules=ext_modules,
         cmdclass=cmdclass,

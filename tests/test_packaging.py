@@ -334,7 +334,8 @@ def test_one_version_source() -> None:
     assert _pyproject()["project"]["dynamic"] == ["version"]
     assert _pyproject()["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "drmoo._version.__version__"}
     assert drmoo.__version__ == _version()
-    for path in [*(REPO / "python").rglob("*.py"), REPO / "setup.py"]:
+    # (rglob does not descend into python/drmoo_kernels, a link: the top-level folder is named itself)
+    for path in [*(REPO / "python").rglob("*.py"), *(REPO / "drmoo_kernels").rglob("*.py"), REPO / "setup.py"]:
         if path.name != "_version.py":
             assert not re.search(r"^__version__\s*=", path.read_text(), re.M), path
     assert f"version: {_version()}" in (REPO / "CITATION.cff").read_text()
@@ -378,6 +379,8 @@ def test_the_wheel_carries_license_type_markers_and_metadata(tmp_path: Path) -> 
     assert "drmoo/py.typed" in names and "drmoo_kernels/py.typed" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
     assert "drmoo/_version.py" in names and "drmoo_kernels/reference.py" in names
+    with zipfile.ZipFile(wheel) as archive:  # the files reached through the python/drmoo_kernels link, copied
+        assert archive.read("drmoo_kernels/reference.py") == (REPO / "drmoo_kernels" / "reference.py").read_bytes()
     assert not any(n.startswith(("tests/", "bench/", "csrc/")) for n in names)
     requires = sorted(line for line in metadata.splitlines() if line.startswith("Requires-Dist:"))
     assert [r for r in requires if "extra ==" not in r] == ["Requires-Dist: numpy>=1.24", "Requires-Dist: torch>=2.11"]
@@ -403,13 +406,17 @@ def test_an_editable_install_works_from_a_folder_that_holds_a_drmoo_clone(tmp_pa
     )
     assert done.returncode == 0, done.stderr
     (site_dir,) = prefix.glob("lib/python*/site-packages")
-    assert list(site_dir.glob("__editable__.drmoo-*.pth"))
+    # One static path entry, python/ (which reaches drmoo_kernels/ through its link), not setuptools' import
+    # hook: the hook, used for a project with two package roots, is what a drmoo/ folder in the way shadows.
+    (pth,) = site_dir.glob("__editable__.drmoo-*.pth")
+    assert pth.read_text().strip() == str(REPO / "python")
     parent = tmp_path / "parent"
     (parent / "drmoo").mkdir(parents=True)  # the clone's folder, seen from its parent
     code = (
         f"import site, sys; site.addsitedir({str(site_dir)!r})\n"
-        "import drmoo\n"
+        "import drmoo, importlib.util\n"
         "print(drmoo.__file__)\n"
+        "print(importlib.util.find_spec('drmoo_kernels').origin)\n"  # found, not imported (that needs torch)
         "import runpy; sys.argv = ['drmoo', '--version']\n"
         "runpy.run_module('drmoo', run_name='__main__', alter_sys=True)\n"
     )
@@ -417,8 +424,9 @@ def test_an_editable_install_works_from_a_folder_that_holds_a_drmoo_clone(tmp_pa
     ran = subprocess.run([sys.executable, "-S", "-c", code], cwd=parent, env=env, capture_output=True, text=True,
                          timeout=900)
     assert ran.returncode == 0, ran.stderr
-    first, second = ran.stdout.strip().splitlines()
+    first, kernels, second = ran.stdout.strip().splitlines()
     assert Path(first) == REPO / "python" / "drmoo" / "__init__.py"
+    assert Path(kernels).resolve() == REPO / "drmoo_kernels" / "__init__.py"
     assert second == f"drmoo {_version()}"
 
 
@@ -438,6 +446,20 @@ def test_the_sdist_carries_the_kernel_sources_and_the_license(tmp_path: Path) ->
                  and path.suffix in {".cpp", ".cu", ".h", ".cuh", ".inc"}}
     assert expected <= names, sorted(expected - names)
     assert not any(name.endswith(".so") for name in names)
+    # The sdist holds drmoo_kernels' files under python/ (what the link reaches), and builds: setup.py reads
+    # drmoo_kernels/_compat.py through python/, the one path that exists both here and there.
+    with tarfile.open(sdist) as archive:
+        archive.extractall(tmp_path / "unpacked", filter="data")
+    (unpacked,) = (tmp_path / "unpacked").iterdir()
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-q", "-w",
+         str(tmp_path / "wheel"), str(unpacked)],
+        env={**os.environ, "DRMOO_BUILD_KERNELS": "0"}, capture_output=True, text=True, timeout=600,
+    )
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "wheel").glob("drmoo-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert "drmoo_kernels/reference.py" in archive.namelist()
 
 
 @pytest.mark.parametrize(("flags", "timed"), [(["--benchmark-only"], True), ([], False)])

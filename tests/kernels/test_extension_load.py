@@ -27,8 +27,11 @@ RUNNING = str(torch.__version__)
 
 @pytest.fixture
 def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A loader that has not tried yet (the process's real result is put back afterwards)."""
+    """A loader that has not tried yet (the process's real result is put back afterwards), in a process with no
+    other drmoo_kernels further down sys.path (a source checkout run with PYTHONPATH=python also sees the
+    venv's installed copy; test_layout.py covers that case)."""
     monkeypatch.setattr(_ops, "_load_reasons", {})
+    monkeypatch.setattr(_ops, "_shadowed_build", lambda extension: None)
 
 
 def _fake_extension(monkeypatch: pytest.MonkeyPatch, path: Path | None, extension: str = _ops.EXTENSION) -> None:

@@ -21,8 +21,10 @@ from drmoo_kernels import KernelsUnavailableWarning, _ops
 
 @pytest.fixture
 def kernels_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A process that has not looked for drmoo_kernels._C yet, and will not find it."""
+    """A process that has not looked for drmoo_kernels._C yet, and will not find it (nor another drmoo_kernels
+    that has it further down sys.path: test_layout.py covers that case)."""
     monkeypatch.setattr(_ops, "_load_reasons", {})
+    monkeypatch.setattr(_ops, "_shadowed_build", lambda extension: None)
     monkeypatch.setattr(_ops, "_availability_cache", {})
     monkeypatch.setattr(_ops, "_pending_warnings", {}, raising=False)
     real_find_spec = importlib.util.find_spec

@@ -23,8 +23,22 @@ class KernelsUnavailableWarning(RuntimeWarning):
 
 
 # ------------------------------------------------------------------------- where a warning points
-_PACKAGES_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds drmoo_kernels/ and drmoo/
-_OWN_DIRS = tuple(os.path.join(_PACKAGES_DIR, package) + os.sep for package in ("drmoo_kernels", "drmoo"))
+_KERNELS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _skipped_dirs() -> tuple[str, ...]:
+    """The folders of drmoo_kernels, drmoo and torch, as this process imported them.
+
+    drmoo's is asked of the imported module, not derived from this file's: the two need not share a
+    parent (a checkout's top-level drmoo_kernels/ beside python/drmoo/, when the checkout's root is on
+    sys.path before python/).
+    """
+    found = [_KERNELS_DIR]
+    for name in ("drmoo", "torch"):
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file:
+            found.append(os.path.dirname(os.path.abspath(file)) + os.sep)
+    return tuple(found)
 
 
 def caller_stacklevel() -> int:
@@ -34,8 +48,7 @@ def caller_stacklevel() -> int:
     ``step``) and the import machinery: a fixed ``stacklevel`` would point at whichever drmoo line the
     first use happened to come through (``_ops.py`` for an optimizer built with the default backend).
     """
-    torch = sys.modules.get("torch")
-    skipped = _OWN_DIRS + ((os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,) if torch else ())
+    skipped = _skipped_dirs()
     frame = sys._getframe(1)  # the caller's frame: stacklevel 1
     level = 1
     while frame.f_back is not None and (

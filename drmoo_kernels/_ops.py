@@ -27,10 +27,14 @@ tensors reaches, run the shapes, dtypes and devices checks of :mod:`drmoo_kernel
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import mmap
+import os
 import re
+import sys
 import warnings
 from collections.abc import Sequence
 
@@ -127,6 +131,50 @@ def _installed(extension: str) -> bool:
     return spec is not None and spec.origin is not None
 
 
+@functools.cache
+def _shadowed_build(extension: str) -> tuple[str, str] | None:
+    """(this package's folder, the other build's file) when the drmoo_kernels this process imported lacks
+    ``extension`` but another drmoo_kernels further down sys.path has it; else None.
+
+    That is a source folder shadowing a compiled install: a checkout's top-level drmoo_kernels/ (never
+    compiled there) found first because Python puts the working directory (``python -c``, ``python -m``)
+    or the script's folder at the front of sys.path, ahead of the site-packages that hold the installed,
+    compiled drmoo_kernels.  Folders that are this package itself (the link python/drmoo_kernels of a
+    checkout, an editable install's path) do not count.
+    """
+    package = __name__.rpartition(".")[0]
+    own_dir = os.path.dirname(os.path.abspath(__file__))
+    own = os.path.realpath(own_dir)
+    for entry in sys.path:
+        folder = os.path.abspath(entry or os.getcwd())  # "" is the working directory
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(package, [folder])
+            locations = [] if spec is None else list(spec.submodule_search_locations or [])
+            if not locations or any(os.path.realpath(location) == own for location in locations):
+                continue
+            other = importlib.machinery.PathFinder.find_spec(extension, locations)
+        except (ImportError, OSError, ValueError):
+            continue
+        if other is not None and other.origin is not None and os.path.isfile(other.origin):
+            return own_dir, other.origin
+    return None
+
+
+def _shadow_problem(extension: str) -> str | None:
+    """The reason to give when ``extension`` is missing here because this drmoo_kernels shadows a compiled one."""
+    shadow = _shadowed_build(extension)
+    if shadow is None:
+        return None
+    own_dir, other = shadow
+    return (
+        f"{extension} is not in {own_dir}, the drmoo_kernels this process imported, but the drmoo_kernels in "
+        f"{os.path.dirname(other)} has it ({os.path.basename(other)}): the uncompiled folder "
+        f"{os.path.dirname(own_dir)} comes first on sys.path (the working directory or the script's folder, e.g. "
+        f"a drmoo checkout's root) and shadows the compiled package; run from another folder, or build the "
+        f"kernels in place there (python setup.py build_ext --inplace, from the checkout's root)"
+    )
+
+
 def _find_load_problem(extension: str = EXTENSION) -> str | None:
     """Import ``extension`` unless its build cannot serve the running torch; None when it loaded, else the reason.
 
@@ -135,6 +183,9 @@ def _find_load_problem(extension: str = EXTENSION) -> str | None:
     """
     running = str(torch.__version__)
     if not _installed(extension):
+        shadowed = _shadow_problem(extension)
+        if shadowed is not None:
+            return shadowed
         if extension == CUDA_EXTENSION:
             return (
                 f"drmoo was installed without its CUDA kernels ({extension}: built only where a GPU is visible at "
@@ -168,8 +219,9 @@ def _load(extension: str) -> str | None:
         reason = _find_load_problem(extension)
         if reason is None and extension == EXTENSION:
             _register_fakes()
-        # A build without CUDA kernels is a choice (no GPU at build time), not a failure: no warning.
-        if reason is not None and (extension == EXTENSION or _installed(extension)):
+        # A build without CUDA kernels is a choice (no GPU at build time), not a failure: no warning --
+        # unless a compiled drmoo_kernels that has them is shadowed by this one (_shadowed_build).
+        if reason is not None and (extension == EXTENSION or _installed(extension) or _shadowed_build(extension)):
             kind = "compiled kernels" if extension == EXTENSION else "CUDA kernels"
             fallback = (
                 "its pure-torch 'reference' backend (about 2x slower per optimizer step on the CPU)"
