@@ -130,7 +130,10 @@ class NashMTL(JointBaseline):
     1/alpha is solved for the z-space Gram K = J_z J_z^T + diag(z^2), and the clip min(1, max_norm /
     ||d||) reads the z-space norm (still sqrt(m) on update steps); on reuse steps ||d|| is the norm
     of grad_z sum_i alpha_i L^i.  theta moves along clip * (dz/dtheta)^T d_z (ONE backward through
-    the trunk).  ``theta_grad_norm`` and ``balanced_grad_norm`` are z-space.
+    the trunk).  ``theta_grad_norm`` and ``balanced_grad_norm`` are z-space.  alpha scales as
+    1/||g_i||, and gradients w.r.t. z are smaller than w.r.t. theta, so the rate must be chosen again:
+    on the 2-digit small benchmark the validation sweep chose 0.03 in features mode against 0.3 in
+    parameters mode, and at 0.3 features mode did not train (results/multimnist2-small/features/).
     The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
     the batch, operator norm) relates every norm taken in z to the true one; inner products (the
     Gram's off-diagonal) have no such bound.  The per-sample ``f*'`` weights and eta are exact.
