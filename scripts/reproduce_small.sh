@@ -114,7 +114,8 @@ k4)
     spec="$spec,nashmtl,$(one_row nashmtl "$swept"),moco,modo,modo[jacobian=features],sdmgrad,sdmgrad[jacobian=features]"
     spec="$spec,double-loop,double-loop[jacobian=features]"
     "$drmoo" compare --experiment multimnist4 --preset small --seeds 0,1,2 --eps "$eps" --jobs "$jobs" \
-        --methods "$spec" --device cpu --quiet --out results/multimnist-k-small/multimnist4 ;;
+        --methods "$spec" --device cpu --quiet --out results/multimnist-k-small/multimnist4
+    "$python" scripts/small_controls.py modes results/multimnist-k-small/multimnist4 ;;
 common-rate)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "double-clip[lr=0.3]" --device cpu --quiet --out results/multimnist2-small/common-rate ;;

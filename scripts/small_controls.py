@@ -1,6 +1,7 @@
 """The controls of the 2-digit small verdict, tabulated from committed runs (no training here).
 
     python scripts/small_controls.py [results/multimnist2-small]
+    python scripts/small_controls.py modes results/multimnist-k-small/multimnist4
 
 writes, from the runs' ``eval.json`` and ``config.json`` files:
 
@@ -23,6 +24,8 @@ writes, from the runs' ``eval.json`` and ``config.json`` files:
   once ``features/swept/`` holds them (``features-sweep``, ``features-runoff``, ``features-swept``),
   the same for Double-Clip and Nash-MTL at the rate swept in features mode, with the sweep's
   ``features/lr-sweep/two-stage.csv``.
+* with ``modes DIR``: ``DIR/vs-parameters.csv`` / ``.md``, the same pairing for a comparison whose rows
+  hold both modes (``bash scripts/reproduce_small.sh k4``), over the seeds both modes finished.
 * ``w-ranges.csv``: per row of the comparison and of ``ablations/``, the range each w_i took over all
   steps and seeds (the balancing table of ``table.md``, as numbers): ``low_w1``, ``high_w1``, ...,
   and ``max_off_uniform``, the largest |w_i - 1/m| seen.
@@ -46,6 +49,8 @@ from drmoo.experiments.summaries import mean_std, ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep_rule import clean_by_rate, finalists, winners  # a sibling script
+
+from drmoo.experiments.variants import parse_variants
 
 SEEDS = (0, 1, 2, 3, 4)
 EPS = (0.0, 0.01, 0.03, 0.05, 0.08, 0.1, 0.15, 0.2)
@@ -172,53 +177,69 @@ def contrasts(results: Path) -> list[dict[str, Any]]:
 FEATURES_METHODS = ("double-clip", "mgda", "famo", "nashmtl")  # issue 26 item 7's rows
 
 
-def _mean_wall_time(results: Path, prefix: str) -> float:
-    times = [json.loads((results / f"{prefix}-seed{seed}" / "metrics.json").read_text())[-1]["wall_time_s"]
-             for seed in SEEDS]
+def finished_test_runs(directory: Path) -> dict[str, dict[int, Path]]:
+    """{row label: {seed: run}} of the finished test-split runs directly under ``directory``."""
+    out: dict[str, dict[int, Path]] = {}
+    for config_path in sorted(directory.glob("*-seed[0-9]*/config.json")):
+        run = config_path.parent
+        config = json.loads(config_path.read_text())
+        if config["eval_split"] != "test" or not (run / "eval.json").is_file():
+            continue
+        out.setdefault(config["label"] or config["method"], {})[int(config["seed"])] = run
+    return out
+
+
+def _accuracy_table(runs: dict[int, Path]) -> dict[float, dict[int, float]]:
+    per_eps: dict[float, dict[int, float]] = {eps: {} for eps in EPS}
+    for seed, run in runs.items():
+        report = json.loads((run / "eval.json").read_text())
+        if report["seed"] != seed:
+            raise ValueError(f"{run}: eval.json is of seed {report['seed']}, config.json of seed {seed}")
+        by_eps = {result["eps"]: 100 * result["mean_acc"] for result in report["results"]}
+        for eps in EPS:
+            per_eps[eps][seed] = by_eps[eps]
+    return per_eps
+
+
+def _mean_wall_time(runs: dict[int, Path]) -> float:
+    times = [json.loads((run / "metrics.json").read_text())[-1]["wall_time_s"] for run in runs.values()]
     return sum(times) / len(times)
 
 
-def features_vs_parameters(results: Path) -> tuple[list[dict[str, Any]], str]:
-    """Features mode minus parameters mode per method (paired over seeds), and the markdown table."""
+def features_vs_parameters(parameters_dir: Path, features_dirs: list[Path],
+                           title: str) -> tuple[list[dict[str, Any]], str]:
+    """Each ``jacobian=features`` row of ``features_dirs`` minus the same method's parameters-mode row
+    (the row named by the method alone, in ``parameters_dir``), paired over the seeds both finished;
+    the csv rows and the markdown table.  Runs are deterministic, so a pair differs by the mode (and
+    the rate, where the features row sets its own ``lr``) only."""
+    parameters = finished_test_runs(parameters_dir)
     rows: list[dict[str, Any]] = []
-    lines = ["# Features mode against parameters mode (2 digits, small preset, 5 paired seeds)", "",
+    lines = [f"# Features mode against parameters mode ({title})", "",
              "Each cell: the method with `jacobian=\"features\"` minus the same method with the paper's",
-             "Jacobian, in accuracy points: mean [95 % t interval] (seeds where features mode is higher).",
-             "Written by `scripts/small_controls.py`; the runs are in `features/` and the comparison's own",
-             "directories.", "",
-             "| method | " + " | ".join(f"ε {eps:g}" for eps in EPS) + " | training s (features / parameters) |",
-             "|---|" + "---:|" * (len(EPS) + 1)]
-    # At the parameters-mode rate (reproduce_small.sh features), then at the rate swept in features mode
-    # (features-sweep/-runoff/-swept: Double-Clip and Nash-MTL), once those runs exist.
-    at_rates = [(method, f"{method}[jacobian=features]", f"features/{method}_jacobian-features")
-                for method in FEATURES_METHODS]
-    for method, lr in swept_features_rates(results).items():
-        at_rates.append((method, f"{method}[jacobian=features,lr={lr!r}]",
-                         f"features/swept/{method}_jacobian-features_lr-{lr!r}"))
-    for method, features_row, prefix in at_rates:
-        per_seed = {features_row: accuracies(results, prefix), method: accuracies(results, method)}
-        paired = paired_differences(per_seed, features_row, list(EPS))
-        rows += paired
-        cells = [f"{_fmt(r['mean'], True)} [{_fmt(r['ci_low'], True)}, {_fmt(r['ci_high'], True)}] ({r['wins']})"
-                 for r in paired]
-        times = f"{_mean_wall_time(results, prefix):.0f} / {_mean_wall_time(results, method):.0f}"
-        lines.append(f"| {features_row} | " + " | ".join(cells) + f" | {times} |")
+             "Jacobian, in accuracy points: mean [95 % t interval] (seeds where features mode is higher),",
+             "over the seeds both modes finished.  Written by `scripts/small_controls.py` from the runs'",
+             "`config.json` and `eval.json`.", "",
+             "| row | seeds | " + " | ".join(f"ε {eps:g}" for eps in EPS) + " | training s (features / parameters) |",
+             "|---|---:|" + "---:|" * (len(EPS) + 1)]
+    for directory in features_dirs:
+        for label, runs in finished_test_runs(directory).items():
+            (variant,) = parse_variants(label)
+            if variant.hparams.get("jacobian") != "features" or variant.method not in parameters:
+                continue
+            theirs = parameters[variant.method]
+            seeds = sorted(set(runs) & set(theirs))
+            if len(seeds) < 2:
+                continue
+            mine, theirs = {seed: runs[seed] for seed in seeds}, {seed: theirs[seed] for seed in seeds}
+            paired = paired_differences({label: _accuracy_table(mine), variant.method: _accuracy_table(theirs)},
+                                        label, list(EPS))
+            rows += paired
+            cells = [f"{_fmt(r['mean'], True)} [{_fmt(r['ci_low'], True)}, {_fmt(r['ci_high'], True)}] ({r['wins']})"
+                     for r in paired]
+            times = f"{_mean_wall_time(mine):.0f} / {_mean_wall_time(theirs):.0f}"
+            lines.append(f"| {label} | {len(seeds)} | " + " | ".join(cells) + f" | {times} |")
     lines.append("")
     return rows, "\n".join(lines)
-
-
-def swept_features_rates(results: Path) -> dict[str, float]:
-    """{method: rate} of the features-mode sweep's winners whose 5 test seeds are all in features/swept/."""
-    sweep = results / "features" / "lr-sweep"
-    if not (sweep / "runoff" / "table.csv").is_file():
-        return {}
-    out = {}
-    for key, lr in winners(sweep).items():
-        method = key.split("[", 1)[0]
-        runs = [results / "features" / "swept" / f"{method}_jacobian-features_lr-{lr!r}-seed{seed}" for seed in SEEDS]
-        if all((run / "eval.json").is_file() for run in runs):
-            out[method] = lr
-    return out
 
 
 def w_ranges(results: Path) -> list[dict[str, Any]]:
@@ -260,6 +281,13 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[1] == "modes":  # one comparison holding both modes' rows (Multi-MNIST-k)
+        comparison = Path(argv[2])
+        rows, markdown = features_vs_parameters(comparison, [comparison], f"{comparison.name}, small preset")
+        write_csv(comparison / "vs-parameters.csv", rows)
+        (comparison / "vs-parameters.md").write_text(markdown)
+        print(f"wrote {comparison / 'vs-parameters.csv'}, {comparison / 'vs-parameters.md'}")
+        return 0
     results = Path(argv[1] if len(argv) > 1 else "results/multimnist2-small")
     rows, markdown = rate_sensitivity(results)
     write_csv(results / "rate-sensitivity.csv", rows)
@@ -269,7 +297,8 @@ def main(argv: list[str]) -> int:
     write_csv(results / "lr-sweep" / "two-stage.csv", two_stage(results / "lr-sweep"))
     if all((results / "features" / f"{m}_jacobian-features-seed{seed}" / "eval.json").is_file()
            for m in FEATURES_METHODS for seed in SEEDS):
-        rows, markdown = features_vs_parameters(results)
+        rows, markdown = features_vs_parameters(
+            results, [results / "features", results / "features" / "swept"], "2 digits, small preset")
         write_csv(results / "features" / "vs-parameters.csv", rows)
         (results / "features" / "vs-parameters.md").write_text(markdown)
     if (results / "features" / "lr-sweep" / "runoff" / "table.csv").is_file():
