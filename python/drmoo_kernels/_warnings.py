@@ -35,7 +35,8 @@ def caller_stacklevel() -> int:
     first use happened to come through (``_ops.py`` for an optimizer built with the default backend).
     """
     torch = sys.modules.get("torch")
-    skipped = _OWN_DIRS + ((os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,) if torch else ())
+    torch_file = getattr(torch, "__file__", None)  # None while torch is not imported (or has no file)
+    skipped = _OWN_DIRS + ((os.path.dirname(os.path.abspath(torch_file)) + os.sep,) if torch_file else ())
     frame = sys._getframe(1)  # the caller's frame: stacklevel 1
     level = 1
     while frame.f_back is not None and (
