@@ -265,7 +265,8 @@ class FeaturesJacobian:
             if distributed.is_distributed():  # shard directions -> the global batch's (one flat all-reduce)
                 joined = torch.cat([grad.reshape(-1) for grad in grads])
                 distributed.all_reduce_sum_(joined)
-                grads = [part.view_as(grad) for part, grad in zip(torch.split(joined, [g.numel() for g in grads]), grads)]
+                parts = torch.split(joined, [g.numel() for g in grads])
+                grads = [part.view_as(grad) for part, grad in zip(parts, grads)]
             norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64)
             optimizer.require_finite(torch.isfinite(norms.sum()).reshape(1), lambda _: (
                 f"non-finite gradient of the shared parameters from the backward pass through the trunk in "
