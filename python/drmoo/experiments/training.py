@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drmoo import distributed
-from drmoo.optim import NonFiniteStepError, create
+from drmoo.models.multitask import MultiTaskModel
+from drmoo.optim import MultiObjectiveOptimizer, NonFiniteStepError, create
 from drmoo.store import (
     LOCK_FILE,
     TEMP_SUFFIX,
@@ -69,7 +70,7 @@ GRAD_SCALE_INIT, GRAD_SCALE_BACKOFF, GRAD_SCALE_GROWTH, GRAD_SCALE_GROWTH_INTERV
 MAX_SKIPPED_FP16_STEPS = 50  # and more than half of the steps: fp16 cannot train this run
 DIVERGED = "diverged"  # the marker of a run that ended at a non-finite step (see _stop_diverged)
 
-Build = Callable[[RunConfig], tuple[nn.Module, Any]]
+Build = Callable[[RunConfig], tuple[MultiTaskModel, Any]]
 
 
 class TrainingInterrupted(RuntimeError):
@@ -158,9 +159,9 @@ class _Run:
     run_dir: Path
     device: torch.device
     is_main: bool  # only rank 0 writes checkpoints, logs and progress
-    model: nn.Module
+    model: MultiTaskModel
     data: Any
-    optimizer: torch.optim.Optimizer  # the method's, on the shared parameters
+    optimizer: MultiObjectiveOptimizer  # the method's, on the shared parameters
     heads: torch.optim.SGD  # the task-specific parameters'
     stream: IndexStream
     steps_per_epoch: int
