@@ -61,7 +61,8 @@ def eval_table(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def robustness_table(reports: list[dict[str, Any]], eps_values: list[float], header: str) -> tuple[str, list[dict]]:
+def robustness_table(reports: list[dict[str, Any]], eps_values: list[float], header: str
+                     ) -> tuple[str, list[dict[str, Any]]]:
     """Table 1 layout: methods x eps, mean ± std over seeds of the task-averaged accuracy (%)."""
     methods = list(dict.fromkeys(r["method"] for r in reports))
     columns = ["Clean" if eps == 0 else f"{eps:g}" for eps in eps_values]

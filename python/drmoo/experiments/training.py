@@ -523,7 +523,10 @@ def _train_step(run: _Run, closure: _BatchLosses, skipped: list[dict[str, Any]])
     _unscale_head_grads(run)
     run.heads.step()
     run.step += 1
-    task_acc = [float((z.argmax(1) == closure.labels[:, i]).float().mean()) for i, z in enumerate(closure.logits)]
+    labels = closure.labels  # the last batch's: set by every call of the closure, and the step called it
+    if labels is None:
+        raise RuntimeError(f"{type(run.optimizer).__name__}.step returned without calling the closure")
+    task_acc = [float((z.argmax(1) == labels[:, i]).float().mean()) for i, z in enumerate(closure.logits)]
     row = {"step": run.step, "epoch": (run.step - 1) // run.steps_per_epoch + 1, "samples": run.stream.samples_drawn,
            "dual_objective": float(objective.mean()), "train_acc": sum(task_acc) / len(task_acc),
            "balanced_grad_norm": float(stats["balanced_grad_norm"]),
