@@ -32,7 +32,7 @@ _REGISTRY: dict[str, Experiment] = {}
 
 class MethodHparams(Protocol):
     """``method_hparams(method, overrides, preset=...)``: the hyperparameters a run of ``method`` gets
-    (the paper's, then ``overrides``); ``preset`` names the run's preset, for settings that depend on it."""
+    (the paper's, then the choices of the run's ``preset`` where it has any, then ``overrides``)."""
 
     def __call__(self, method: str, overrides: dict[str, Any] | None = None, preset: str | None = None
                  ) -> dict[str, Any]: ...
