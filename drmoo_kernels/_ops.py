@@ -36,7 +36,8 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -50,6 +51,8 @@ __all__ = [
 ]
 
 JacobianBlocks = Tensor | Sequence[Tensor]
+# What the ops' schemas (csrc/ops.cpp) return; torch types an op call's result as Any, hence the casts.
+_Triple = tuple[Tensor, Tensor, Tensor]
 OPS: tuple[str, ...] = ("dual_forward", "dual_step", "gram", "combine", "gram_step")
 # The schemas and the CPU kernels, built on torch's stable ABI: one build serves every torch >= its target.
 EXTENSION = "drmoo_kernels._C"
@@ -274,7 +277,17 @@ def _has_kernel(op: str, dispatch_key: str) -> bool:
 _availability_cache: dict[str, str | None] = {}
 
 
-@torch.compiler.assume_constant_result  # a fixed fact of the process: dynamo need not trace it
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
+
+def _assume_constant_result(fn: _Function) -> _Function:
+    """``torch.compiler.assume_constant_result`` with its type: torch leaves it unannotated, and it
+    returns ``fn`` itself (marked for dynamo)."""
+    marked: _Function = torch.compiler.assume_constant_result(fn)  # type: ignore[no-untyped-call]  # see above
+    return marked
+
+
+@_assume_constant_result  # a fixed fact of the process: dynamo need not trace it
 def availability(device_type: str) -> str | None:
     """``None`` when the compiled kernels for ``device_type`` ('cpu' or 'cuda') can run, else why not.
 
@@ -319,16 +332,17 @@ def _register_fakes() -> None:
     instead of returning uninitialized memory or skipping its in-place update.
     """
 
-    @torch.library.register_fake("drmoo::dual_forward")
-    def _dual_forward_fake(losses, eta, lam, scale, code, param, sample_weight):
+    def _dual_forward_fake(losses: Tensor, eta: Tensor, lam: float, scale: float, code: int, param: float,
+                           sample_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         with _checks.structural_checks_only():
             _checks.check_dual_forward(losses, eta, lam, scale, divergence_from_code(code, param), sample_weight)
         acc = _acc_dtype(losses.dtype)
         m = losses.shape[1]
         return losses.new_empty(m, dtype=acc), losses.new_empty(m, dtype=acc), losses.new_empty(losses.shape, dtype=acc)
 
-    @torch.library.register_fake("drmoo::dual_step")
-    def _dual_step_fake(losses, eta, w, lam, scale, code, param, gamma, f1, f2, sample_weight):
+    def _dual_step_fake(losses: Tensor, eta: Tensor, w: Tensor, lam: float, scale: float, code: int, param: float,
+                        gamma: float, f1: float, f2: float, sample_weight: Tensor | None
+                        ) -> tuple[Tensor, Tensor, Tensor]:
         with _checks.structural_checks_only():
             _checks.check_dual_step(
                 losses, eta, w, lam, scale, divergence_from_code(code, param), gamma, f1, f2, sample_weight
@@ -338,28 +352,33 @@ def _register_fakes() -> None:
         weights = losses.new_empty(losses.shape, dtype=acc)
         return losses.new_empty(m, dtype=acc), losses.new_empty((), dtype=acc), weights
 
-    @torch.library.register_fake("drmoo::gram")
-    def _gram_fake(J):
+    def _gram_fake(J: Tensor) -> Tensor:
         with _checks.structural_checks_only():
             _flat_jacobian_checked("gram", J)
         m = J.shape[0]
         return J.new_empty((m, m), dtype=_acc_dtype(J.dtype))
 
-    @torch.library.register_fake("drmoo::combine")
-    def _combine_fake(J, w, params, lr):
+    def _combine_fake(J: Tensor, w: Tensor, params: list[Tensor], lr: Tensor) -> None:
         with _checks.structural_checks_only():
             _flat_jacobian_checked("combine", J)
             _checks.check_combine(J, w, params, lr, params_dtype_of_j=True)
         return None
 
-    @torch.library.register_fake("drmoo::gram_step")
-    def _gram_step_fake(J, w, params, gamma, c1, c2, beta, rho, mu, z):
+    def _gram_step_fake(J: Tensor, w: Tensor, params: list[Tensor], gamma: float, c1: float, c2: float, beta: float,
+                        rho: float, mu: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         with _checks.structural_checks_only():
             _flat_jacobian_checked("gram_step", J)
             _checks.check_gram_step(J, w, params, gamma, c1, c2, beta, rho, mu, z, params_dtype_of_j=True)
         m = J.shape[0]
         gram_matrix = J.new_empty((m, m), dtype=_acc_dtype(J.dtype))
         return gram_matrix, J.new_empty((), dtype=torch.float32), J.new_empty((), dtype=torch.float32)
+
+    # Registered by a call, not with the @register_fake(...) decorator: torch leaves the decorator's
+    # type unannotated, which would leave these functions untyped.
+    fakes: dict[str, Callable[..., Any]] = {"dual_forward": _dual_forward_fake, "dual_step": _dual_step_fake,
+                                            "gram": _gram_fake, "combine": _combine_fake, "gram_step": _gram_step_fake}
+    for op, fake in fakes.items():
+        torch.library.register_fake(f"drmoo::{op}", fake)
 
 
 def _flat_jacobian_checked(op: str, jacobian: Tensor) -> None:
@@ -460,9 +479,9 @@ class CompiledBackend:
         """Per-task dual objective, its eta-gradient z and the per-sample loss cotangents."""
         _require(self.device_type, "dual_forward", _FORWARD_NAMES, losses, eta, sample_weight)
         div = _checks.check_dual_forward(losses, eta, lam, scale, divergence, sample_weight)
-        return _op("dual_forward")(  # type: ignore[return-value]
+        return cast(_Triple, _op("dual_forward")(
             losses, eta, float(lam), float(scale), div.code, float(div.param), sample_weight
-        )
+        ))
 
     def dual_step(
         self,
@@ -480,17 +499,17 @@ class CompiledBackend:
         """Alg. 2 steps 1-3: z at eta_t, mu, eta_{t+1} (in place), weights at eta_{t+1}."""
         _require(self.device_type, "dual_step", _STEP_NAMES, losses, eta, w, sample_weight)
         div = _checks.check_dual_step(losses, eta, w, lam, scale, divergence, gamma, f1, f2, sample_weight)
-        return _op("dual_step")(  # type: ignore[return-value]
+        return cast(_Triple, _op("dual_step")(
             losses, eta, w, float(lam), float(scale), div.code, float(div.param), float(gamma), float(f1),
             float(f2), sample_weight,
-        )
+        ))
 
     def gram(self, jacobian: JacobianBlocks) -> Tensor:
         """J J^T (float32, float64 for float64 J)."""
         _checks.check_gram(jacobian)
         flat = _flat_jacobian(jacobian)
         _require(self.device_type, "gram", _GRAM_NAMES, flat)
-        return _op("gram")(flat)
+        return cast(Tensor, _op("gram")(flat))
 
     def combine(self, jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:
         """params -= lr * J^T w, written in place through each parameter."""
@@ -516,7 +535,7 @@ class CompiledBackend:
         _checks.check_gram_step(jacobian, w, params, gamma, c1, c2, beta, rho, mu, z, params_dtype_of_j=True)
         flat = _flat_jacobian(jacobian)
         _require(self.device_type, "gram_step", _GRAM_STEP_NAMES, flat, w, z)
-        return _op("gram_step")(  # type: ignore[return-value]
+        return cast(_Triple, _op("gram_step")(
             flat, w, list(params), float(gamma), float(c1), float(c2), float(beta), float(rho),
             _scalar_tensor(mu, flat.device), z,
-        )
+        ))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up everything (scripts/setup_env.sh), then lint, build the documentation site and run the whole
+# Set up everything (scripts/setup_env.sh), then lint, type-check, build the documentation site and run the whole
 # test suite against the installed package.  Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,13 @@ echo "[test] docs: mkdocs build --strict"
 start=$(date +%s)
 NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir site
 echo "[test] docs built in $(( $(date +%s) - start ))s (site/)"
-echo "[test] pytest (includes tests/typing: mypy --strict on the public API, mypy and pyright on typed usage)"
+# mypy, strict, over the package tree (pyproject.toml's [tool.mypy]); its cache, .mypy_cache, is the
+# one tests/typing uses, so the typing tests that pytest runs next start warm.
+echo "[test] mypy python/"
+start=$(date +%s)
+"$venv/bin/mypy" python/
+echo "[test] mypy done in $(( $(date +%s) - start ))s"
+echo "[test] pytest (includes tests/typing: mypy on python/ and on typed usage, pyright on typed usage)"
 # The pytest entry point (not `python -m pytest`) keeps the source tree off sys.path, so the tests
 # import the installed drmoo_kernels with its compiled _C, not the uncompiled copy in the checkout.
 "$venv/bin/pytest" -q "$@"

@@ -78,3 +78,15 @@ def test_accuracy_attacks_in_the_eps_space_it_is_given() -> None:
     normalized = accuracy(model, images, labels, 64, device, identity, eps=0.3, eps_space="normalized")
     assert pixel == by_hand(None) and normalized == by_hand(model.std)
     assert pixel != normalized  # the budgets differ ~4.4x: the accuracies do too
+
+
+def test_summed_task_loss_is_the_sum_of_the_task_losses_and_refuses_no_tasks() -> None:
+    """The attack objective adds the tasks' cross-entropies in task order; with no task logits it raises
+    (it returned the int 0, on which the attack's gradient call then failed)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = [torch.randn(6, classes, generator=generator) for classes in (3, 4, 5)]
+    labels = torch.stack([torch.randint(0, classes, (6,), generator=generator) for classes in (3, 4, 5)], dim=1)
+    ce = [nn.functional.cross_entropy(z, labels[:, task]) for task, z in enumerate(logits)]
+    assert torch.equal(summed_task_loss(logits, labels), ce[0] + ce[1] + ce[2])
+    with pytest.raises(ValueError, match="at least one task"):
+        summed_task_loss([], labels)

@@ -621,8 +621,8 @@ def _combine_blocks(
         plan = _combine_plan(blocks, layout, launch.block_n, _max_programs(device, _interpreted()))
     w_in = w.contiguous()
     lr_is_tensor = isinstance(lr, Tensor)
-    lr_tensor = lr.reshape(()).to(device=device, dtype=torch.float32) if lr_is_tensor else w_in
-    lr_value = 0.0 if lr_is_tensor else float(lr)
+    lr_tensor = lr.reshape(()).to(device=device, dtype=torch.float32) if isinstance(lr, Tensor) else w_in
+    lr_value = 0.0 if isinstance(lr, Tensor) else float(lr)
     targets = layout.targets
     for part in plan.launches:
         kernels.combine_kernel[(part.entries,)](
@@ -719,6 +719,7 @@ def _split(value: float | Tensor) -> tuple[float, float]:
 
 def _to_float32(value: float) -> float:
     try:
-        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+        rounded: float = _FLOAT32.unpack(_FLOAT32.pack(value))[0]  # struct's "<f": one float
+        return rounded
     except OverflowError:  # beyond float32's range: rounds to infinity
         return math.copysign(math.inf, value)

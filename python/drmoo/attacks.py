@@ -30,7 +30,13 @@ EPS_SPACES = ("pixel", "normalized")
 
 def summed_task_loss(logits: Sequence[Tensor], labels: Tensor) -> Tensor:
     """sum_i CE(logits_i, labels[:, i]) (batch mean): the attack objective of the paper."""
-    return sum(F.cross_entropy(task_logits, labels[:, task]) for task, task_logits in enumerate(logits))
+    if not logits:
+        raise ValueError("summed_task_loss needs the logits of at least one task, got none")
+    losses = [F.cross_entropy(task_logits, labels[:, task]) for task, task_logits in enumerate(logits)]
+    total = losses[0]
+    for loss in losses[1:]:  # added in task order, as sum() would
+        total = total + loss
+    return total
 
 
 def pixel_step(model: nn.Module, eps_space: str) -> Tensor | None:

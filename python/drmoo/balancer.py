@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
@@ -334,7 +334,7 @@ class Balancer:
         algorithm.graph_reuses = graph_reuses
         try:
             # A step that raises has already restored every .grad (the optimizer's all-or-nothing step).
-            objectives = cast(Tensor, algorithm.step(closure))
+            objectives = algorithm.step(closure)
         except NonFiniteStepError:
             if scaler is None or not scaler.is_enabled():
                 raise

@@ -170,7 +170,7 @@ def _override(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
-def _add_synthetic(sub: argparse._SubParsersAction) -> None:
+def _add_synthetic(sub: argparse._SubParsersAction[_Parser]) -> None:
     parser = sub.add_parser(
         "synthetic",
         help="the paper's synthetic experiments (App. E): convergence of every method on the DR dual",
@@ -389,7 +389,7 @@ def _check_hparam_values(config: Any) -> None:
                          ) from None
 
 
-def _add_train(sub: argparse._SubParsersAction) -> None:
+def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
     parser = sub.add_parser(
         "train", help="train one method on a Multi-MNIST or CelebA experiment (checkpointed, resumable)",
         description="Train one method on one experiment with a preset's settings (--preset; any setting can be "
@@ -514,7 +514,7 @@ def _refuse_contradictions(args: argparse.Namespace, config: Any, run_dir: Any) 
                          "new --out for other settings)")
 
 
-def _add_eval(sub: argparse._SubParsersAction) -> None:
+def _add_eval(sub: argparse._SubParsersAction[_Parser]) -> None:
     parser = sub.add_parser(
         "eval", help="evaluate a trained run: FGSM accuracy per task and eps (Multi-MNIST); accuracy, balanced "
         "accuracy and AUC per attribute (CelebA)",
@@ -577,7 +577,7 @@ def _eps_space_option(args: argparse.Namespace, command: Any, experiment: str) -
     return {"eps_space": args.eps_space}
 
 
-def _add_compare(sub: argparse._SubParsersAction) -> None:
+def _add_compare(sub: argparse._SubParsersAction[_Parser]) -> None:
     parser = sub.add_parser(
         "compare", help="train + evaluate every method x seed; the paper's Table 1 (Multi-MNIST, FGSM) or Table 2 "
         "(CelebA)",
@@ -654,7 +654,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench_iter(sub: argparse._SubParsersAction) -> None:
+def _add_bench_iter(sub: argparse._SubParsersAction[_Parser]) -> None:
     parser = sub.add_parser(
         "bench-iter", help="seconds per iteration of every method vs the 1 fwd + m bwd floor and vs its own "
         "algorithm's passes",
@@ -719,7 +719,7 @@ def _run_bench_iter(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_ablate(sub: argparse._SubParsersAction) -> None:
+def _add_ablate(sub: argparse._SubParsersAction[_Parser]) -> None:
     parser = sub.add_parser(
         "ablate", help="the paper's ablations (App. F): lambda, learning rate, batch size, inner steps",
         description="Vary one hyperparameter over the paper's grid and write ablation-<what>.csv/.md/.png/.json "
@@ -780,7 +780,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_report(sub: argparse._SubParsersAction) -> None:
+def _add_report(sub: argparse._SubParsersAction[_Parser]) -> None:
     parser = sub.add_parser(
         "report", help="collect the tables and figures of result directories into one markdown file",
         description="Walk the given directories, recognise synthetic comparisons, robustness comparisons, "

@@ -22,10 +22,13 @@ one extra pass (``batched``).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.autograd.graph import Node
 
 __all__ = ["STRATEGIES", "accumulate_into_grad", "column_views", "copy_into_row", "feed_head_grads", "graph_leaves",
            "head_leaves", "heads_above_features", "require_reached", "task_jacobian"]
@@ -44,7 +47,7 @@ def graph_leaves(losses: Tensor) -> Iterator[Tensor]:
     # it alive); once freed, its id is reused by the next wrapper, which would then count as
     # "seen" and cut off its whole subtree -- the heads silently got no gradient on torch 2.11.
     visited: dict[int, Any] = {}
-    stack = [losses.grad_fn]
+    stack: list[Node | None] = [losses.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in visited:

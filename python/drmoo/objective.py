@@ -48,7 +48,7 @@ class _DualObjective(torch.autograd.Function):
     """Forward: the reference dual_forward.  Backward: its closed-form gradients (DESIGN §1)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         losses: Tensor, eta: Tensor, lam: float, scale: float, divergence: Divergence,
         sample_weight: Tensor | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -63,7 +63,7 @@ class _DualObjective(torch.autograd.Function):
         ctx.mark_non_differentiable(grad_eta, weights)
 
     @staticmethod
-    def backward(ctx: Any, grad_objective: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_objective: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         grad_eta, weights = ctx.saved_tensors
         grad_losses = (weights * grad_objective.unsqueeze(0)).to(ctx.dtypes[0])
         return grad_losses, (grad_eta * grad_objective).to(ctx.dtypes[1]), None, None, None, None
@@ -98,10 +98,10 @@ def dual_objective(
         The objectives :math:`L` ``[m]``, in float32.
     """
     _check(losses, eta, lam, scale, sample_weight)
-    objective, _, _ = _DualObjective.apply(
+    outputs: tuple[Tensor, Tensor, Tensor] = _DualObjective.apply(  # apply is typed Any: forward's result
         losses, eta, float(lam), float(scale), get_divergence(divergence), sample_weight
     )
-    return objective
+    return outputs[0]
 
 
 def worst_case_weights(

@@ -51,7 +51,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,7 +190,7 @@ def _create_temporary(directory: int, name: str, path: Path) -> tuple[int, str]:
     raise UsageError(f"cannot create a temporary file beside {path}: every name drawn exists")
 
 
-def atomic_write(path: str | Path, chunks: Iterable[bytes]) -> None:
+def atomic_write(path: str | Path, chunks: Iterable[bytes | memoryview]) -> None:
     """Write ``path`` all or nothing (see the module's promises); a user-fixable OS error is one line."""
     path = Path(path)
     try:
@@ -534,7 +534,7 @@ class CheckpointFile:
     sha256: str
 
 
-def write_checkpoint_file(path: str | Path, state: dict[str, Any], header: dict[str, Any]) -> str:
+def write_checkpoint_file(path: str | Path, state: Mapping[str, Any], header: dict[str, Any]) -> str:
     """``state`` (``torch.save``) behind a header (``header`` + the payload's size and SHA-256); returns the hash.
 
     The format: :data:`CHECKPOINT_MAGIC`, one line of JSON (``format``, ``payload_bytes``,

@@ -148,3 +148,35 @@ def test_inner_steps_must_be_a_positive_int(toy) -> None:
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="inner_steps"):
             DoubleLoopMGDA(problem.shared, 3, inner_steps=bad)
+
+
+class _Python310Int(int):
+    """``int`` as Python 3.10 has it for ``from_bytes``: the byte order has no default (3.11 added "big")."""
+
+    @classmethod
+    def from_bytes(cls, data: bytes, byteorder: str, *, signed: bool = False) -> int:
+        return int.from_bytes(data, byteorder, signed=signed)
+
+
+def test_a_legacy_torch_generator_state_loads_under_python_3_10(toy, monkeypatch) -> None:
+    """A state saved with the former torch index generator (``rng_state``) loads, under Python 3.10 too.
+
+    Its upgrade seeds the new generator from the old state's bytes with ``int.from_bytes``; it passed
+    no byte order, which Python 3.10 requires (TypeError there).  The module's ``int`` is replaced by
+    one with 3.10's signature, and the seed is the big-endian one that 3.11's default gave.
+    """
+    import hashlib
+
+    import drmoo.optim.double_loop as double_loop
+
+    problem = toy()
+    saved = DoubleLoopMGDA(problem.shared, 3, **HP, seed=5).state_dict()
+    legacy_state = torch.Generator().manual_seed(3).get_state()
+    own = {key: value for key, value in saved["state"]["drmoo"].items() if key != "index_rng_state"}
+    legacy = {**saved, "state": {**saved["state"], "drmoo": {**own, "rng_state": legacy_state}}}
+    restored = DoubleLoopMGDA(problem.shared, 3, **HP, seed=999)
+    monkeypatch.setattr(double_loop, "int", _Python310Int, raising=False)  # for the load only
+    restored.load_state_dict(legacy)
+    monkeypatch.undo()
+    seed = int.from_bytes(hashlib.sha256(legacy_state.numpy().tobytes()).digest()[:8], "big")
+    assert restored.state_dict()["state"]["drmoo"]["index_rng_state"] == random.Random(seed).getstate()

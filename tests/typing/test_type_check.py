@@ -4,9 +4,10 @@
 ``**hparams: Any``) and failed only when run.  Now ``method`` is a Literal of the eight names and each
 method's hyperparameters are typed (one overload per method).  Checked here:
 
-* mypy --strict (tests/typing/mypy.ini) accepts the public entry points (the package, drmoo.Balancer,
-  drmoo.optim's registry, drmoo.distributed) and usage_ok.py, and rejects every line of usage_bad.py
-  marked ``# rejected`` -- and no other line;
+* mypy --strict (the repository's configuration, pyproject.toml's [tool.mypy]) accepts the public
+  entry points (the package, drmoo.Balancer, drmoo.optim's registry, drmoo.distributed) and
+  usage_ok.py, and rejects every line of usage_bad.py marked ``# rejected`` -- and no other line
+  (test_mypy_tree.py checks the whole python/ tree);
 * pyright (strict) does the same with the two usage files;
 * each overload lists exactly its method's constructor keywords, so that the types cannot drift from
   the classes.
@@ -58,7 +59,7 @@ def assert_only_the_rejected_lines_fail(found: dict[str, set[int]], output: str)
 
 
 def test_mypy_strict_accepts_the_public_api_and_typed_use_and_rejects_each_misuse() -> None:
-    output = run([sys.executable, "-m", "mypy", "--config-file", str(HERE / "mypy.ini"), "--cache-dir",
+    output = run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "--cache-dir",
                   str(ROOT / ".mypy_cache"), "--hide-error-context", "--no-pretty", "--no-error-summary",
                   *PUBLIC_MODULES, str(HERE / "usage_ok.py"), str(HERE / "usage_bad.py")])
     found = errors_by_file(output, r"^(?P<path>[^:\n]+\.py):(?P<line>\d+): error:")

@@ -33,3 +33,12 @@ state = fixed.state_dict()
 fixed.load_state_dict(state)
 names: list[str] = list(available())
 stepper = create("mgda", trunk.parameters(), 2, lr=1e-3)
+
+
+def closure() -> tuple[torch.Tensor, torch.Tensor]:
+    """The closure protocol's weighted form: (per-sample losses, sample_weight)."""
+    batch_losses: torch.Tensor = (heads(trunk(x)) - y) ** 2
+    return batch_losses, torch.ones_like(batch_losses)
+
+
+stepped: torch.Tensor = stepper.step(closure)  # a step optimizer's step, not torch.optim.Optimizer's

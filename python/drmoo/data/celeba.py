@@ -35,6 +35,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -228,7 +229,7 @@ class CelebA:
                 filled[:] = 0
                 return
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_cache": None, "_pool": None}  # reopened on use, never pickled
 
     def describe(self) -> str:
@@ -243,8 +244,8 @@ def decode(path: Path, size: int) -> Tensor:
     if not path.is_file():
         raise FileNotFoundError(f"CelebA image {path} is missing (listed in {ATTR_FILE})")
     try:
-        with Image.open(path) as image:
-            image = image.convert("RGB")
+        with Image.open(path) as opened:
+            image = opened.convert("RGB")
             width, height = image.size
             side = min(width, height)
             left, top = (width - side) // 2, (height - side) // 2

@@ -41,6 +41,7 @@ import secrets
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -232,19 +233,29 @@ def holdout_splits(recipe: MultiMnistRecipe, digits: DigitSplits) -> tuple[Tenso
             digits.train_labels[keep:], f"{digits.source}; validation: {keep} train / {held} held-out training digits")
 
 
-def _generate(recipe: MultiMnistRecipe, digits: DigitSplits) -> dict[str, Tensor | str]:
+class CachedSplits(TypedDict):
+    """What a Multi-MNIST cache file holds: the generated splits and their digit source."""
+
+    source: str
+    train_images: Tensor
+    train_labels: Tensor
+    test_images: Tensor
+    test_labels: Tensor
+
+
+def _generate(recipe: MultiMnistRecipe, digits: DigitSplits) -> CachedSplits:
     generator = torch.Generator().manual_seed(recipe.seed)
     train_images, train_labels, test_images, test_labels, source = holdout_splits(recipe, digits)
-    out: dict[str, Tensor | str] = {"source": source}
+    composed: dict[str, tuple[Tensor, Tensor]] = {}
     for split, images, labels, size in (
         ("train", train_images, train_labels, recipe.train_size),
         ("test", test_images, test_labels, recipe.test_size),
     ):
         count = images.shape[0] if size is None else size
         canvas, targets = compose(images, labels, count, recipe.digits, generator, recipe.shift)
-        out[f"{split}_images"] = _resize(canvas, recipe.input_size)
-        out[f"{split}_labels"] = targets
-    return out
+        composed[split] = (_resize(canvas, recipe.input_size), targets)
+    return CachedSplits(source=source, train_images=composed["train"][0], train_labels=composed["train"][1],
+                        test_images=composed["test"][0], test_labels=composed["test"][1])
 
 
 def load_multimnist(
@@ -258,7 +269,7 @@ def load_multimnist(
     key = hashlib.sha1(key_text.encode()).hexdigest()[:16]
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cache / "multimnist" / f"{recipe.digits}digit-{recipe.input_size}px-{key}.pt"
-    tensors = None
+    tensors: CachedSplits | None = None
     digits = load_mnist(data_root)  # also on a hit: the cached content is checked against the digits
     counts = _split_counts(recipe, digits)
     _check_allocatable(recipe, counts)
@@ -322,7 +333,7 @@ def _check_allocatable(recipe: MultiMnistRecipe, counts: tuple[int, int]) -> Non
             "--train-size / --test-size / --input-size")
 
 
-def _checked(tensors: dict[str, object], recipe: MultiMnistRecipe) -> dict[str, Tensor | str]:
+def _checked(tensors: dict[str, object], recipe: MultiMnistRecipe) -> CachedSplits:
     """Cached splits that fit ``recipe``: uint8 [N, 1, S, S] images, int64 [N, digits] labels in 0..9, nothing else.
 
     A key drmoo does not write is refused: it would be loaded into memory on every run for nothing.
@@ -347,13 +358,13 @@ def _checked(tensors: dict[str, object], recipe: MultiMnistRecipe) -> dict[str, 
                              f"[{count}, {recipe.digits}]")
         if labels.numel() and not (0 <= int(labels.min()) and int(labels.max()) <= 9):
             raise ValueError(f"its {split} labels leave 0..9")
-    return tensors  # type: ignore[return-value]
+    return tensors  # type: ignore[return-value]  # every key and its type were checked above
 
 
 SPOT_CHECKED_COMPOSITES = 64  # per split, rebuilt from the digits and compared on every cache read
 
 
-def _verify_content(tensors: dict[str, Tensor | str], recipe: MultiMnistRecipe, digits: DigitSplits) -> None:
+def _verify_content(tensors: CachedSplits, recipe: MultiMnistRecipe, digits: DigitSplits) -> None:
     """Raise ValueError unless the cached tensors are what ``recipe`` generates from ``digits``.
 
     The payload's SHA-256 only detects damage: anyone can write an edited cache in drmoo's format
@@ -369,18 +380,16 @@ def _verify_content(tensors: dict[str, Tensor | str], recipe: MultiMnistRecipe, 
     train_images, train_labels, test_images, test_labels, source = holdout_splits(recipe, digits)
     if tensors["source"] != source:
         raise ValueError(f"it records the digit source {tensors['source']!r}, not {source!r}")
-    for split, images, labels, size in (
-        ("train", train_images, train_labels, recipe.train_size),
-        ("test", test_images, test_labels, recipe.test_size),
+    for split, images, labels, size, cached_images, cached_labels in (
+        ("train", train_images, train_labels, recipe.train_size, tensors["train_images"], tensors["train_labels"]),
+        ("test", test_images, test_labels, recipe.test_size, tensors["test_images"], tensors["test_labels"]),
     ):
         count = images.shape[0] if size is None else size
         chosen, offsets = _draw_layout(count, images.shape[0], recipe.digits, generator, recipe.shift)
-        if not torch.equal(tensors[f"{split}_labels"], torch.stack([labels[index] for index in chosen], dim=1)):
+        if not torch.equal(cached_labels, torch.stack([labels[index] for index in chosen], dim=1)):
             raise ValueError(f"its {split} labels are not the ones the recipe gives its digits")
         rows = torch.randperm(count, generator=pick)[:SPOT_CHECKED_COMPOSITES]
         canvas = _paste(images, [index[rows] for index in chosen],
                         [None if offset is None else offset[rows] for offset in offsets], recipe.digits, recipe.shift)
-        cached_images = tensors[f"{split}_images"]
-        assert isinstance(cached_images, Tensor)  # _checked made sure
         if not torch.equal(_resize(canvas, recipe.input_size), cached_images[rows]):
             raise ValueError(f"its {split} images are not the composites the recipe builds from its digits")

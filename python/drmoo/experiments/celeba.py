@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from drmoo.data.celeba import ALL_ATTRIBUTES, ATTRIBUTES, CelebA, find_celeba_root, load_celeba
 from drmoo.metrics import task_metrics
-from drmoo.models import MultiTaskResNet, resolve_weights
+from drmoo.models import MultiTaskModel, MultiTaskResNet, resolve_weights
 from drmoo.optim import available
 from drmoo.store import make_directory, save_result, write_csv, write_text
 
@@ -103,7 +103,7 @@ def attributes_of(experiment: str) -> tuple[str, ...]:
     return ATTRIBUTE_SETS[experiment]
 
 
-def build_celeba(config: RunConfig) -> tuple[nn.Module, CelebA]:
+def build_celeba(config: RunConfig) -> tuple[MultiTaskModel, CelebA]:
     """The ResNet18 multi-task model (a two-class head per attribute) and the lazily decoded CelebA splits."""
     data = load_celeba(config.data_root, config.input_size, config.train_size, config.test_size,
                        cache_dir=config.cache_dir, attributes=attributes_of(config.experiment))

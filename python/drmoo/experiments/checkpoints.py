@@ -63,7 +63,7 @@ def payload_budget(model: nn.Module, tasks: int, training_rows: int, steps: int)
     rows, ``steps`` rows of per-step metrics and a fixed 64 MiB for the rest.  A header announcing
     more is refused before anything is allocated, whatever hash it carries.
     """
-    tensor_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values() if hasattr(t, "numel"))
+    tensor_bytes: int = sum(t.numel() * t.element_size() for t in model.state_dict().values() if hasattr(t, "numel"))
     copies = STATE_COPIES + STATE_COPIES_PER_TASK * tasks
     return min(MAX_PAYLOAD_BYTES, (1 + copies) * tensor_bytes + BYTES_PER_TRAINING_ROW * training_rows
                + (BYTES_PER_STEP + BYTES_PER_STEP_PER_TASK * tasks) * steps + FIXED_BUDGET)

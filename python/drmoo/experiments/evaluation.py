@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +24,9 @@ from drmoo.store import CheckpointError, UsageError, save_result
 from .checkpoints import CHECKPOINT, checkpoint_provenance, load_checkpoint, payload_budget
 from .devices import resolve_device
 from .run_config import RunConfig, read_run_config
+
+if TYPE_CHECKING:  # the trainer imports this module
+    from .training import Build
 
 __all__ = ["accuracy", "check_eps", "evaluate_robustness", "load_trained", "load_trained_run"]
 
@@ -45,7 +48,7 @@ def accuracy(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int, 
     return (correct.double() / labels.shape[0]).tolist()
 
 
-def load_trained_run(run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], device: str | None = None
+def load_trained_run(run_dir: Path, build: Build, device: str | None = None
                      ) -> tuple[RunConfig, nn.Module, Any, torch.device, dict[str, Any]]:
     """:func:`load_trained` and the provenance of the weights loaded (see :func:`checkpoint_provenance`)."""
     config = read_run_config(run_dir)
@@ -74,7 +77,7 @@ def _run_length(config: RunConfig, data: Any) -> int:
     return total if config.max_steps is None else min(total, config.max_steps)
 
 
-def load_trained(run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], device: str | None = None
+def load_trained(run_dir: Path, build: Build, device: str | None = None
                  ) -> tuple[RunConfig, nn.Module, Any, torch.device]:
     """A trained run's config, model (weights loaded, on ``device`` or the run's), data and that device."""
     return load_trained_run(run_dir, build, device)[:4]
@@ -91,7 +94,7 @@ def check_eps(eps_values: Iterable[float]) -> list[float]:
 
 
 def evaluate_robustness(
-    run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]], eps_values: list[float],
+    run_dir: Path, build: Build, eps_values: list[float],
     progress: bool = True, device: str | None = None, eps_space: str = "pixel",
 ) -> dict[str, Any]:
     """FGSM accuracy per task and on average for each eps; writes and returns eval.json's content.

@@ -18,12 +18,10 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from torch import nn
-
 from drmoo.data import MultiMnist, MultiMnistRecipe, load_multimnist
 from drmoo.data.mnist import digit_source_fingerprint
 from drmoo.data.multimnist import GRID_DIGITS
-from drmoo.models import MultiLeNet, MultiTaskResNet, resolve_weights
+from drmoo.models import MultiLeNet, MultiTaskModel, MultiTaskResNet, resolve_weights
 from drmoo.optim import available
 
 from .run_config import RunConfig
@@ -287,7 +285,7 @@ def recipe_of(config: RunConfig) -> MultiMnistRecipe:
     )
 
 
-def build_model(config: RunConfig, digits: int) -> nn.Module:
+def build_model(config: RunConfig, digits: int) -> MultiTaskModel:
     """The run's multi-task network: the paper's ResNet18 or Sener & Koltun's MultiLeNet."""
     if config.model == "lenet":
         if config.weights.lower() != "none":
@@ -301,7 +299,7 @@ def check_digit_source(config: RunConfig) -> None:
     digit_source_fingerprint(config.data_root)
 
 
-def build_multimnist(config: RunConfig) -> tuple[nn.Module, MultiMnist]:
+def build_multimnist(config: RunConfig) -> tuple[MultiTaskModel, MultiMnist]:
     """The multi-task model and the generated data of a run."""
     recipe = recipe_of(config)
     model = build_model(config, recipe.digits)  # first: its checks are cheaper than generating the data

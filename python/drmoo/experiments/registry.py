@@ -13,12 +13,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # annotations only
-    from torch import Tensor, nn
+    from torch import Tensor
 
     from .run_config import RunConfig
+    from .training import Build
 
 __all__ = ["BUILTIN_MODULES", "Experiment", "experiments", "get_experiment", "register"]
 
@@ -27,6 +28,14 @@ __all__ = ["BUILTIN_MODULES", "Experiment", "experiments", "get_experiment", "re
 BUILTIN_MODULES = ("drmoo.experiments.robustness", "drmoo.experiments.celeba")
 
 _REGISTRY: dict[str, Experiment] = {}
+
+
+class MethodHparams(Protocol):
+    """``method_hparams(method, overrides, preset=...)``: the hyperparameters a run of ``method`` gets
+    (the paper's, then the choices of the run's ``preset`` where it has any, then ``overrides``)."""
+
+    def __call__(self, method: str, overrides: dict[str, Any] | None = None, preset: str | None = None
+                 ) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -41,9 +50,9 @@ class Experiment:
     """
 
     name: str
-    build: Callable[[RunConfig], tuple[nn.Module, Any]]
+    build: Build
     presets: dict[str, dict[str, Any]]  # preset name -> RunConfig fields
-    method_hparams: Callable[[str, dict[str, Any] | None], dict[str, Any]]
+    method_hparams: MethodHparams
     evaluate: Callable[..., dict[str, Any]]
     eval_table: Callable[[dict[str, Any]], str]
     compare: Callable[..., str]

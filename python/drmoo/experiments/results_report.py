@@ -188,7 +188,7 @@ def _validate(value: Any, schema: Any, where: str) -> None:
 
 def _load(path: Path, schema_name: str) -> dict[str, Any]:
     """A side file read through the store (bounded, no link followed) and validated against its schema."""
-    data = read_json(path, what="result file")
+    data: dict[str, Any] = read_json(path, what="result file")  # _validate checks it is one
     _validate(data, SCHEMAS[schema_name], path.name)
     return data
 

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from drmoo.optim import NonFiniteStepError
@@ -35,7 +35,7 @@ from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
 from .run_config import RunConfig, config_differences, read_run_config
 from .summaries import fgsm_comparison, mean_std, mean_std_text
-from .training import DIVERGED, check_fresh_directory, check_run_names, read_diverged, train
+from .training import DIVERGED, Build, check_fresh_directory, check_run_names, read_diverged, train
 from .variants import run_dir_name
 
 __all__ = ["MAX_JOBS", "balancing_table", "check_distinct", "compare", "ensure_trained", "eval_table",
@@ -61,7 +61,8 @@ def eval_table(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def robustness_table(reports: list[dict[str, Any]], eps_values: list[float], header: str) -> tuple[str, list[dict]]:
+def robustness_table(reports: list[dict[str, Any]], eps_values: list[float], header: str
+                     ) -> tuple[str, list[dict[str, Any]]]:
     """Table 1 layout: methods x eps, mean ± std over seeds of the task-averaged accuracy (%)."""
     methods = list(dict.fromkeys(r["method"] for r in reports))
     columns = ["Clean" if eps == 0 else f"{eps:g}" for eps in eps_values]
@@ -162,7 +163,7 @@ def _fgsm_report_fits(report: dict[str, Any], eps_values: list[float], eps_space
             and all(isinstance(report[key], int) for key in ("test_samples", "iterations", "samples_seen")))
 
 
-def ensure_trained(config: RunConfig, run_dir: Path, build: Callable[[RunConfig], tuple[nn.Module, Any]],
+def ensure_trained(config: RunConfig, run_dir: Path, build: Build,
                    progress: bool = True, sample_weight: Callable[[Tensor], Tensor] | None = None) -> None:
     """Train ``config`` in ``run_dir`` unless it finished there with the same settings.
 

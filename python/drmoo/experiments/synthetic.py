@@ -182,7 +182,7 @@ def _run_one(
 def _read_records(path: Path, method: str, seed: int, steps: int) -> list[dict[str, Any]] | None:
     """The records of a finished run's CSV, or None when it is not exactly that run's (damaged, edited, NaN)."""
     try:
-        parsed = []
+        parsed: list[dict[str, Any]] = []
         for row in iter_csv(path, what="run CSV"):  # streamed: more rows than the run's steps is not its file
             if len(parsed) == steps:
                 return None

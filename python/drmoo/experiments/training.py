@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drmoo import distributed
-from drmoo.optim import NonFiniteStepError, create
+from drmoo.models.multitask import MultiTaskModel
+from drmoo.optim import MultiObjectiveOptimizer, NonFiniteStepError, create
 from drmoo.store import (
     LOCK_FILE,
     TEMP_SUFFIX,
@@ -69,7 +70,7 @@ GRAD_SCALE_INIT, GRAD_SCALE_BACKOFF, GRAD_SCALE_GROWTH, GRAD_SCALE_GROWTH_INTERV
 MAX_SKIPPED_FP16_STEPS = 50  # and more than half of the steps: fp16 cannot train this run
 DIVERGED = "diverged"  # the marker of a run that ended at a non-finite step (see _stop_diverged)
 
-Build = Callable[[RunConfig], tuple[nn.Module, Any]]
+Build = Callable[[RunConfig], tuple[MultiTaskModel, Any]]
 
 
 class TrainingInterrupted(RuntimeError):
@@ -158,9 +159,9 @@ class _Run:
     run_dir: Path
     device: torch.device
     is_main: bool  # only rank 0 writes checkpoints, logs and progress
-    model: nn.Module
+    model: MultiTaskModel
     data: Any
-    optimizer: torch.optim.Optimizer  # the method's, on the shared parameters
+    optimizer: MultiObjectiveOptimizer  # the method's, on the shared parameters
     heads: torch.optim.SGD  # the task-specific parameters'
     stream: IndexStream
     steps_per_epoch: int
@@ -522,7 +523,10 @@ def _train_step(run: _Run, closure: _BatchLosses, skipped: list[dict[str, Any]])
     _unscale_head_grads(run)
     run.heads.step()
     run.step += 1
-    task_acc = [float((z.argmax(1) == closure.labels[:, i]).float().mean()) for i, z in enumerate(closure.logits)]
+    labels = closure.labels  # the last batch's: set by every call of the closure, and the step called it
+    if labels is None:
+        raise RuntimeError(f"{type(run.optimizer).__name__}.step returned without calling the closure")
+    task_acc = [float((z.argmax(1) == labels[:, i]).float().mean()) for i, z in enumerate(closure.logits)]
     row = {"step": run.step, "epoch": (run.step - 1) // run.steps_per_epoch + 1, "samples": run.stream.samples_drawn,
            "dual_objective": float(objective.mean()), "train_acc": sum(task_acc) / len(task_acc),
            "balanced_grad_norm": float(stats["balanced_grad_norm"]),

@@ -330,7 +330,7 @@ def measure_iterations(
     if api == "balancer":
         plain_floor_of = floor_of
 
-        def floor_of(passes: Passes) -> Callable[[], None]:  # type: ignore[no-redef]
+        def floor_of(passes: Passes) -> Callable[[], None]:
             return _with_optimizer_step(plain_floor_of(passes), floor_optimizer, every_param)
 
     common_floor = floor_of(common)

@@ -22,12 +22,14 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .multitask import MultiTaskModel
+
 __all__ = ["LENET_INPUT_SIZE", "MultiLeNet"]
 
 LENET_INPUT_SIZE = 28  # 28 -conv5-> 24 -pool-> 12 -conv5-> 8 -pool-> 4: 20 x 4 x 4 = 320 trunk features
 
 
-class MultiLeNet(nn.Module):
+class MultiLeNet(MultiTaskModel):
     """Shared LeNet trunk + ``len(num_classes)`` two-layer heads; ``forward`` returns one logit tensor per task."""
 
     def __init__(self, num_classes: list[int], input_size: int = LENET_INPUT_SIZE) -> None:
@@ -50,9 +52,6 @@ class MultiLeNet(nn.Module):
     def shared_parameters(self) -> list[Tensor]:
         """Every trunk parameter: what the multi-objective optimizer updates."""
         return list(self.trunk.parameters())
-
-    def task_parameters(self) -> list[Tensor]:
-        return list(self.heads.parameters())
 
     def features(self, images: Tensor) -> Tensor:
         if images.dim() != 4 or images.shape[-2:] != (LENET_INPUT_SIZE, LENET_INPUT_SIZE):

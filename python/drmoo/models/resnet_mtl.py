@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .multitask import MultiTaskModel
+
 __all__ = ["IMAGENET_WEIGHTS_FILE", "MultiTaskResNet", "resolve_weights"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -49,10 +51,12 @@ def resolve_weights(spec: str | None) -> Path | None:
     return path
 
 
-class MultiTaskResNet(nn.Module):
+class MultiTaskResNet(MultiTaskModel):
     """ResNet18 trunk (shared) + ``len(num_classes)`` MLP heads; ``forward`` returns one logit tensor per task."""
 
     FROZEN = ("conv1", "bn1", "layer1")
+    mean: Tensor  # ImageNet's normalisation, [1, 3, 1, 1] buffers (registered in __init__)
+    std: Tensor
 
     def __init__(
         self, num_classes: list[int], weights: Path | None = None, hidden: int = 256, dropout: float = 0.2
@@ -84,11 +88,11 @@ class MultiTaskResNet(nn.Module):
 
     @staticmethod
     def _head(features: int, hidden: int, classes: int, dropout: float) -> nn.Sequential:
-        head = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, classes))
-        for layer in (head[0], head[3]):
+        first, last = nn.Linear(features, hidden), nn.Linear(hidden, classes)
+        for layer in (first, last):
             nn.init.kaiming_uniform_(layer.weight, nonlinearity="relu")
             nn.init.zeros_(layer.bias)
-        return head
+        return nn.Sequential(first, nn.ReLU(), nn.Dropout(dropout), last)
 
     def train(self, mode: bool = True) -> MultiTaskResNet:
         super().train(mode)
@@ -100,11 +104,9 @@ class MultiTaskResNet(nn.Module):
         """The trainable trunk parameters (layer2-4): what the multi-objective optimizer updates."""
         return [p for p in self.trunk.parameters() if p.requires_grad]
 
-    def task_parameters(self) -> list[Tensor]:
-        return list(self.heads.parameters())
-
     def features(self, images: Tensor) -> Tensor:
-        return self.trunk((images - self.mean) / self.std)
+        features: Tensor = self.trunk((images - self.mean) / self.std)
+        return features
 
     def forward(self, images: Tensor) -> list[Tensor]:
         features = self.features(images)

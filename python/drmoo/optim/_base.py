@@ -45,8 +45,9 @@ them, so that every ``.grad`` it leaves is the global batch's.
 from __future__ import annotations
 
 import functools
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -55,11 +56,14 @@ from drmoo import distributed
 from drmoo.distributed import all_reduce_max
 from drmoo.jacobian import STRATEGIES, column_views, feed_head_grads, head_leaves, task_jacobian
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
-from drmoo_kernels._checks import check_positive, trusted_arguments, untrusted_arguments
+from drmoo_kernels._checks import check_positive as check_positive  # re-exported: the methods' modules use it
+from drmoo_kernels._checks import trusted_arguments, untrusted_arguments
 
 from ._features import FeaturesJacobian
 
-Closure = Callable[[], Tensor]
+# The closure protocol (above): per-sample losses, or (losses, sample_weight); in features mode
+# (losses, z) or (losses, z, sample_weight).
+Closure = Callable[[], Tensor | tuple[Tensor, ...]]
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
 STATE_KEY = "drmoo"
@@ -212,6 +216,18 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
     direction couples every shared parameter), so parameter groups must agree on all of them; they
     are read from the first group, which is where LR schedulers write too.
     """
+
+    # torch types ``state`` as {parameter: its state}; drmoo keeps its own entries (w, eta, the
+    # counters) beside those, under the str key STATE_KEY.
+    state: defaultdict[Any, Any]
+
+    if TYPE_CHECKING:
+        # Every method defines ``step`` with this signature (FAMO adds ``reevaluate``), not torch's
+        # ``step(closure: Callable[[], float] | None) -> float | None``: declared here so that code
+        # holding a MultiObjectiveOptimizer (from drmoo.optim.create, say) is checked against it.
+        def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
+            """One iteration of the method; calls ``closure`` as its algorithm needs."""
+            ...
 
 
     # Named paper settings of the method: preset name -> constructor keyword arguments.
@@ -406,10 +422,10 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         elif isinstance(params, (set, frozenset)) or params is None:
             raise TypeError("a parameter group's params must be a Tensor or an ordered sequence of Tensors "
                             f"(not {type(params).__name__}: its order would change between runs)")
-        params = list(params)
+        new_params: list[Tensor] = list(params)  # each checked to be a Tensor below
         known = {id(p): index for index, group in enumerate(self.param_groups) for p in group["params"]}
         seen: set[int] = set()
-        for param in params:
+        for param in new_params:
             if not isinstance(param, Tensor):
                 raise TypeError(f"optimizer parameters must be Tensors, got {type(param).__name__}")
             if id(param) in seen:
@@ -423,7 +439,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                     "each parameter must be given once (twice would apply its update twice)"
                 )
             seen.add(id(param))
-        shared = [p for p in (*self._shared_params(), *params) if p.requires_grad]
+        shared = [p for p in (*self._shared_params(), *new_params) if p.requires_grad]
         devices = {p.device for p in shared}
         dtypes = {p.dtype for p in shared}
         if len(devices) > 1 or len(dtypes) > 1:
@@ -431,7 +447,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                 "all shared parameters must have one device and dtype (they share one flat gradient "
                 f"buffer); got devices {sorted(map(str, devices))} and dtypes {sorted(map(str, dtypes))}"
             )
-        return params
+        return new_params
 
     @staticmethod
     def _check_groups_agree(groups: list[dict[str, Any]]) -> None:
@@ -469,12 +485,14 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
     @property
     def w(self) -> Tensor:
         """Current preference vector (on the probability simplex)."""
-        return self.state[STATE_KEY]["w"]
+        w: Tensor = self.state[STATE_KEY]["w"]
+        return w
 
     @property
     def eta(self) -> Tensor:
         """Current dual variables, one per task."""
-        return self.state[STATE_KEY]["eta"]
+        eta: Tensor = self.state[STATE_KEY]["eta"]
+        return eta
 
     @property
     def steps_taken(self) -> int:

@@ -263,9 +263,10 @@ class FeaturesJacobian:
         with torch.no_grad():
             grads = [torch.zeros_like(param) if grad is None else grad for param, grad in zip(shared, grads)]
             if distributed.is_distributed():  # shard directions -> the global batch's (one flat all-reduce)
-                flat = torch.cat([grad.reshape(-1) for grad in grads])
-                distributed.all_reduce_sum_(flat)
-                grads = [part.view_as(grad) for part, grad in zip(flat.split([g.numel() for g in grads]), grads)]
+                joined = torch.cat([grad.reshape(-1) for grad in grads])
+                distributed.all_reduce_sum_(joined)
+                parts = torch.split(joined, [g.numel() for g in grads])
+                grads = [part.view_as(grad) for part, grad in zip(parts, grads)]
             norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64)
             optimizer.require_finite(torch.isfinite(norms.sum()).reshape(1), lambda _: (
                 f"non-finite gradient of the shared parameters from the backward pass through the trunk in "

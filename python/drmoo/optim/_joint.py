@@ -292,7 +292,8 @@ def norm_f64(vector: Tensor) -> Tensor:
     combined gradient): ``vector.double()`` first would copy an 11M-entry vector to float64, 78 ms
     of one CPU core.  The norm is a statistic (FAMO) or compared with a clipping bound (Nash-MTL),
     where float32's relative error is immaterial."""
-    return torch.linalg.vector_norm(vector).double()
+    norm: Tensor = torch.linalg.vector_norm(vector)  # torch types the linalg functions as Any
+    return norm.double()
 
 
 def all_finite(vector: Tensor) -> Tensor:

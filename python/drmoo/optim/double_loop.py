@@ -150,7 +150,8 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         if isinstance(saved, dict) and "index_rng_state" not in saved and isinstance(saved.get("rng_state"), Tensor):
             legacy = saved["rng_state"].detach().cpu().contiguous().numpy().tobytes()
             upgraded = {key: value for key, value in saved.items() if key != "rng_state"}
-            upgraded["index_rng_state"] = random.Random(int.from_bytes(hashlib.sha256(legacy).digest()[:8])).getstate()
+            seed = int.from_bytes(hashlib.sha256(legacy).digest()[:8], "big")  # byteorder: required on Python 3.10
+            upgraded["index_rng_state"] = random.Random(seed).getstate()
             state_dict = {**state_dict, "state": {**state_dict["state"], STATE_KEY: upgraded}}
         self.validate_state_dict(state_dict)
         generator = random.Random()

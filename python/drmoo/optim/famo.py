@@ -15,7 +15,7 @@ from ._base import HYPERPARAMETER_CHECKS, STATE_KEY, Closure, ParamsT, check_fla
 from ._features import configure as configure_jacobian
 from ._joint import JointBaseline, TaskGradients, common_defaults
 
-ReevaluateFn = Callable[[], Tensor]
+ReevaluateFn = Closure  # the same protocol: per-sample losses, or (losses, sample_weight)
 
 
 def _accepts_same_batch(closure: Callable[..., Any]) -> bool:
@@ -285,7 +285,6 @@ class FAMO(JointBaseline):
         """Same-batch form: step theta and eta, re-evaluate the batch there (no graph) and return its
         dual objectives; theta and eta are restored if the re-evaluation fails or is non-finite."""
         h = self.param_groups[0]
-        capturable = self.found_inf is not None
         shared = self._shared_params()
         # theta before the step, for its roll-back: one multi-tensor copy into a kept flat buffer
         theta_before = self._vector("theta_before")
@@ -309,8 +308,8 @@ class FAMO(JointBaseline):
                     p.copy_(saved)
                 self.eta.copy_(eta_backup)
             raise
-        if capturable:  # a non-finite re-evaluation (or earlier NaN): theta and eta back, on the device
-            found_inf = self.found_inf
+        found_inf = self.found_inf  # set throughout a capturable step, None in an eager one
+        if found_inf is not None:  # a non-finite re-evaluation (or earlier NaN): theta and eta back, on the device
             with torch.no_grad():
                 for p, saved in zip(shared, backup):
                     p.copy_(torch.where(found_inf, saved, p))
