@@ -271,6 +271,14 @@ def _with_optimizer_step(floor: Callable[[], None], optimizer: torch.optim.Optim
     return floor_and_step
 
 
+def _steady_passes(iteration: Callable[[], None], counter: PassCounter, probes: int, label: str) -> Passes:
+    """The passes of ``iteration`` once past its first call, which runs uncounted: a step's one-time work
+    (FAMO's check for heads passed as shared parameters takes m backward passes on its first step) is
+    not part of the iteration the floors stand for.  Then ``probes`` counted calls must agree."""
+    iteration()
+    return _count_passes(iteration, counter, probes, label)
+
+
 def _count_passes(iteration: Callable[[], None], counter: PassCounter, probes: int, label: str) -> Passes:
     """The passes of ``iteration``, counted over ``probes`` calls (warm-ups) that must all agree."""
     seen: list[Passes] = []
@@ -291,7 +299,8 @@ def measure_iterations(
 ) -> list[dict[str, Any]]:
     """Rows (method, its passes, seconds per iteration median/min, ratios to both floors), the common floor first.
 
-    Each method's first ``max(warmup, 1)`` iterations are warm-ups whose passes are counted (they
+    Each method's first iteration runs uncounted (one-time work), the next ``max(warmup, 1)`` are
+    warm-ups whose passes are counted (they
     must agree); then ``repeats`` timed rounds of: one iteration, one common floor, one own floor.
     ``capturable`` (default: as the trainer runs the optimizers, True on CUDA) is passed to every
     optimizer.  ``clock``: see :func:`resolve_clock`.  ``api``: ``"step"`` (``optimizer.step(closure)``)
@@ -349,7 +358,7 @@ def measure_iterations(
             balancer = Balancer(method, shared, num_tasks, backend=backend, **hparams)
             optimizer = balancer.algorithm
             iteration = _balancer_iteration(balancer, torch.optim.Adam(every_param, lr=1e-3), draw_batch, losses_of)
-        passes = _count_passes(iteration, counter, max(warmup, 1), label)
+        passes = _steady_passes(iteration, counter, max(warmup, 1), label)
         if passes == common:  # its own floor is the common one: no need to time it twice
             times, floor_times = _timed(iteration, common_floor, device=device, warmup=0, repeats=repeats,
                                         clock=clock)
