@@ -114,6 +114,33 @@ def test_compare_writes_table_one_and_reuses_finished_runs(tmp_path: Path, cache
     assert (out / "mgda-seed1" / "checkpoint.pt").stat().st_mtime_ns == stamp
 
 
+def test_compare_reuses_finished_runs_shared_without_their_checkpoints(tmp_path: Path, cache_dir: str,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    """Committed results keep no checkpoint.pt.  `compare` over them stopped with "checkpoint.pt does not
+    exist: train the run first" (their eval.json could not be checked against weights); it now reuses a
+    finished run's eval.json that records its checkpoint, changes no file of the run, and says in the
+    table which results were not checked.  A run whose eval.json records no checkpoint is still refused."""
+    out = tmp_path / "cmp"
+    args = ["compare", "--methods", "mgda", "--seeds", "0,1", "--max-steps", "1", "--eps", "0,0.03",
+            "--out", str(out), "--cache-dir", cache_dir, "--quiet", *TINY]
+    assert main(args) == 0
+    first_table = list(csv.DictReader((out / "table.csv").open()))
+    (out / "mgda-seed0" / "checkpoint.pt").unlink()  # as a clone of committed results has it
+    before = {path.name: path.read_bytes() for path in (out / "mgda-seed0").iterdir()}
+    capsys.readouterr()
+    assert main(args) == 0
+    assert {path.name: path.read_bytes() for path in (out / "mgda-seed0").iterdir()} == before
+    assert list(csv.DictReader((out / "table.csv").open())) == first_table
+    table = (out / "table.md").read_text()
+    assert "without their weights" in table and "mgda seed 0" in table and "mgda seed 1" not in table
+    # an eval.json that does not say which checkpoint it evaluated is not reused without one
+    report = json.loads((out / "mgda-seed0" / "eval.json").read_text())
+    del report["checkpoint"]
+    (out / "mgda-seed0" / "eval.json").write_text(json.dumps(report))
+    assert main(args) != 0
+    assert "checkpoint.pt does not exist" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("method", sorted(available()))
 def test_a_capturable_step_skipped_on_the_device_stops_the_run_as_an_eager_one_does(
         tmp_path: Path, cache_dir: str, method: str, monkeypatch: pytest.MonkeyPatch) -> None:

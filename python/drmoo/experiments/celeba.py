@@ -28,7 +28,7 @@ from drmoo.store import make_directory, save_result, write_csv, write_text
 
 from .evaluation import load_trained_run
 from .registry import Experiment, register
-from .robustness import check_distinct, diverged_note, ensure_trained, reusable_result
+from .robustness import check_distinct, ensure_trained, reusable_result, run_notes
 from .run_config import RunConfig
 from .summaries import mean_std, mean_std_text
 from .training import check_fresh_directory, check_run_names, read_diverged
@@ -232,7 +232,7 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
         f"wall time {time.perf_counter() - started:.0f}s"
     )
     table, rows = table_two(reports, header)
-    note = diverged_note(reports)
+    note = run_notes(reports)
     if note:
         table += "\n" + note
     write_text(out / "table.md", table)

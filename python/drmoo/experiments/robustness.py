@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -137,22 +138,43 @@ def _finished(run_dir: Path, config: RunConfig) -> bool:
         return False  # a damaged config.json: ensure_trained's checks below decide
 
 
+# The key a reused report carries when its run came without its checkpoint (see reusable_result).
+WEIGHTS_ABSENT = "weights_absent"
+
+
 def reusable_result(run_dir: Path, valid: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
     """``run_dir``'s eval.json when it is readable, ``valid`` and computed from the checkpoint there now; else None.
 
     A result of other weights (the run was extended since), of a damaged or forged file, or of an
     older drmoo that did not record its checkpoint is recomputed, never shown beside the new run.
+
+    One exception: a finished run shared without its weights (committed results keep no
+    ``checkpoint.pt``) cannot be re-evaluated, and retraining it would overwrite the run it came as.
+    Its eval.json is reused when it records the checkpoint it was computed from, marked
+    ``weights_absent`` so that the table says which results were not checked against weights
+    (:func:`run_notes`).  Move such a run aside to retrain and re-evaluate it.
     """
     try:
         report = read_json(run_dir / "eval.json", what="evaluation")
     except (UsageError, FileNotFoundError):
         return None
-    if not isinstance(report, dict) or not result_matches_checkpoint(run_dir, report):
+    if not isinstance(report, dict):
         return None
+    if not result_matches_checkpoint(run_dir, report):
+        if not _shared_without_weights(run_dir, report):
+            return None
+        report = {**report, WEIGHTS_ABSENT: True}
     try:
         return report if valid(report) else None
     except (KeyError, TypeError, ValueError, IndexError):
         return None
+
+
+def _shared_without_weights(run_dir: Path, report: dict[str, Any]) -> bool:
+    """A finished run with no checkpoint file at all, whose report says which checkpoint it evaluated."""
+    recorded = report.get("checkpoint")
+    return (not os.path.lexists(run_dir / CHECKPOINT) and (run_dir / "done").is_file()
+            and isinstance(recorded, dict) and isinstance(recorded.get("payload_sha256"), str))
 
 
 def _fgsm_report_fits(report: dict[str, Any], eps_values: list[float], eps_space: str) -> bool:
@@ -253,7 +275,23 @@ def train_and_evaluate(config: RunConfig, run_dir: Path, eps_values: list[float]
         preference_trace(run_dir)
 
 
-def diverged_note(reports: list[dict[str, Any]]) -> str:
+def run_notes(reports: list[dict[str, Any]]) -> str:
+    """What the table must say about some of its runs (empty when nothing): those that stopped at a
+    non-finite step, and those reused from an eval.json whose weights were not there to check it."""
+    return "\n".join(note for note in (_diverged_note(reports), _weights_absent_note(reports)) if note)
+
+
+def _weights_absent_note(reports: list[dict[str, Any]]) -> str:
+    shared = [r for r in reports if r.get(WEIGHTS_ABSENT)]
+    if not shared:
+        return ""
+    runs = ", ".join(f"{r.get('label', r['method'])} seed {r['seed']}" for r in shared)
+    return (f"Reused from their eval.json without their weights (the run directories hold no checkpoint.pt, "
+            f"as committed results do not), so not re-evaluated here: {runs}. Move a run aside to retrain and "
+            "re-evaluate it.\n")
+
+
+def _diverged_note(reports: list[dict[str, Any]]) -> str:
     """The runs that stopped at a non-finite step, by row: which seed, where (empty when none did)."""
     stopped = [r for r in reports if "diverged_at" in r]
     if not stopped:
@@ -378,7 +416,7 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
         write_csv(out / "paired.csv", paired)
     else:  # no paired differences in this comparison: one left by an earlier one would be read as its own
         remove_file(out / "paired.csv")
-    note = diverged_note(reports)
+    note = run_notes(reports)
     if note:
         table += "\n" + note
     table += "\n" + balancing_table(traces)
