@@ -426,6 +426,12 @@ class _BatchLosses:
 
     ``same_batch=True`` recomputes the previous call's batch (FAMO re-evaluates the losses after its
     step).  The last batch's logits and labels stay here for the step's training accuracy.
+
+    With ``jacobian="features"`` a step's per-task gradients must all come from one batch (one z; see
+    :mod:`drmoo.optim._features`), so the second and later draws *with a graph* of one step (MoDo's
+    and SDMGrad's three batches, Double-Loop's Y, Y_bar and Y_tilde) return the step's first one: these
+    methods run their single-batch form.  Draws without a graph (Double-Clip's and Double-Loop's
+    dual-variable steps) stay fresh batches, as in parameters mode.  :meth:`begin_step` marks a step.
     """
 
     def __init__(self, run: _Run, sample_weight: Callable[[Tensor], Tensor] | None) -> None:
@@ -433,8 +439,14 @@ class _BatchLosses:
         self.rows: Tensor | None = None
         self.logits: list[Tensor] = []
         self.labels: Tensor | None = None
+        self.step_graph_draw: tuple[Tensor, ...] | None = None  # features mode: this step's draw with a graph
+
+    def begin_step(self) -> None:
+        self.step_graph_draw = None
 
     def __call__(self, same_batch: bool = False) -> Tensor | tuple[Tensor, ...]:
+        if not same_batch and self.step_graph_draw is not None and torch.is_grad_enabled():
+            return self.step_graph_draw  # features mode: one batch per step (see the class docstring)
         run = self.run
         rows = self.rows if same_batch else distributed.shard(run.stream())  # this rank's share
         self.rows = rows
@@ -457,7 +469,10 @@ class _BatchLosses:
         losses = per_sample_losses(logits, y)
         weights = None if self.sample_weight is None else self.sample_weight(y)
         if features_mode:
-            return (losses, trunk_output) if weights is None else (losses, trunk_output, weights)
+            drawn = (losses, trunk_output) if weights is None else (losses, trunk_output, weights)
+            if torch.is_grad_enabled() and not same_batch:
+                self.step_graph_draw = drawn
+            return drawn
         return losses if weights is None else (losses, weights)
 
 
@@ -501,6 +516,7 @@ def _train_step(run: _Run, closure: _BatchLosses, skipped: list[dict[str, Any]])
     run.heads.zero_grad(set_to_none=True)
     step_started = time.perf_counter()
     run.optimizer.loss_scale = run.grad_scale["value"]
+    closure.begin_step()
     try:
         objective = run.optimizer.step(closure)
     except NonFiniteStepError as error:
@@ -508,6 +524,8 @@ def _train_step(run: _Run, closure: _BatchLosses, skipped: list[dict[str, Any]])
             raise
         _skip_overflowed_step(run, error, skipped)
         return None
+    finally:
+        closure.begin_step()  # the step's draw and its graph are not kept past the step
     stats = run.optimizer.stats
     if "found_inf" in stats and bool(stats["found_inf"]):
         # A capturable step (CUDA) skips a non-finite step on the device instead of raising;
