@@ -62,11 +62,24 @@ jobs="${JOBS:-$(nproc)}"
 eps="0,0.01,0.03,0.05,0.08,0.1,0.15,0.2"
 what="${1:-2}"
 start=$(date +%s)
-# A validation-split sweep: sweep EXPERIMENT SEEDS OUT SPEC (every stage of every sweep runs through it).
+# A validation-split sweep: sweep EXPERIMENT SEEDS OUT SPEC [COMPARE OPTIONS...] (every stage of every
+# sweep runs through it).
 sweep() {
     "$drmoo" compare --experiment "$1" --preset small --eval-split validation --seeds "$2" --eps 0 \
         --jobs "$jobs" --methods "$4" --device cpu --quiet --out "$3" \
-        ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"}
+        ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"} "${@:5}"
+}
+# A first stage on seed 0 whose grid grows while a best rate sits at an end of it (sweep_rule.py's
+# extension): grown_sweep EXPERIMENT OUT SPEC [COMPARE OPTIONS...].
+grown_sweep() {
+    local experiment="$1" out="$2" spec="$3" more
+    shift 3
+    while :; do
+        sweep "$experiment" 0 "$out" "$spec" "$@"
+        more=$("$python" scripts/sweep_rule.py extension "$out")
+        [ -n "$more" ] || break
+        spec="$spec,$more"
+    done
 }
 # one_row METHOD SPEC: METHOD's row of a spec whose rows all carry [...] (sweep_rule.py's output).
 one_row() { sed 's/\],/]\n/g' <<< "$2" | grep "^$1\["; }
@@ -96,12 +109,7 @@ features-sweep)
     for method in double-clip nashmtl; do
         for lr in 0.001 0.003 0.01 0.03 0.1 0.3 1.0 3.0; do spec="$spec${spec:+,}$method[jacobian=features,lr=$lr]"; done
     done
-    while :; do
-        sweep multimnist2 0 results/multimnist2-small/features/lr-sweep "$spec"
-        more=$("$python" scripts/sweep_rule.py extension results/multimnist2-small/features/lr-sweep)
-        [ -n "$more" ] || break
-        spec="$spec,$more"
-    done ;;
+    grown_sweep multimnist2 results/multimnist2-small/features/lr-sweep "$spec" ;;
 features-runoff)
     spec=$("$python" scripts/sweep_rule.py finalists results/multimnist2-small/features/lr-sweep)
     sweep multimnist2 1,2 results/multimnist2-small/features/lr-sweep/runoff "$spec" ;;
@@ -136,22 +144,15 @@ b64-sweep)
     for method in double-clip mgda nashmtl famo; do
         for lr in 0.1 0.3 1.0 3.0; do spec="$spec${spec:+,}$method[lr=$lr]"; done
     done
-    while :; do
-        # shellcheck disable=SC2086
-        "$drmoo" compare --experiment multimnist2 --preset small $b64 --eval-split validation --seeds 0 --eps 0 \
-            --jobs "$jobs" --methods "$spec" --device cpu --quiet --out results/multimnist2-small/batch64/lr-sweep
-        more=$("$python" scripts/sweep_rule.py extension results/multimnist2-small/batch64/lr-sweep)
-        [ -n "$more" ] || break
-        spec="$spec,$more"
-    done ;;
+    # shellcheck disable=SC2086
+    grown_sweep multimnist2 results/multimnist2-small/batch64/lr-sweep "$spec" $b64 ;;
 b64-runoff)
     spec=$("$python" scripts/sweep_rule.py finalists results/multimnist2-small/batch64/lr-sweep)
     # shellcheck disable=SC2086
-    "$drmoo" compare --experiment multimnist2 --preset small $b64 --eval-split validation --seeds 1,2 --eps 0 \
-        --jobs "$jobs" --methods "$spec" --device cpu --quiet --out results/multimnist2-small/batch64/lr-sweep/runoff ;;
+    sweep multimnist2 1,2 results/multimnist2-small/batch64/lr-sweep/runoff "$spec" $b64 ;;
 b64)
     spec=$("$python" scripts/sweep_rule.py winners results/multimnist2-small/batch64/lr-sweep)
-    reference=$(tr ',' '\n' <<< "$spec" | grep '^double-clip\[')
+    reference=$(one_row double-clip "$spec")
     # shellcheck disable=SC2086
     "$drmoo" compare --experiment multimnist2 --preset small $b64 --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "$spec" --reference "$reference" --device cpu --quiet --out results/multimnist2-small/batch64 ;;

@@ -85,19 +85,14 @@ CONTRASTS: list[tuple[tuple[str, str], tuple[str, str]]] = [
 
 def accuracies(results: Path, prefix: str, expected_lr: float | None = None) -> dict[float, dict[int, float]]:
     """{eps: {seed: accuracy %}} of the runs ``prefix``-seed0..4, checked to be finished test runs."""
-    per_eps: dict[float, dict[int, float]] = {eps: {} for eps in EPS}
-    for seed in SEEDS:
-        run = results / f"{prefix}-seed{seed}"
+    runs = {seed: results / f"{prefix}-seed{seed}" for seed in SEEDS}
+    for seed, run in runs.items():
         config = json.loads((run / "config.json").read_text())
-        report = json.loads((run / "eval.json").read_text())
-        if config["seed"] != seed or config["eval_split"] != "test" or report["seed"] != seed:
+        if config["seed"] != seed or config["eval_split"] != "test":
             raise ValueError(f"{run} is not the test run of seed {seed}")
         if expected_lr is not None and not math.isclose(config["hparams"]["lr"], expected_lr):
             raise ValueError(f"{run} ran at lr {config['hparams']['lr']}, not {expected_lr}")
-        by_eps = {result["eps"]: 100 * result["mean_acc"] for result in report["results"]}
-        for eps in EPS:
-            per_eps[eps][seed] = by_eps[eps]
-    return per_eps
+    return _accuracy_table(runs)  # (which checks each eval.json's seed too)
 
 
 def _fmt(value: float, signed: bool = False) -> str:

@@ -431,7 +431,7 @@ class _BatchLosses:
     :mod:`drmoo.optim._features`), so the second and later draws *with a graph* of one step (MoDo's
     and SDMGrad's three batches, Double-Loop's Y, Y_bar and Y_tilde) return the step's first one: these
     methods run their single-batch form.  Draws without a graph (Double-Clip's and Double-Loop's
-    dual-variable steps) stay fresh batches, as in parameters mode.  :meth:`begin_step` marks a step.
+    dual-variable steps) stay fresh batches, as in parameters mode.  :meth:`end_step` closes a step.
     """
 
     def __init__(self, run: _Run, sample_weight: Callable[[Tensor], Tensor] | None) -> None:
@@ -441,7 +441,8 @@ class _BatchLosses:
         self.labels: Tensor | None = None
         self.step_graph_draw: tuple[Tensor, ...] | None = None  # features mode: this step's draw with a graph
 
-    def begin_step(self) -> None:
+    def end_step(self) -> None:
+        """Forget the step's draw with a graph: the next call draws a fresh batch, and the graph is freed."""
         self.step_graph_draw = None
 
     def __call__(self, same_batch: bool = False) -> Tensor | tuple[Tensor, ...]:
@@ -516,7 +517,6 @@ def _train_step(run: _Run, closure: _BatchLosses, skipped: list[dict[str, Any]])
     run.heads.zero_grad(set_to_none=True)
     step_started = time.perf_counter()
     run.optimizer.loss_scale = run.grad_scale["value"]
-    closure.begin_step()
     try:
         objective = run.optimizer.step(closure)
     except NonFiniteStepError as error:
@@ -525,7 +525,7 @@ def _train_step(run: _Run, closure: _BatchLosses, skipped: list[dict[str, Any]])
         _skip_overflowed_step(run, error, skipped)
         return None
     finally:
-        closure.begin_step()  # the step's draw and its graph are not kept past the step
+        closure.end_step()  # (whether the step finished or raised)
     stats = run.optimizer.stats
     if "found_inf" in stats and bool(stats["found_inf"]):
         # A capturable step (CUDA) skips a non-finite step on the device instead of raising;
