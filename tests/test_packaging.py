@@ -178,6 +178,11 @@ def test_the_oldest_torch_leg_installs_the_first_legs_wheel_instead_of_rebuildin
     assert 'assert "cpp" in available' in oldest
     ci = (REPO / ".ci" / "run").read_text()
     assert ci.index("bash scripts/test.sh") < ci.index("bash scripts/test_oldest.sh")
+    # Both venvs and pip's cache of both downloads once filled a CI disk during leg 2's install: no
+    # cache, and the leg-1 venv the run created is gone before leg 2 (a developer's is kept).
+    assert "export PIP_NO_CACHE_DIR=1" in ci
+    assert ci.index('rm -rf "$leg1_venv"') < ci.index("bash scripts/test_oldest.sh")
+    assert '[ -e "$leg1_venv" ] || leg1_venv_is_ours=1' in ci
 
 
 def test_stale_per_python_builds_are_found_for_removal(tmp_path: Path) -> None:
