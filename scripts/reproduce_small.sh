@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|common-rate|controls|b64-sweep|b64-runoff|b64]
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|common-rate|controls|b64-sweep|b64-runoff|b64]
 #   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
@@ -43,9 +43,11 @@
 #        lift of J_z^T w (the trunk gets the gradient of sum_i c_i L^i either way) and takes the
 #        features-swept 2-digit winners (features-sweep/-runoff) for Double-Clip and Nash-MTL, whose step
 #        length reads the Gram's scale; results in results/multimnist-k-small/multimnist4/.
-# k9:    the same on Multi-MNIST-9 (40 epochs), for MGDA and Double-Clip only so far (a 9-task step of
-#        MoDo, SDMGrad or Double-Loop costs 3-4 MGDA steps: all eight would take ~11 h on this CPU);
-#        results in results/multimnist-k-small/multimnist9/.
+# k9:    the same on Multi-MNIST-9 (40 epochs), 3 seeds, every row but three: all eight methods in features
+#        mode where they have it, and in parameters mode all but MoDo, SDMGrad and Double-Loop, whose
+#        9-task parameters-mode step draws several batches and costs 3-4 MGDA steps (~5 h of this CPU for
+#        the nine runs); results in results/multimnist-k-small/multimnist9/.
+# k9-all: k9's rows plus those three (the full comparison, as k4); reuses k9's finished runs.
 # common-rate: Double-Clip at the common trunk rate 0.3 (the other rows of the rate-sensitivity table have
 #        committed runs at 0.3: MoCo's at its first choice, ema 0.9); results in results/multimnist2-small/common-rate/.
 # controls: tabulates rate-sensitivity.{csv,md} and ablations/contrasts.csv from the committed runs
@@ -127,11 +129,15 @@ k4)
     "$drmoo" compare --experiment multimnist4 --preset small --seeds 0,1,2 --eps "$eps" --jobs "$jobs" \
         --methods "$spec" --device cpu --quiet --out results/multimnist-k-small/multimnist4
     "$python" scripts/small_controls.py modes results/multimnist-k-small/multimnist4 ;;
-k9)
+k9|k9-all)
     swept=$("$python" scripts/sweep_rule.py winners results/multimnist2-small/features/lr-sweep)
+    # The cheap rows first (compare trains row by row), so an interrupted k9-all has them.
+    spec="mgda,mgda[jacobian=features],double-clip,$(one_row double-clip "$swept"),famo,famo[jacobian=features]"
+    spec="$spec,nashmtl,$(one_row nashmtl "$swept"),moco,modo[jacobian=features],sdmgrad[jacobian=features]"
+    spec="$spec,double-loop[jacobian=features]"
+    [ "$what" = k9-all ] && spec="$spec,modo,sdmgrad,double-loop"
     "$drmoo" compare --experiment multimnist9 --preset small --seeds 0,1,2 --eps "$eps" --jobs "$jobs" \
-        --methods "mgda,mgda[jacobian=features],double-clip,$(one_row double-clip "$swept")" --device cpu --quiet \
-        --out results/multimnist-k-small/multimnist9
+        --methods "$spec" --device cpu --quiet --out results/multimnist-k-small/multimnist9
     "$python" scripts/small_controls.py modes results/multimnist-k-small/multimnist9 ;;
 common-rate)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
@@ -190,7 +196,7 @@ moco-sweep)
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|common-rate|controls|b64-sweep|b64-runoff|b64]" >&2
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|common-rate|controls|b64-sweep|b64-runoff|b64]" >&2
     exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s on $(nproc) cores"
