@@ -12,7 +12,10 @@ one full training step (zero_grad, forward, backward, optimizer step):
 * ``plain``: ``losses.mean(0).sum().backward()`` (the floor: one forward, one backward);
 * ``parameters``: ``drmoo.Balancer("mgda", trunk, m)`` -- m backward passes through the trunk, J is m x n;
 * ``features``: ``drmoo.Balancer("mgda", trunk, m, jacobian="features")``, ``backward(losses, features=z)``;
-* ``features-double-clip``: the same with Double-Clip MGDA (the paper's method);
+* ``features-double-clip``: the same with Double-Clip MGDA (the paper's method), and ``features-famo``,
+  ``features-nashmtl``, ``features-modo``, ``features-sdmgrad``, ``features-double-loop``: every other method
+  that has a features mode (MoCo refuses it), so that the target "features mode, every method, <= 1.3x
+  plain" is measured for each (its own table: ratios and memory);
 * ``torchjd-mgda`` / ``torchjd-upgrad``: TorchJD's ``mtl_backward(losses, features=z)`` then
   ``jac_to_grad(trunk parameters, MGDA() / UPGrad())`` (the parameter-space Jacobian, like ``parameters``).
 
@@ -39,7 +42,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-VARIANTS = ("plain", "parameters", "features", "features-double-clip", "torchjd-mgda", "torchjd-upgrad")
+# "features" is MGDA's (the comparison with TorchJD's MGDA); the other features-* variants name their method.
+FEATURES_METHODS = {"features": "mgda", "features-double-clip": "double-clip", "features-famo": "famo",
+                    "features-nashmtl": "nashmtl", "features-modo": "modo", "features-sdmgrad": "sdmgrad",
+                    "features-double-loop": "double-loop"}
+VARIANTS = ("plain", "parameters", *FEATURES_METHODS, "torchjd-mgda", "torchjd-upgrad")
+# The first table's columns (the issue's comparison); every features variant goes to the second.
+COMPARISON = ("plain", "parameters", "features", "features-double-clip", "torchjd-mgda", "torchjd-upgrad")
 TASKS = (2, 3, 8, 40)
 TRUNKS = ("groupnorm", "batchnorm")
 BATCH = 32
@@ -80,8 +89,8 @@ def make_step(variant: str, trunk: Any, heads: Any, num_tasks: int) -> Callable[
     if variant == "plain":
         def backward(losses: Any, z: Any) -> None:
             losses.mean(0).sum().backward()
-    elif variant in ("parameters", "features", "features-double-clip"):
-        method = "double-clip" if variant == "features-double-clip" else "mgda"
+    elif variant == "parameters" or variant in FEATURES_METHODS:
+        method = FEATURES_METHODS.get(variant, "mgda")
         mode = "parameters" if variant == "parameters" else "features"
         balancer = drmoo.Balancer(method, shared, num_tasks, jacobian=mode, lr=1e-3)
 
@@ -204,28 +213,45 @@ def table(data: dict[str, Any]) -> str:
         "compare variants measured interleaved under the same load.",
         "",
     ]
+    comparison = [v for v in data["variants"] if v in COMPARISON]
+    every_method = [v for v in data["variants"] if v in FEATURES_METHODS]
     for trunk_kind in data["trunks"]:
+        records = [r for r in data["records"] if r["trunk"] == trunk_kind]
         lines += [f"## ResNet18 with {'GroupNorm' if trunk_kind == 'groupnorm' else 'BatchNorm'}, "
                   f"{IMAGE} px, batch {BATCH}, Linear(512, 1) heads", "",
                   "Each cell: median seconds per step (its ratio to plain's median; the ratio of the two minima), "
                   "peak memory of the step above the built model. With 3 rounds on a shared machine one disturbed "
                   "step moves a median: where the two ratios disagree, the minima are the steadier comparison.",
                   "",
-                  "| m | " + " | ".join(data["variants"]) + " |",
-                  "|---:|" + "---:|" * len(data["variants"])]
-        for record in [r for r in data["records"] if r["trunk"] == trunk_kind]:
-            plain = record["median_s"]["plain"]
-            cells = []
-            for variant in data["variants"]:
-                seconds = record["median_s"][variant]
-                memory = record["step_peak_rss_gb"].get(variant)
-                mem = f", {memory:.2f} GB" if memory is not None else ""
-                fastest = record["min_s"][variant] / record["min_s"]["plain"]
-                ratio = "" if variant == "plain" else f" ({seconds / plain:.2f}x; min {fastest:.2f}x)"
-                cells.append(f"{seconds:.3f} s{ratio}{mem}")
-            lines.append(f"| {record['m']} | " + " | ".join(cells) + " |")
+                  "| m | " + " | ".join(comparison) + " |",
+                  "|---:|" + "---:|" * len(comparison)]
+        lines += [f"| {record['m']} | " + " | ".join(_cell(record, v, seconds=True) for v in comparison) + " |"
+                  for record in records]
         lines.append("")
+        if len(every_method) > 2 and "plain" in data["variants"]:
+            lines += ["Features mode, every method that has it (MoCo refuses it), measured in the same rounds: "
+                      "each cell is the ratio to plain's median (the ratio of the minima), and the step's peak "
+                      "memory.", "",
+                      "| m | " + " | ".join(FEATURES_METHODS[v] for v in every_method) + " |",
+                      "|---:|" + "---:|" * len(every_method)]
+            lines += [f"| {record['m']} | " + " | ".join(_cell(record, v, seconds=False) for v in every_method) + " |"
+                      for record in records]
+            lines.append("")
     return "\n".join(lines)
+
+
+def _cell(record: dict[str, Any], variant: str, *, seconds: bool) -> str:
+    """One variant's cell of one (trunk, m) record: [seconds,] ratio to plain (median; minima), memory."""
+    median = record["median_s"][variant]
+    memory = record["step_peak_rss_gb"].get(variant)
+    mem = f", {memory:.2f} GB" if memory is not None else ""
+    if variant == "plain":
+        return f"{median:.3f} s{mem}"
+    ratio = f"{median / record['median_s']['plain']:.2f}x"
+    fastest = f"{record['min_s'][variant] / record['min_s']['plain']:.2f}x"
+    if seconds:
+        return f"{median:.3f} s ({ratio}; min {fastest}){mem}"
+    return f"{ratio} (min {fastest}){mem}"
 
 
 def main() -> None:

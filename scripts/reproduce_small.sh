@@ -199,4 +199,4 @@ moco-sweep)
     echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|common-rate|controls|b64-sweep|b64-runoff|b64]" >&2
     exit 2 ;;
 esac
-echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s on $(nproc) cores"
+echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s, $jobs jobs on $(nproc --all) cores"
