@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,3 +93,21 @@ def wine_csv() -> Path:
     if path is None or not path.is_file():
         pytest.skip("the UCI white-wine CSV is not in ../shared/data (set DRMOO_SHARED_DATA to its directory)")
     return path
+
+
+@pytest.fixture
+def load_script() -> Callable[[str], Any]:
+    """Import ``scripts/NAME.py`` as a module (the scripts are not a package): ``load_script("sweep_rule")``."""
+    import importlib.util
+    import sys
+
+    def load(name: str) -> Any:
+        path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault(name, module)  # dataclasses look their module up while it executes
+        spec.loader.exec_module(module)
+        return module
+
+    return load

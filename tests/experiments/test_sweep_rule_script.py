@@ -8,9 +8,8 @@ must pick exactly what the committed sweeps picked.
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,18 +18,9 @@ from drmoo.experiments.multimnist import SMALL_LR
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _rule():
-    spec = importlib.util.spec_from_file_location("sweep_rule", ROOT / "scripts" / "sweep_rule.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("sweep_rule", module)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("experiment", ["multimnist2", "multimnist3"])
-def test_script_picks_the_committed_winners_and_finalists(experiment: str) -> None:
-    rule = _rule()
+def test_script_picks_the_committed_winners_and_finalists(experiment: str, load_script: Any) -> None:
+    rule = load_script("sweep_rule")
     sweep = ROOT / "results" / f"{experiment}-small" / "lr-sweep"
     own_sweep = {"moco"} if experiment == "multimnist2" else set()  # MoCo's 2-digit rate: its own sweep
     assert rule.winners(sweep) == {m: lr for m, lr in SMALL_LR[experiment].items() if m not in own_sweep}
@@ -40,9 +30,9 @@ def test_script_picks_the_committed_winners_and_finalists(experiment: str) -> No
     assert rule.extension(sweep) == []
 
 
-def test_features_rows_are_swept_apart_from_parameters_rows(tmp_path: Path) -> None:
+def test_features_rows_are_swept_apart_from_parameters_rows(tmp_path: Path, load_script: Any) -> None:
     """A ``jacobian=features`` row is its own key: its rates never mix with the parameters-mode rows'."""
-    rule = _rule()
+    rule = load_script("sweep_rule")
     rows = [("double-clip[lr=1.0]", 90.0), ("double-clip[lr=0.3]", 80.0),
             ("double-clip[jacobian=features,lr=0.1]", 70.0), ("double-clip[jacobian=features,lr=0.3]", 60.0),
             ("moco[ema=0.95,lr=0.3]", 99.0)]
