@@ -108,20 +108,30 @@ def _worker(rank: int, world: int, init_file: str, method: str, form: str, out_d
         dist.destroy_process_group()
 
 
-def _run_ranks(world: int, *args: str) -> None:
+def _run_ranks(world: int, init_file: str, *args: str) -> None:
     """Run ``_worker`` in ``world`` fresh interpreters, not forked ones: once an earlier test of the session
     has started autograd's worker threads, a forked child may not run a backward (torch 2.11 refuses:
-    "Unable to handle autograd's threading in combination with fork-based multiprocessing")."""
+    "Unable to handle autograd's threading in combination with fork-based multiprocessing").
+
+    A worker whose results are saved and whose process group is destroyed ends with ``os._exit(0)``, as a
+    forked multiprocessing child (the other DDP tests' workers) always ends: under torch 2.11 a fresh
+    interpreter's finalization could still abort in gloo's teardown ("terminate called without an
+    active exception", SIGABRT, once in CI after both ranks had passed the final barrier).  The workers
+    run from the init file's folder, so that a checkout's uncompiled top-level ``drmoo_kernels/`` does
+    not shadow the installed one (CI's leg 2 ran them on the reference backend)."""
     script = (
-        "import importlib.util, json, sys\n"
+        "import importlib.util, json, os, sys\n"
         f"spec = importlib.util.spec_from_file_location('features_ddp_worker', {str(Path(__file__))!r})\n"
         "module = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(module)\n"
         "module._worker(int(sys.argv[1]), *json.loads(sys.argv[2]))\n"
+        "sys.stdout.flush()\n"
+        "sys.stderr.flush()\n"
+        "os._exit(0)\n"
     )
-    arguments = json.dumps([world, *args])
+    arguments = json.dumps([world, init_file, *args])
     workers = [subprocess.Popen([sys.executable, "-c", script, str(rank), arguments], stderr=subprocess.PIPE,
-                                text=True) for rank in range(world)]
+                                text=True, cwd=Path(init_file).parent) for rank in range(world)]
     errors = [(worker.communicate(timeout=600)[1], worker.returncode) for worker in workers]
     for rank, (stderr, code) in enumerate(errors):
         assert code == 0, f"rank {rank} failed (exit {code}):\n{stderr[-4000:]}"
