@@ -85,6 +85,23 @@ grown_sweep() {
 }
 # one_row METHOD SPEC: METHOD's row of a spec whose rows all carry [...] (sweep_rule.py's output).
 one_row() { sed 's/\],/]\n/g' <<< "$2" | grep "^$1\["; }
+# both_modes SWEPT [METHOD...]: the spec of each method's parameters-mode row and features-mode row
+# (MoCo has none) for the many-task comparisons, the rates as k4's description above says (SWEPT:
+# sweep_rule.py's features-mode winners).  A method given as -METHOD gets its features row only.
+both_modes() {
+    local swept="$1" method rows=""
+    shift
+    for method in "$@"; do
+        [ "${method#-}" = "$method" ] && rows="$rows${rows:+,}$method"
+        method="${method#-}"
+        case "$method" in
+            moco) ;;
+            double-clip|nashmtl) rows="$rows${rows:+,}$(one_row "$method" "$swept")" ;;
+            *) rows="$rows${rows:+,}$method[jacobian=features]" ;;
+        esac
+    done
+    echo "$rows"
+}
 # The second training regime: batch 64, 1,200 iterations (7 epochs of 188 iterations, cut at 1,200).
 b64="--batch-size 64 --epochs 7 --max-steps 1200"
 case "$what" in
@@ -123,18 +140,14 @@ features-swept)
     "$python" scripts/small_controls.py results/multimnist2-small ;;
 k4)
     swept=$("$python" scripts/sweep_rule.py winners results/multimnist2-small/features/lr-sweep)
-    spec="mgda,mgda[jacobian=features],double-clip,$(one_row double-clip "$swept"),famo,famo[jacobian=features]"
-    spec="$spec,nashmtl,$(one_row nashmtl "$swept"),moco,modo,modo[jacobian=features],sdmgrad,sdmgrad[jacobian=features]"
-    spec="$spec,double-loop,double-loop[jacobian=features]"
+    spec=$(both_modes "$swept" mgda double-clip famo nashmtl moco modo sdmgrad double-loop)
     "$drmoo" compare --experiment multimnist4 --preset small --seeds 0,1,2 --eps "$eps" --jobs "$jobs" \
         --methods "$spec" --device cpu --quiet --out results/multimnist-k-small/multimnist4
     "$python" scripts/small_controls.py modes results/multimnist-k-small/multimnist4 ;;
 k9|k9-all)
     swept=$("$python" scripts/sweep_rule.py winners results/multimnist2-small/features/lr-sweep)
     # The cheap rows first (compare trains row by row), so an interrupted k9-all has them.
-    spec="mgda,mgda[jacobian=features],double-clip,$(one_row double-clip "$swept"),famo,famo[jacobian=features]"
-    spec="$spec,nashmtl,$(one_row nashmtl "$swept"),moco,modo[jacobian=features],sdmgrad[jacobian=features]"
-    spec="$spec,double-loop[jacobian=features]"
+    spec=$(both_modes "$swept" mgda double-clip famo nashmtl moco -modo -sdmgrad -double-loop)
     [ "$what" = k9-all ] && spec="$spec,modo,sdmgrad,double-loop"
     "$drmoo" compare --experiment multimnist9 --preset small --seeds 0,1,2 --eps "$eps" --jobs "$jobs" \
         --methods "$spec" --device cpu --quiet --out results/multimnist-k-small/multimnist9
