@@ -6,6 +6,13 @@ both measured in this run) and ``fraction_of_copy_bandwidth`` (achieved GB/s ove
 torch ``copy_`` moving the same number of bytes, also measured in this run).  The times are the
 minimum over the rounds; ``*_median`` fields repeat the figures with medians.
 
+On a GPU every record also carries the op's *device time*: the median of ``EVENT_ROUNDS`` calls issued back
+to back after a warm-up, each bracketed by CUDA events (``device_median_s``), and the figures derived from
+it (``*_device``: GB/s, fraction of the device's peak and of a same-run ``copy_`` timed the same way, speedup
+over the reference's device time).  That is the number the GPU table reports (bench/run.py): one per shape,
+the same measure as scripts/gpu_bandwidth.py's ``events`` column.  The host-clock times (each call followed
+by a synchronisation, so they include launch latency) stay in the JSON.
+
 Helpers are fixtures (not importable modules) because the project runs pytest with
 ``--import-mode=importlib``.
 """
@@ -32,6 +39,8 @@ _DEVICE_BACKENDS = {"cpu": ("reference", "cpp"), "cuda": ("reference", "cuda", "
 _BUDGET_S = float(os.environ.get("DRMOO_BENCH_BUDGET_S", "1.0"))
 _MIN_ROUNDS = 3
 _MAX_ROUNDS = 200
+EVENT_ROUNDS = 50  # device-time samples per GPU record (after EVENT_WARMUP calls)
+EVENT_WARMUP = 3
 
 
 def bench_device() -> torch.device:
@@ -91,6 +100,21 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def events_median_s(fn: Callable[[], Any], rounds: int = EVENT_ROUNDS) -> float:
+    """Median device seconds of one call of ``fn``: calls issued back to back, CUDA events around each."""
+    for _ in range(EVENT_WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
+             for _ in range(rounds)]
+    for start, end in pairs:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return float(statistics.median(start.elapsed_time(end) for start, end in pairs)) / 1e3
+
+
 def _timed(fn: Callable[[], Any]) -> Callable[[], Any]:
     """fn followed by a device synchronisation, so that asynchronous GPU work is inside the timing."""
     if not torch.cuda.is_available():
@@ -118,6 +142,8 @@ class Harness:
         self.peak_gb_per_s = device_peak_gb_per_s()
         self._reference: dict[str, tuple[float, float]] = {}  # key -> (min, median)
         self._baselines: dict[str, tuple[float, float]] = {}  # name -> (min, median) over all measurements
+        self._reference_device: dict[str, float] = {}  # key -> the reference's device seconds (GPU)
+        self._copy_device: dict[int, float] = {}  # bytes -> a copy_'s device seconds (GPU)
 
     def baseline_seconds(self, name: str, fn: Callable[[], Any], budget_share: float = 0.25) -> tuple[float, float]:
         """(min, median) time of a same-run baseline ``fn``, re-measured on every call.
@@ -140,6 +166,15 @@ class Harness:
         src = torch.rand(count, device=self.device)
         dst = torch.empty_like(src)
         return self.baseline_seconds(f"copy {nbytes}", lambda: dst.copy_(src))
+
+    def copy_device_seconds(self, nbytes: int) -> float:
+        """Device seconds of ``dst.copy_(src)`` moving ``nbytes`` (CUDA events; measured once per size)."""
+        if nbytes not in self._copy_device:
+            count = max(1, nbytes // 8)
+            src = torch.rand(count, device=self.device)
+            dst = torch.empty_like(src)
+            self._copy_device[nbytes] = events_median_s(lambda: dst.copy_(src))
+        return self._copy_device[nbytes]
 
     def run(
         self,
@@ -197,6 +232,29 @@ class Harness:
                     device_peak_gb_per_s=self.peak_gb_per_s,
                     fraction_of_device_bandwidth=nbytes / best / 1e9 / self.peak_gb_per_s,
                 )
+        if self.device.type == "cuda":
+            self._device_time(benchmark.extra_info, fn, key=key, backend=backend, nbytes=nbytes,
+                              reference_fn=reference_fn)
+
+    def _device_time(self, extra: dict[str, Any], fn: Callable[[], Any], *, key: str, backend: str, nbytes: int,
+                     reference_fn: Callable[[], Any] | None) -> None:
+        """The record's device time and the figures derived from it (the module docstring's ``*_device``)."""
+        seconds = events_median_s(fn)
+        if backend == "reference":
+            self._reference_device[key] = seconds
+        elif key not in self._reference_device and reference_fn is not None:
+            self._reference_device[key] = events_median_s(reference_fn)
+        reference_seconds = self._reference_device.get(key)
+        extra.update(
+            device_median_s=seconds,
+            event_rounds=EVENT_ROUNDS,
+            speedup_vs_reference_device=None if reference_seconds is None else reference_seconds / seconds,
+        )
+        if nbytes > 0:
+            extra.update(gb_per_s_device=nbytes / seconds / 1e9,
+                         fraction_of_copy_bandwidth_device=self.copy_device_seconds(nbytes) / seconds)
+            if self.peak_gb_per_s is not None:
+                extra.update(fraction_of_device_bandwidth_device=nbytes / seconds / 1e9 / self.peak_gb_per_s)
 
 
 def _min_median(fn: Callable[[], Any], rounds: int) -> tuple[float, float]:

@@ -77,6 +77,8 @@ def summarize(json_path: Path) -> str:
         + (" peak fraction |" if peak is not None else ""),
         "|---|---|---|---|---|---|---|---|" + ("---|" if peak is not None else ""),
     ]
+    if any("device_median_s" in r["extra_info"] for r in records):
+        return "\n".join(lines[:2] + _device_table(records, peak)) + "\n"
     for record in records:
         info = record["extra_info"]
         shape = " ".join(f"{k}={info[k]}" for k in ("B", "m", "n") if k in info)
@@ -89,6 +91,36 @@ def summarize(json_path: Path) -> str:
             + (f" {_fmt(info.get('fraction_of_device_bandwidth'), '.2f')} |" if peak is not None else "")
         )
     return "\n".join(lines) + "\n"
+
+
+def _device_table(records: list[dict[str, Any]], peak: float | None) -> list[str]:
+    """The GPU table: every figure from the op's device time (CUDA events), one number per shape."""
+    first = next(r["extra_info"] for r in records if "device_median_s" in r["extra_info"])
+    lines = [
+        f"Device time: the median of {first.get('event_rounds', '?')} calls issued back to back after a warm-up, "
+        "each bracketed by CUDA events (bench/conftest.py's `events_median_s`, the same measure as "
+        "scripts/gpu_bandwidth.py's `events` column).  GB/s, the fractions and the speedup over the reference all "
+        "come from it; copy fraction = achieved GB/s / GB/s of a same-run torch `copy_` timed the same way.  "
+        "`host` is the host-clock median of one call followed by `torch.cuda.synchronize()` (launch latency "
+        "included).  float32, chi2 for the dual ops.",
+        "",
+    ]
+    if peak is not None:
+        lines += [f"Device peak memory bandwidth (clock x bus width): {peak:.0f} GB/s.", ""]
+    lines += ["| op | shape | backend | device time | GB/s | peak fraction | copy fraction | speedup vs reference "
+              "| host |", "|---|---|---|---|---|---|---|---|---|"]
+    for record in records:
+        info = record["extra_info"]
+        shape = " ".join(f"{k}={info[k]}" for k in ("B", "m", "n") if k in info)
+        seconds = info.get("device_median_s")
+        extra = f" (step/floor {info['step_over_floor']:.2f})" if "step_over_floor" in info else ""
+        lines.append(
+            f"| {info['op']} | {shape} | {info['backend']} | "
+            f"{'-' if seconds is None else _fmt_time(seconds)} | {_fmt(info.get('gb_per_s_device'), '.2f')} | "
+            f"{_fmt(info.get('fraction_of_device_bandwidth_device'), '.2f')} | "
+            f"{_fmt(info.get('fraction_of_copy_bandwidth_device'), '.2f')} | "
+            f"{_fmt(info.get('speedup_vs_reference_device'), '.2f')}{extra} | {_fmt_time(record['stats']['median'])} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

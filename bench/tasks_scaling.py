@@ -4,6 +4,10 @@ One command regenerates ``bench/results/tasks-scaling-cpu.{json,md}``::
 
     python bench/tasks_scaling.py                       # the committed grid (see --help for a smaller one)
 
+and, on a GPU machine, ``bench/results/tasks-scaling-gpu-<device>.{json,md}``::
+
+    python bench/tasks_scaling.py --device cuda --batch 256 --tasks 2 8 40 --rounds 20
+
 Setting (issue 26): torchvision's ResNet18 trunk (its classifier removed: z = the 512 pooled features)
 with GroupNorm(32) -- and a second trunk with BatchNorm -- on 32 x 32 inputs, batch 32, one
 ``Linear(512, 1)`` head per task with a per-sample logistic loss, SGD, one thread (CPU).  Variants, each
@@ -18,6 +22,10 @@ one full training step (zero_grad, forward, backward, optimizer step):
   plain" is measured for each (its own table: ratios and memory);
 * ``torchjd-mgda`` / ``torchjd-upgrad``: TorchJD's ``mtl_backward(losses, features=z)`` then
   ``jac_to_grad(trunk parameters, MGDA() / UPGrad())`` (the parameter-space Jacobian, like ``parameters``).
+
+On a GPU (``--device cuda``) every step is bracketed by ``torch.cuda.synchronize()``, and the memory
+column is the peak of ``torch.cuda.max_memory_allocated()`` above what was allocated once the model was
+built (in-process: the CUDA caching allocator counts exactly what a step allocates).
 
 Time: the variants run *interleaved* in one process (round r runs every variant once, in turn), after one
 warm-up step each; the table gives each variant's median over the rounds and its ratio to the median of
@@ -55,7 +63,7 @@ BATCH = 32
 IMAGE = 32
 
 
-def build(trunk_kind: str, num_tasks: int, seed: int = 0) -> tuple[Any, Any]:
+def build(trunk_kind: str, num_tasks: int, seed: int = 0, device: str = "cpu") -> tuple[Any, Any]:
     """(trunk, heads): ResNet18 with GroupNorm(32, c) or BatchNorm2d, fc removed; m Linear(512, 1)."""
     import torch
     import torchvision
@@ -65,7 +73,7 @@ def build(trunk_kind: str, num_tasks: int, seed: int = 0) -> tuple[Any, Any]:
     trunk = torchvision.models.resnet18(norm_layer=norm)
     trunk.fc = torch.nn.Identity()
     heads = torch.nn.ModuleList(torch.nn.Linear(512, 1) for _ in range(num_tasks))
-    return trunk.train(), heads.train()
+    return trunk.train().to(device), heads.train().to(device)
 
 
 def make_step(variant: str, trunk: Any, heads: Any, num_tasks: int) -> Callable[[Any, Any], None]:
@@ -120,31 +128,63 @@ def make_step(variant: str, trunk: Any, heads: Any, num_tasks: int) -> Callable[
     return step
 
 
-def batch(num_tasks: int, seed: int = 1) -> tuple[Any, Any]:
+def batch(num_tasks: int, seed: int = 1, *, size: int = BATCH, image: int = IMAGE,
+          device: str = "cpu") -> tuple[Any, Any]:
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(BATCH, 3, IMAGE, IMAGE, generator=generator)
-    y = torch.randint(0, 2, (BATCH, num_tasks), generator=generator).float()
-    return x, y
+    x = torch.randn(size, 3, image, image, generator=generator)
+    y = torch.randint(0, 2, (size, num_tasks), generator=generator).float()
+    return x.to(device), y.to(device)
 
 
-def time_interleaved(trunk_kind: str, num_tasks: int, variants: tuple[str, ...], rounds: int) -> dict[str, list[float]]:
+def _synchronize(device: str) -> None:
+    """Wait for the device's queued work, so that a timer brackets the step's kernels, not their launch."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(trunk_kind: str, num_tasks: int, variants: tuple[str, ...], rounds: int, *,
+                     size: int = BATCH, image: int = IMAGE, device: str = "cpu") -> dict[str, list[float]]:
     """Seconds per step of each variant: one warm-up step each, then ``rounds`` rounds of one step per variant."""
     steps = {}
     for variant in variants:
-        trunk, heads = build(trunk_kind, num_tasks)
+        trunk, heads = build(trunk_kind, num_tasks, device=device)
         steps[variant] = make_step(variant, trunk, heads, num_tasks)
-    x, y = batch(num_tasks)
+    x, y = batch(num_tasks, size=size, image=image, device=device)
     for step in steps.values():
         step(x, y)
     times: dict[str, list[float]] = {variant: [] for variant in variants}
     for _ in range(rounds):
         for variant, step in steps.items():
+            _synchronize(device)
             start = time.perf_counter()
             step(x, y)
+            _synchronize(device)
             times[variant].append(time.perf_counter() - start)
     return times
+
+
+def cuda_peak_memory(trunk_kind: str, num_tasks: int, variant: str, *, size: int, image: int,
+                     device: str) -> tuple[int, int]:
+    """(bytes allocated once the model is built, peak bytes allocated above that during 2 steps), on a GPU."""
+    import torch
+
+    trunk, heads = build(trunk_kind, num_tasks, device=device)
+    step = make_step(variant, trunk, heads, num_tasks)
+    x, y = batch(num_tasks, size=size, image=image, device=device)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(2):
+        step(x, y)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del trunk, heads, step, x, y
+    torch.cuda.empty_cache()
+    return base, peak
 
 
 def resident_bytes() -> int:
@@ -199,18 +239,30 @@ def loadavg() -> str:
 
 
 def table(data: dict[str, Any]) -> str:
+    on_gpu = str(data.get("device", "cpu")).startswith("cuda")
+    size, image = data.get("batch", BATCH), data.get("image", IMAGE)
+    if on_gpu:
+        setting = (f"Device: {data['machine']} (torch {data['torch']}, torchjd {data['torchjd']}); "
+                   f"{data['rounds']} interleaved rounds per (trunk, m), each step bracketed by "
+                   "`torch.cuda.synchronize()`; median seconds per step and its ratio to the median of plain "
+                   "training measured in the same rounds; then the step's memory: the peak of "
+                   "`torch.cuda.max_memory_allocated()` above what was allocated once the model was built (2 steps).")
+    else:
+        setting = (f"Machine: {data['machine']}, {data['cores']} cores, one thread "
+                   f"(torch {data['torch']}, torchjd {data['torchjd']}); {data['rounds']} interleaved rounds per "
+                   "(trunk, m), median seconds per step and its ratio to the median of plain training measured in the "
+                   "same rounds; then the step's memory: the peak resident set size above the one the process had once "
+                   "the model was built (a fresh process per cell, 2 steps, sampled every millisecond).")
     lines = [
-        "# Step time and peak memory against the number of tasks (CPU)",
+        f"# Step time and peak memory against the number of tasks ({'GPU' if on_gpu else 'CPU'})",
         "",
-        f"Regenerate: `{data['command']}`. Machine: {data['machine']}, {data['cores']} cores, one thread "
-        f"(torch {data['torch']}, torchjd {data['torchjd']}); {data['rounds']} interleaved rounds per (trunk, m), "
-        "median seconds per step and its ratio to the median of plain training measured in the same rounds; "
-        "then the step's memory: the peak resident set size above the one the process had once the model was built "
-        "(a fresh process per cell, 2 steps, sampled every millisecond).",
+        f"Regenerate: `{data['command']}`. {setting}",
         "",
-        f"Load while measuring (1/5/15-minute load averages of the shared machine): start {data['load_start']}, "
-        f"end {data['load_end']}. Other jobs ran beside this one, so absolute times are noisy; the ratios "
-        "compare variants measured interleaved under the same load.",
+        "Load while measuring (1/5/15-minute load averages of the shared machine): "
+        f"start {data['load_start']}, end {data['load_end']}. Other jobs ran beside this one, so absolute times "
+        "are noisy; the ratios compare variants measured interleaved under the same load."
+        if not on_gpu else
+        f"Host load while measuring (1/5/15-minute load averages): start {data['load_start']}, end {data['load_end']}.",
         "",
     ]
     comparison = [v for v in data["variants"] if v in COMPARISON]
@@ -218,7 +270,7 @@ def table(data: dict[str, Any]) -> str:
     for trunk_kind in data["trunks"]:
         records = [r for r in data["records"] if r["trunk"] == trunk_kind]
         lines += [f"## ResNet18 with {'GroupNorm' if trunk_kind == 'groupnorm' else 'BatchNorm'}, "
-                  f"{IMAGE} px, batch {BATCH}, Linear(512, 1) heads", "",
+                  f"{image} px, batch {size}, Linear(512, 1) heads", "",
                   "Each cell: median seconds per step (its ratio to plain's median; the ratio of the two minima), "
                   "peak memory of the step above the built model. With 3 rounds on a shared machine one disturbed "
                   "step moves a median: where the two ratios disagree, the minima are the steadier comparison.",
@@ -260,8 +312,13 @@ def main() -> None:
     parser.add_argument("--trunks", nargs="+", default=list(TRUNKS), choices=TRUNKS)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu (the committed table), or cuda on a GPU machine")
+    parser.add_argument("--batch", type=int, default=BATCH, help=f"batch size (default {BATCH})")
+    parser.add_argument("--image", type=int, default=IMAGE, help=f"image side in pixels (default {IMAGE})")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    parser.add_argument("--out", type=Path, default=RESULTS / "tasks-scaling-cpu")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output path without suffix (default bench/results/tasks-scaling-cpu, or "
+                             "tasks-scaling-gpu-<device> with --device cuda)")
     parser.add_argument("--summary-only", type=Path, metavar="JSON", help="only rebuild the .md table of this JSON")
     parser.add_argument("--probe-memory", nargs=3, metavar=("TRUNK", "M", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -270,6 +327,18 @@ def main() -> None:
         return
     import torch
 
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device on this machine")
+    if not on_gpu and args.device != "cpu":
+        parser.error(f"--device must be cpu or cuda[:index], not {args.device!r}")
+    if args.batch < 1 or args.image < 32:
+        parser.error("--batch must be at least 1 and --image at least 32 (ResNet18 halves it five times)")
+    if args.out is None:
+        slug = "cpu"
+        if on_gpu:
+            slug = "gpu-" + "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name(args.device).lower())
+        args.out = RESULTS / f"tasks-scaling-{slug}"
     torch.set_num_threads(1)
     if args.probe_memory:
         trunk_kind, m, variant = args.probe_memory
@@ -277,9 +346,12 @@ def main() -> None:
         return
     from importlib.metadata import version
 
-    defaults = {"tasks": list(TASKS), "trunks": list(TRUNKS), "variants": list(VARIANTS), "rounds": [3]}
+    defaults = {"tasks": list(TASKS), "trunks": list(TRUNKS), "variants": list(VARIANTS), "rounds": [3],
+                "device": ["cpu"], "batch": [BATCH], "image": [IMAGE]}
     grid_arguments = {key: value for key, value in {"tasks": args.tasks, "trunks": args.trunks,
-                                                     "variants": args.variants, "rounds": [args.rounds]}.items()
+                                                     "variants": args.variants, "rounds": [args.rounds],
+                                                     "device": [args.device], "batch": [args.batch],
+                                                     "image": [args.image]}.items()
                       if value != defaults[key]}
 
     data: dict[str, Any] = {
@@ -288,6 +360,7 @@ def main() -> None:
                                                                   for key, value in grid_arguments.items())]),
         "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "torch": torch.__version__, "torchjd": version("torchjd"),
+        "device": args.device, "batch": args.batch, "image": args.image,
         "rounds": args.rounds, "trunks": args.trunks, "variants": args.variants, "tasks": args.tasks,
         "load_start": loadavg(), "records": [],
     }
@@ -297,16 +370,23 @@ def main() -> None:
         data["machine"] = names[0] if names else data["machine"]
     except OSError:
         pass
+    if on_gpu:
+        data["machine"] = f"{torch.cuda.get_device_name(args.device)} (CUDA {torch.version.cuda})"
     for trunk_kind in args.trunks:
         for m in args.tasks:
-            times = time_interleaved(trunk_kind, m, tuple(args.variants), args.rounds)
+            times = time_interleaved(trunk_kind, m, tuple(args.variants), args.rounds,
+                                     size=args.batch, image=args.image, device=args.device)
             record = {"trunk": trunk_kind, "m": m, "times_s": times,
                       "median_s": {v: statistics.median(t) for v, t in times.items()},
                       "min_s": {v: min(t) for v, t in times.items()}, "step_peak_rss_gb": {}, "load": loadavg()}
             if not args.no_memory:
                 record["model_rss_gb"] = {}
                 for variant in args.variants:
-                    base, peak = peak_memory(trunk_kind, m, variant)
+                    if on_gpu:
+                        base, peak = cuda_peak_memory(trunk_kind, m, variant, size=args.batch, image=args.image,
+                                                      device=args.device)
+                    else:
+                        base, peak = peak_memory(trunk_kind, m, variant)
                     record["model_rss_gb"][variant] = base / 1e9
                     record["step_peak_rss_gb"][variant] = peak / 1e9
             data["records"].append(record)

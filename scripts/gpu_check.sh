@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Everything the GPU path needs from a GPU machine, in one command that fits one 10-minute call:
+#   0. with GPU_CHECK_PREBUILT=DIR: the kernels built on another machine (DIR/*.so, e.g. the CPU build
+#      machine's abi3 build against a newer torch) loaded under this machine's torch, and the CUDA
+#      kernel tests run with them -- the "one build for every supported torch" check,
 #   1. build drmoo_kernels._C (stable ABI) and _C_cuda in place with the CUDA kernels (sm_80, sm_90 + PTX; needs nvcc),
 #   2. the kernel, optimizer and reliability tests on the GPU (cuda + compiled Triton backends,
 #      capturable steps, CUDA-graph capture/replay),
 #   3. scripts/gpu_bandwidth.py: gram_step's fraction of peak bandwidth, dual-op latency,
-#   4. the kernel benchmarks: bench/results/gpu-<name>.{json,md} (python bench/run.py),
-#   5. bench-iter: every method's seconds per iteration vs the common and its own algorithmic floor
+#   4. the kernel benchmarks: bench/results/gpu-<name>.{json,md} (python bench/run.py; the CPU-only
+#      many-tasks step benchmark is left out, step 5 measures it on the GPU),
+#   5. the many-tasks table on the GPU (ResNet18, batch 256, m = 2, 8, 40; plain, both Jacobians, every
+#      method's features mode, TorchJD when installed): bench/results/tasks-scaling-gpu-<device>.*,
+#   6. bench-iter: every method's seconds per iteration vs the common and its own algorithmic floor
 #      (ResNet18, 128 px, batch 256 and 32): results/wallclock/gpu-<device>-b<batch>.*,
-#   6. a CUDA train -> resume -> eval round trip through the checkpoint format.
+#   7. a CUDA train -> resume -> eval round trip through the checkpoint format.
 # Logs and results are packed into $OUT/gpu_check.tar.gz (plus the summary log) when $OUT is set
 # (the device runner's output folder, which returns at most 8 files).
 #
@@ -61,27 +67,55 @@ step() {
     [ "$rc" -eq 0 ] || status=1
 }
 
+export PYTHONPATH="python:.${PYTHONPATH:+:$PYTHONPATH}"
+parallel=()  # pytest-xdist spreads the tests over the machine's cores when it is there
+"$python" -c "import xdist" 2>/dev/null && parallel=(-n 16)
+"$python" -c "import pytest_timeout" 2>/dev/null && parallel+=(--timeout 180)  # a hung test fails alone
+if [ -n "${GPU_CHECK_PREBUILT:-}" ]; then
+    # Step 0.  The copies are removed again, whatever happens, so that step 1 builds from the sources
+    # (build_ext --inplace would take the newer copies for an up-to-date build and skip it).
+    prebuilt=()
+    for so in "$GPU_CHECK_PREBUILT"/*.so; do
+        [ -e "$so" ] || continue
+        cp "$so" drmoo_kernels/ && prebuilt+=("drmoo_kernels/$(basename "$so")")
+    done
+    if [ "${#prebuilt[@]}" -eq 0 ]; then
+        echo "[gpu_check] prebuilt: no .so in $GPU_CHECK_PREBUILT" | tee -a "$summary"; status=1
+    else
+        step prebuilt 120 bash -c '"$1" -c "import drmoo_kernels as k, torch; b = k.available_backends(); \
+print(\"[prebuilt] torch\", torch.__version__, \"backends:\", \", \".join(b)); assert \"cuda\" in b and \"cpp\" in b" && \
+            "$1" -m pytest -q -p no:cacheprovider "${@:2}" tests/kernels/test_cuda_shapes.py \
+            tests/kernels/test_compiled_ops.py tests/kernels/test_extension_load.py' prebuilt "$python" "${parallel[@]}"
+    fi
+    rm -f "${prebuilt[@]}"
+fi
+
 echo "[gpu_check] building the extension in place (MAX_JOBS=${MAX_JOBS:-16})"
 # Both kernel sets, and a compile error fails (setup.py's defaults would skip CUDA without a visible
 # GPU and turn a compile error into a one-line skip).
 DRMOO_BUILD_KERNELS=1 DRMOO_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" "$python" setup.py build_ext --inplace \
     > "$logs/build.log" 2>&1 \
     || { tail -40 "$logs/build.log"; exit 1; }
-export PYTHONPATH="python:.${PYTHONPATH:+:$PYTHONPATH}"
 "$python" -c 'import drmoo_kernels as k; print("[gpu_check] backends:", ", ".join(k.available_backends()))' \
     | tee "$logs/backends.txt" | tee -a "$summary"
 echo "[gpu_check] built in $(( $(date +%s) - start ))s" | tee -a "$summary"
 
 if [ "$what" != bench ]; then
-    # pytest-xdist spreads the CPU-heavy property tests over the machine's cores when it is there.
-    parallel=()
-    "$python" -c "import xdist" 2>/dev/null && parallel=(-n 16)
-    step tests 300 "$python" -m pytest -q -p no:cacheprovider -ra "${parallel[@]}" \
+    # cvxpy (a dev requirement, checked against Nash-MTL's weights on the CPU) is not on GPU images.
+    skip=()
+    "$python" -c "import cvxpy" 2>/dev/null \
+        || skip=(--deselect tests/optim/test_baselines.py::test_nash_weights_match_cvxpy)
+    step tests 280 "$python" -m pytest -q -p no:cacheprovider -ra "${parallel[@]}" "${skip[@]}" \
         tests/kernels tests/optim tests/reliability tests/test_objective.py --junitxml="$logs/gpu-tests.xml"
 fi
 if [ "$what" != tests ]; then
     step bandwidth 90 "$python" scripts/gpu_bandwidth.py --out "$logs"
-    step bench 150 env DRMOO_BENCH_BUDGET_S="${DRMOO_BENCH_BUDGET_S:-0.1}" "$python" bench/run.py
+    step bench 120 env DRMOO_BENCH_BUDGET_S="${DRMOO_BENCH_BUDGET_S:-0.1}" "$python" bench/run.py -k "not tasks_step"
+    jd_variants=()
+    "$python" -c "import torchjd" 2>/dev/null && jd_variants=(torchjd-mgda torchjd-upgrad)
+    step tasks_scaling 120 "$python" bench/tasks_scaling.py --device cuda --batch 256 --tasks 2 8 40 --rounds 20 \
+        --variants plain parameters features features-double-clip features-famo features-nashmtl features-modo \
+        features-sdmgrad features-double-loop "${jd_variants[@]}"
     # Paths reach the inner shell as its arguments ("$1"), never spliced into its text: a PYTHON or
     # TMPDIR with a space (or a quote) in it stays one word.
     step bench_iter 150 bash -c '"$1" -m drmoo bench-iter --experiment multimnist2 --methods all \

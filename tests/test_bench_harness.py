@@ -65,3 +65,60 @@ def test_summary_table_carries_the_same_run_ratios(tmp_path: Path) -> None:
     table = run.summarize(gpu)
     assert "Device peak memory bandwidth (clock x bus width): 3352 GB/s." in table
     assert table.splitlines()[-1].endswith("| 6.00 | 0.95 | 0.84 |")
+
+
+def test_gpu_table_reports_the_device_time_and_its_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU each record gets one device time (CUDA events) and every figure of the table comes from it."""
+    harness_module = _load("drmoo_bench_conftest_gpu", BENCH / "conftest.py")
+    device_seconds = {"reference": 0.004, "cuda": 0.0001, "copy": 0.00008}
+
+    def fake_events(fn: object, rounds: int = 50) -> float:
+        return device_seconds[getattr(fn, "label", "copy")]
+
+    monkeypatch.setattr(harness_module, "events_median_s", fake_events)
+    harness = harness_module.Harness.__new__(harness_module.Harness)
+    harness.peak_gb_per_s, harness._reference_device, harness._copy_device = 4000.0, {}, {}
+    harness.device = torch.device("cpu")  # copy_device_seconds allocates its buffers there
+    nbytes = 200_000_000
+    extras = {}
+    for backend in ("reference", "cuda"):
+        def op() -> None:
+            pass
+        op.label = backend  # type: ignore[attr-defined]
+        extras[backend] = {}
+        harness._device_time(extras[backend], op, key="gram_step m=3", backend=backend, nbytes=nbytes,
+                             reference_fn=None)
+    cuda = extras["cuda"]
+    assert cuda["device_median_s"] == 0.0001
+    assert cuda["gb_per_s_device"] == pytest.approx(nbytes / 0.0001 / 1e9)  # 2000 GB/s
+    assert cuda["fraction_of_device_bandwidth_device"] == pytest.approx(0.5)
+    assert cuda["fraction_of_copy_bandwidth_device"] == pytest.approx(0.8)
+    assert cuda["speedup_vs_reference_device"] == pytest.approx(40.0)
+
+    run = _load("drmoo_bench_run_gpu", BENCH / "run.py")
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({"datetime": "now", "benchmarks": [
+        _record("gram_step", "cuda", 0.0003, m=3, n=11_200_000, gb_per_s=600.0, device_peak_gb_per_s=4000.0,
+                fraction_of_device_bandwidth=0.15, **cuda),
+    ]}))
+    table = run.summarize(gpu)
+    assert "CUDA events" in table and "Device peak memory bandwidth (clock x bus width): 4000 GB/s." in table
+    # device time 0.1 ms, 2000 GB/s, half the peak, 0.8 of a copy_, 40x the reference; host median 0.45 ms
+    assert table.splitlines()[-1] == ("| gram_step | m=3 n=11200000 | cuda | 0.100 ms | 2000.00 | 0.50 | 0.80 "
+                                      "| 40.00 | 0.450 ms |")
+
+
+def test_tasks_scaling_table_names_the_gpu_setting() -> None:
+    scaling = _load("drmoo_tasks_scaling", BENCH / "tasks_scaling.py")
+    record = {"trunk": "groupnorm", "m": 40, "median_s": {"plain": 0.010, "features": 0.012},
+              "min_s": {"plain": 0.010, "features": 0.011}, "step_peak_rss_gb": {"plain": 1.0, "features": 1.25}}
+    data = {"command": "python bench/tasks_scaling.py --device cuda --batch 256", "machine": "NVIDIA H200 (CUDA 13.0)",
+            "cores": 16, "torch": "2.11.0", "torchjd": "0.18.0", "rounds": 20, "device": "cuda", "batch": 256,
+            "image": 32, "load_start": "0", "load_end": "0", "trunks": ["groupnorm"],
+            "variants": ["plain", "features"], "records": [record]}
+    table = scaling.table(data)
+    assert table.startswith("# Step time and peak memory against the number of tasks (GPU)")
+    assert "torch.cuda.max_memory_allocated()" in table and "32 px, batch 256" in table
+    assert "| 40 | 0.010 s, 1.00 GB | 0.012 s (1.20x; min 1.10x), 1.25 GB |" in table
+    cpu = scaling.table({**data, "device": "cpu", "batch": 32})
+    assert "(CPU)" in cpu and "resident set size" in cpu and "32 px, batch 32" in cpu
