@@ -25,7 +25,9 @@ writes, from the runs' ``eval.json`` and ``config.json`` files:
   the same for Double-Clip and Nash-MTL at the rate swept in features mode, with the sweep's
   ``features/lr-sweep/two-stage.csv``.
 * with ``modes DIR``: ``DIR/vs-parameters.csv`` / ``.md``, the same pairing for a comparison whose rows
-  hold both modes (``bash scripts/reproduce_small.sh k4``), over the seeds both modes finished.
+  hold both modes (``bash scripts/reproduce_small.sh k4``), over the seeds both modes finished; with the
+  rows of ``DIR/features-swept/`` too where it exists (``k9-swept``: rates swept at that k), and the
+  sweep's ``DIR/features-lr-sweep/two-stage.csv`` once its runoff ran.
 * ``w-ranges.csv``: per row of the comparison and of ``ablations/``, the range each w_i took over all
   steps and seeds (the balancing table of ``table.md``, as numbers): ``low_w1``, ``high_w1``, ...,
   and ``max_off_uniform``, the largest |w_i - 1/m| seen.
@@ -290,9 +292,13 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[1] == "modes":  # one comparison holding both modes' rows (Multi-MNIST-k)
         comparison = Path(argv[2])
-        rows, markdown = features_vs_parameters(comparison, [comparison], f"{comparison.name}, small preset")
+        # Features rows at rates swept for this comparison itself (reproduce_small.sh k9-swept), when present.
+        features_dirs = [comparison] + [d for d in [comparison / "features-swept"] if d.is_dir()]
+        rows, markdown = features_vs_parameters(comparison, features_dirs, f"{comparison.name}, small preset")
         write_csv(comparison / "vs-parameters.csv", rows)
         (comparison / "vs-parameters.md").write_text(markdown)
+        if (comparison / "features-lr-sweep" / "runoff" / "table.csv").is_file():
+            write_csv(comparison / "features-lr-sweep" / "two-stage.csv", two_stage(comparison / "features-lr-sweep"))
         print(f"wrote {comparison / 'vs-parameters.csv'}, {comparison / 'vs-parameters.md'}")
         return 0
     results = Path(argv[1] if len(argv) > 1 else "results/multimnist2-small")
