@@ -6,8 +6,10 @@ What gets compiled (README, "Install" and "One build for every supported torch")
   LibTorch stable ABI with ``TORCH_TARGET_VERSION`` = the oldest supported torch (``MIN_TORCH`` of
   drmoo_kernels/_compat.py, 2.11) and Python's limited API: built once, it loads under torch 2.11
   and every later torch, on any CPython >= 3.10 (an abi3 wheel).
-* ``drmoo_kernels._C_cuda``: the CUDA kernels (csrc/cuda/), on torch's regular C++ API: it loads only
-  under the torch it was built with.
+* ``drmoo_kernels._C_cuda``: the CUDA kernels (csrc/cuda/), on the same stable ABI, target and limited
+  API as ``_C`` (plus the C shim's CUDA functions, ``-DUSE_CUDA``): it too loads under torch 2.11 and
+  every later torch -- one whose CUDA runtime has the major version of the building torch's (it links
+  libcudart.so.<major>).
 * The kernels are built only when torch is importable *in the build environment*: ``pip install
   --no-build-isolation .`` (or ``python setup.py build_ext --inplace``) with torch installed.  pip's
   default build isolation has no torch (pyproject.toml does not ask for one: that used to download
@@ -51,7 +53,7 @@ from typing import Any
 from setuptools import find_packages, setup
 
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
-CUDA_EXTENSION = "drmoo_kernels._C_cuda"  # the regular-ABI CUDA kernels (README, "Supported versions")
+CUDA_EXTENSION = "drmoo_kernels._C_cuda"  # the stable-ABI CUDA kernels (README, "Supported versions")
 HOW_TO_BUILD = "with torch and a C++ compiler installed: pip install --no-build-isolation ."
 
 
@@ -159,6 +161,14 @@ def stable_abi_flags(target: str = STABLE_ABI_TARGET) -> list[str]:
     version = f"0x{major:02x}{minor:02x}000000000000"
     # (-DPy_LIMITED_API comes from torch's BuildExtension for every py_limited_api extension.)
     return [f"-DTORCH_TARGET_VERSION={version}", f'-DDRMOO_STABLE_TARGET="{target}"']
+
+
+def cuda_compile_args(arch_flags: list[str], target: str = STABLE_ABI_TARGET) -> dict[str, list[str]]:
+    """The compiler flags of drmoo_kernels._C_cuda: the stable-ABI build of ``target``, as for _C, for both
+    compilers (the .cu files' host code includes the stable headers too), with ``USE_CUDA``, without which
+    torch's C shim does not declare its CUDA functions (``aoti_torch_get_current_cuda_stream``)."""
+    stable = [*stable_abi_flags(target), "-DUSE_CUDA"]
+    return {"cxx": ["-O3", "-std=c++20", *stable], "nvcc": ["-O3", "-std=c++20", "-lineinfo", *stable, *arch_flags]}
 
 
 def stable_abi_problem(torch_version: str) -> str | None:
@@ -288,18 +298,14 @@ def _extensions(environ: Mapping[str, str]) -> tuple[list[Any], dict[str, Any]]:
         return [stable], {"build_ext": _optional_build_command(mode)}
     arch_flags, arch_choice = cuda_arch_flags(environ)
     _say(f"drmoo: building the CPU kernels (stable ABI, torch >= {STABLE_ABI_TARGET}) and the CUDA kernels "
-         f"({why_cuda}; regular ABI, torch {torch.__version__} only) for {arch_choice}")
-    # drmoo_kernels._C_cuda: the CUDA kernels on torch's regular C++ API, loadable only under the
-    # torch they were built with.  Only Python's limited API (its module init), so the wheel's
-    # abi3 tag holds for both shared objects.  No --use_fast_math: the kernels are memory bound, and
+         f"({why_cuda}; stable ABI, torch >= {STABLE_ABI_TARGET}) for {arch_choice}")
+    # drmoo_kernels._C_cuda: the CUDA kernels, on the same stable ABI and target as _C (one build for
+    # torch >= STABLE_ABI_TARGET; cuda_compile_args).  Only Python's limited API (its module init), so the
+    # wheel's abi3 tag holds for both shared objects.  No --use_fast_math: the kernels are memory bound, and
     # approximate exp/log/pow would only widen the gap to the reference the CUDA backend is tested
     # against.
     cuda = CUDAExtension(
-        CUDA_EXTENSION, ["csrc/cuda/module.cpp", *cuda_sources],
-        extra_compile_args={
-            "cxx": ["-O3", "-std=c++20"],
-            "nvcc": ["-O3", "-std=c++20", "-lineinfo", *arch_flags],
-        },
+        CUDA_EXTENSION, ["csrc/cuda/module.cpp", *cuda_sources], extra_compile_args=cuda_compile_args(arch_flags),
         py_limited_api=True,
     )
     return [stable, cuda], {"build_ext": _optional_build_command(mode)}

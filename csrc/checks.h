@@ -1,5 +1,5 @@
-// Input validation shared by the CPU kernels (torch's stable ABI: torch::stable::Tensor) and the CUDA
-// kernels (torch's regular C++ API: at::Tensor): what a direct torch.ops.drmoo.* call meets.  The
+// Input validation shared by the CPU and the CUDA kernels (both on torch's stable ABI:
+// torch::stable::Tensor): what a direct torch.ops.drmoo.* call meets.  The
 // rules are drmoo_kernels/_checks.py's (the backends' Python checker, which the fake kernels share),
 // with the same messages, so that a direct call is refused like a call through a backend:
 //   - metadata: shapes, dtypes, devices;
@@ -12,10 +12,10 @@
 // device on every call and break CUDA-graph capture), as the Python checker does not while
 // capturing.
 //
-// The checks are templates over the tensor type: both tensor classes answer dim(), size(),
-// stride(), numel(), data_ptr(), element_size(), scalar_type() and device() (whose type() and index()
-// are the same torch/headeronly enums), and nothing here includes ATen, so the stable build can use
-// this file.
+// The checks are templates over the tensor type (written when the CUDA kernels were on at::Tensor):
+// a tensor class that answers dim(), size(), stride(), numel(), data_ptr(), element_size(),
+// scalar_type() and device() (whose type() and index() are torch/headeronly enums) will do, and
+// nothing here includes ATen, so the stable builds can use this file.
 //
 // Every failed check throws std::runtime_error, which torch reports as a Python RuntimeError: the
 // stable ABI has no ValueError/TypeError (STD_TORCH_CHECK is a RuntimeError too), and the CUDA

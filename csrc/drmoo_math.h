@@ -7,7 +7,7 @@
 // tested for parity against that reference.
 #pragma once
 
-// torch/headeronly: usable by the stable-ABI CPU build and the regular-ABI CUDA build alike.
+// torch/headeronly: usable by the stable-ABI CPU and CUDA builds alike.
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 

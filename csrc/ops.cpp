@@ -5,8 +5,8 @@
 // This file and csrc/cpu/ form drmoo_kernels._C, built against torch's LibTorch stable ABI
 // (STABLE_TORCH_LIBRARY, torch::stable::Tensor, torch/headeronly) with TORCH_TARGET_VERSION set to the
 // oldest supported torch (setup.py) and Python's limited API: one build loads under that torch and
-// every later one.  The CUDA kernels are a separate regular-ABI extension, drmoo_kernels._C_cuda
-// (csrc/cuda/), that registers its implementations against these schemas.
+// every later one.  The CUDA kernels are a separate extension on the same stable ABI,
+// drmoo_kernels._C_cuda (csrc/cuda/), that registers its implementations against these schemas.
 //
 // Arguments annotated (a!) / (b!) are written in place; declaring them lets functionalization and
 // torch.library.opcheck reason about the mutation.  Divergences are passed as (code, param), see

@@ -5,11 +5,12 @@ Two extensions (README, "One build for every supported torch"):
 * ``drmoo_kernels._C``: the op schemas (``csrc/ops.cpp``, ``STABLE_TORCH_LIBRARY(drmoo, ...)``) and the
   CPU kernels (``csrc/cpu``), built on torch's LibTorch stable ABI for the oldest supported torch:
   one build loads under that torch and every later one;
-* ``drmoo_kernels._C_cuda``: the CUDA kernels (``csrc/cuda``), on torch's regular C++ API: a build
-  loads only under the torch it was compiled with, and is refused with a warning under another.
+* ``drmoo_kernels._C_cuda``: the CUDA kernels (``csrc/cuda``), on the same stable ABI and target.
 
-Each shared object names the torch it was built with (and, for ``_C``, its stable-ABI target) in
-plain bytes that are read before it is loaded.  This module imports an extension only when a backend
+Each shared object names the torch it was built with and its stable-ABI target in plain bytes that
+are read before it is loaded.  An older drmoo's ``_C_cuda`` was built on torch's regular C++ API and
+carries no target: such a build loads only under the torch it was compiled with, and is refused with
+a warning under another.  This module imports an extension only when a backend
 asks for it, then registers a fake (meta) kernel per op so that the ops trace under ``torch.compile``
 and pass ``torch.library.opcheck``.
 
@@ -56,10 +57,11 @@ _Triple = tuple[Tensor, Tensor, Tensor]
 OPS: tuple[str, ...] = ("dual_forward", "dual_step", "gram", "combine", "gram_step")
 # The schemas and the CPU kernels, built on torch's stable ABI: one build serves every torch >= its target.
 EXTENSION = "drmoo_kernels._C"
-# The CUDA kernels, built on torch's regular C++ API: a build serves only the torch it was compiled with.
+# The CUDA kernels, on the same stable ABI (an older drmoo's regular-ABI build: only the torch it was built with).
 CUDA_EXTENSION = "drmoo_kernels._C_cuda"
 # csrc/ops.cpp and csrc/cuda/module.cpp write these markers into their shared objects: the torch
-# version of the headers, and (stable-ABI build only) the oldest torch whose stable ABI it uses.
+# version of the headers, and the oldest torch whose stable ABI it uses (absent from an older drmoo's
+# regular-ABI _C_cuda).
 _BUILD_MARKER = b"drmoo-built-with-torch="
 _STABLE_MARKER = b"drmoo-stable-abi-target="
 _MARKER_VALUE = re.compile(rb"([0-9A-Za-z.+_-]{1,64});")
@@ -96,7 +98,7 @@ def built_with_torch(path: str) -> str | None:
 
 def stable_abi_target(path: str) -> str | None:
     """The oldest torch ("2.11") whose stable ABI the shared object at ``path`` was built for; None for a
-    regular-ABI build (which loads only under the torch it was built with)."""
+    regular-ABI build (an older drmoo's _C_cuda, which loads only under the torch it was built with)."""
     return _marker(path, _STABLE_MARKER)
 
 

@@ -14,7 +14,7 @@ __all__ = ["KernelsUnavailableWarning"]
 
 class KernelsUnavailableWarning(RuntimeWarning):
     """The compiled kernels cannot be used: ``drmoo_kernels._C`` (the CPU kernels: drmoo runs on the ~2x
-    slower reference backend) or ``drmoo_kernels._C_cuda`` (the CUDA kernels, e.g. built for another torch).
+    slower reference backend) or ``drmoo_kernels._C_cuda`` (the CUDA kernels, e.g. built for a newer torch).
 
     Issued once per process and extension, at the first use of a compiled backend, with the reason and the fix.
     Choosing ``DRMOO_BACKEND=reference`` (or ``backend="reference"``) never loads the extension and

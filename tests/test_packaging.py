@@ -163,6 +163,19 @@ def test_the_stable_abi_build_targets_the_oldest_supported_torch() -> None:
     assert "older than 2.11" in SETUP.stable_abi_problem("2.10.2")
 
 
+def test_the_cuda_extension_is_compiled_for_the_same_stable_abi_target() -> None:
+    """drmoo_kernels._C_cuda gets _C's stable-ABI flags on both compilers (its .cu files' host code includes the
+    stable headers), USE_CUDA for the C shim's CUDA functions, and the architecture flags on nvcc only."""
+    arch = ["-gencode=arch=compute_90,code=sm_90"]
+    args = SETUP.cuda_compile_args(arch)
+    for compiler in ("cxx", "nvcc"):
+        for flag in [*SETUP.stable_abi_flags(), "-DUSE_CUDA", "-std=c++20"]:
+            assert flag in args[compiler], (compiler, flag)
+    assert "-DTORCH_TARGET_VERSION=0x020b000000000000" in args["nvcc"]
+    assert arch[0] in args["nvcc"] and arch[0] not in args["cxx"]
+    assert '-DDRMOO_STABLE_TARGET="2.13"' in SETUP.cuda_compile_args([], "2.13")["cxx"]
+
+
 def test_the_oldest_torch_leg_installs_the_first_legs_wheel_instead_of_rebuilding() -> None:
     """The CI proof of "one build for every supported torch" (.ci/run): leg 1 builds the wheel against the
     pinned torch, leg 2 installs that file beside torch 2.11 -- no compile -- and requires the cpp backend."""

@@ -1,6 +1,6 @@
 // Helpers shared by the CPU kernels, which are written against torch's LibTorch stable ABI
 // (torch::stable::Tensor, torch/headeronly; built with TORCH_TARGET_VERSION = the oldest supported
-// torch, see setup.py): the dtype switch, the math dtype, scheduling of fixed-size tasks on torch's
+// torch, see setup.py): the dtype switch and the math dtype (dispatch.h), scheduling of fixed-size tasks on torch's
 // thread pool, and direct access to the small per-task vectors (eta, w, z) and 0-d scalars (mu, lr).
 //
 // Why not plain parallel_for(0, tasks, 1, ...) and tensor conversions: the ops are called once
@@ -17,8 +17,6 @@
 
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
-#include <torch/headeronly/util/BFloat16.h>
-#include <torch/headeronly/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
@@ -34,51 +32,16 @@
 #endif
 
 #include "../checks.h"
+#include "../dispatch.h"
 
 namespace drmoo {
 
 using Tensor = torch::stable::Tensor;
-using Half = torch::headeronly::Half;
-using BFloat16 = torch::headeronly::BFloat16;
 
-// The math dtype of a storage dtype: float16/bfloat16 compute in float32 (at::opmath_type, which
-// the stable ABI does not offer).
-template <typename T>
-struct OpMath {
-  using type = T;
-};
-template <>
-struct OpMath<Half> {
-  using type = float;
-};
-template <>
-struct OpMath<BFloat16> {
-  using type = float;
-};
-template <typename T>
-using opmath_t = typename OpMath<T>::type;
-
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
-// Calls body(TypeTag<scalar_t>{}) for the four floating dtypes; the callers validated the dtype
-// (check_float), so another one here is a bug of the caller, reported as such.
+// Calls body(TypeTag<scalar_t>{}) for the four floating dtypes (dispatch.h).
 template <typename Body>
 void dispatch_floating(ScalarType type, const char* op, const Body& body) {
-  switch (type) {
-    case ScalarType::Float:
-      return body(TypeTag<float>{});
-    case ScalarType::Double:
-      return body(TypeTag<double>{});
-    case ScalarType::Half:
-      return body(TypeTag<Half>{});
-    case ScalarType::BFloat16:
-      return body(TypeTag<BFloat16>{});
-    default:
-      throw std::runtime_error(message::concat("drmoo.", op, ": no CPU kernel for dtype ", dtype_str(type)));
-  }
+  dispatch_floating_on("CPU", type, op, body);
 }
 
 // Runs body(t) once for every t in [0, tasks).  Uses more than one thread only when every thread

@@ -1,34 +1,68 @@
-// Helpers shared by the CUDA kernels.
+// Helpers shared by the CUDA kernels (drmoo_kernels._C_cuda).
 //
-// The CUDA kernels (drmoo_kernels._C_cuda) are written against torch's regular C++ API (at::Tensor,
-// c10's CUDA guard and stream, TORCH_LIBRARY_IMPL), so a build loads only under the torch it was
-// compiled with; the CPU kernels and the schemas (drmoo_kernels._C) use the stable ABI.  README,
-// "One build for every supported torch", says why the CUDA host code was not ported yet.
-//
-// Only c10/cuda headers: ATen/cuda/CUDAContext.h would pull in cuBLAS/cuSPARSE headers, which a
-// minimal CUDA toolkit (nvcc + runtime, as on the CI machines) does not ship.
+// The host code is written against torch's LibTorch stable ABI, as the CPU kernels are (csrc/cpu/
+// cpu_util.h): torch::stable::Tensor, STABLE_TORCH_LIBRARY_IMPL, torch/headeronly, and the C shim
+// for what the stable C++ API does not wrap at the oldest supported torch: the current CUDA stream
+// (aoti_torch_get_current_cuda_stream, declared only with USE_CUDA) and tensor allocation
+// (aoti_torch_empty_strided).  Built with TORCH_TARGET_VERSION = that torch (setup.py), one build
+// loads under it and every later torch.  No ATen or c10 headers beyond the header-only ones; the CUDA
+// runtime itself (cudaGetLastError, device attributes) is called directly.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#ifndef USE_CUDA
+#error "setup.py compiles csrc/cuda with -DUSE_CUDA: torch's C shim declares its CUDA functions only then"
+#endif
+
 #include <cuda_runtime.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/device.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <initializer_list>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "../checks.h"
+#include "../dispatch.h"
 #include "../drmoo_math.h"
 
 namespace drmoo {
+
+using Tensor = torch::stable::Tensor;
+
+// Calls body(TypeTag<scalar_t>{}) for the four floating dtypes (dispatch.h).
+template <typename Body>
+void dispatch_floating(ScalarType type, const char* op, const Body& body) {
+  dispatch_floating_on("CUDA", type, op, body);
+}
+
+// A failed CUDA runtime call as a RuntimeError (what C10_CUDA_CHECK raised), naming the call.
+inline void check_cuda_status(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw std::runtime_error(message::concat("drmoo: ", what, " failed: CUDA error: ", cudaGetErrorString(status)));
+  }
+}
+
+// After a kernel launch: a launch error (bad configuration, no kernel image for the GPU) is raised
+// at once, as C10_CUDA_KERNEL_LAUNCH_CHECK did.
+#define DRMOO_CUDA_LAUNCH_CHECK() ::drmoo::check_cuda_status(cudaGetLastError(), "a CUDA kernel launch")
+
+// The CUDA device current on this thread: the device the DeviceGuard of every op selected.
+inline int current_device() {
+  int device = 0;
+  check_cuda_status(cudaGetDevice(&device), "cudaGetDevice");
+  return device;
+}
 
 constexpr int kThreads = 256;  // threads per block of the streaming kernels
 constexpr int kWarps = kThreads / 32;
@@ -64,12 +98,12 @@ __host__ __device__ __forceinline__ bool aligned16(const void* p) { return reint
 inline int sm_count() {
   static std::mutex mutex;
   static std::map<int, int> counts;
-  const int device = c10::cuda::current_device();
+  const int device = current_device();
   const std::lock_guard<std::mutex> lock(mutex);
   const auto found = counts.find(device);
   if (found != counts.end()) return found->second;
   int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  check_cuda_status(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
   return counts[device] = std::max(sms, 1);
 }
 
@@ -82,27 +116,94 @@ inline int64_t resident_blocks() { return static_cast<int64_t>(sm_count()) * 8; 
 inline int blocks_per_sm(const void* kernel, int threads, size_t shared_bytes) {
   static std::mutex mutex;
   static std::map<std::tuple<int, const void*, int, size_t>, int> cache;
-  const int device = c10::cuda::current_device();
+  const int device = current_device();
   const auto key = std::make_tuple(device, kernel, threads, shared_bytes);
   const std::lock_guard<std::mutex> lock(mutex);
   const auto found = cache.find(key);
   if (found != cache.end()) return found->second;
   int blocks = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, shared_bytes));
+  check_cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, shared_bytes),
+                    "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   return cache[key] = std::max(blocks, 1);
 }
 
-inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+// The current CUDA stream of `device` (torch's, so that the kernels run in order with the caller's
+// work and under CUDA graph capture), through the C shim: the stable C++ API wraps streams only as
+// an opaque torch::stable::accelerator::Stream, whose native handle it exposes from torch 2.13 on.
+inline cudaStream_t current_stream(int32_t device) {
+  void* stream = nullptr;
+  DRMOO_CHECK(aoti_torch_get_current_cuda_stream(device, &stream) == AOTI_TORCH_SUCCESS,
+              "drmoo: could not get the current CUDA stream of device cuda:", device);
+  return static_cast<cudaStream_t>(stream);
+}
 
-inline void check_cuda(const char* op, const at::Tensor& t) {
+inline void check_cuda(const char* op, const Tensor& t) {
   DRMOO_CHECK(t.is_cuda(), "drmoo.", op, ": the CUDA kernel got tensors on ", device_str(t.device()));
 }
 
+// A new contiguous tensor on CUDA device `device` in a floating dtype (outputs and workspaces), through
+// the C shim's aoti_torch_empty_strided (torch's caching allocator, on the current stream) rather than
+// torch::stable::empty / new_empty, which box their arguments through the dispatcher (csrc/cpu/
+// cpu_util.h, new_cpu_tensor, measured that at ~4 us per tensor); a failure (out of memory) comes back
+// as a status, so the error can name the size.
+inline Tensor new_cuda_tensor(const std::vector<int64_t>& sizes, ScalarType dtype, int32_t device) {
+  std::vector<int64_t> strides(sizes.size(), 1);
+  for (size_t k = sizes.size(); k-- > 1;) strides[k - 1] = strides[k] * std::max<int64_t>(sizes[k], 1);
+  int32_t code = aoti_torch_dtype_float32();
+  switch (dtype) {
+    case ScalarType::Double:
+      code = aoti_torch_dtype_float64();
+      break;
+    case ScalarType::Half:
+      code = aoti_torch_dtype_float16();
+      break;
+    case ScalarType::BFloat16:
+      code = aoti_torch_dtype_bfloat16();
+      break;
+    default:
+      DRMOO_CHECK(dtype == ScalarType::Float, "drmoo: the CUDA kernels allocate floating tensors, not ",
+                  dtype_str(dtype));
+  }
+  AtenTensorHandle handle = nullptr;
+  const AOTITorchError status = aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
+                                                         strides.data(), code, aoti_torch_device_type_cuda(),
+                                                         device, &handle);
+  if (status != AOTI_TORCH_SUCCESS) {
+    double requested_bytes = static_cast<double>(float_bytes(dtype));
+    for (const int64_t size : sizes) requested_bytes *= static_cast<double>(size);
+    std::string shape_text = "[";
+    for (size_t k = 0; k < sizes.size(); ++k) shape_text += (k > 0 ? ", " : "") + std::to_string(sizes[k]);
+    char bytes_text[32];
+    std::snprintf(bytes_text, sizeof(bytes_text), "%.0f", requested_bytes);
+    throw std::runtime_error(message::concat("drmoo: allocating a CUDA tensor of shape ", shape_text, "] (",
+                                             dtype_str(dtype), ", ", bytes_text, " bytes) on cuda:", device,
+                                             " failed: out of memory?"));
+  }
+  return Tensor(handle);
+}
+
+inline Tensor new_cuda_tensor(std::initializer_list<int64_t> shape, ScalarType dtype, int32_t device) {
+  return new_cuda_tensor(std::vector<int64_t>(shape), dtype, device);
+}
+
+// A contiguous copy of the CUDA tensor `t` in `dtype`, on t's device (new_cuda_tensor, then copy_).
+inline Tensor contiguous_copy(const Tensor& t, ScalarType dtype) {
+  const auto sizes = t.sizes();
+  Tensor out = new_cuda_tensor(std::vector<int64_t>(sizes.begin(), sizes.end()), dtype, t.get_device_index());
+  torch::stable::copy_(out, t);
+  return out;
+}
+
+// `t` itself when it is contiguous (what Tensor::contiguous() returns then), else a contiguous copy.
+inline Tensor contiguous_or_copy(const Tensor& t) {
+  return t.is_contiguous() ? t : contiguous_copy(t, t.scalar_type());
+}
+
 // J validated for `op`, with rows of unit column stride (the kernels step between rows by stride(0)).
-inline at::Tensor cuda_jacobian(const char* op, const at::Tensor& J) {
+inline Tensor cuda_jacobian(const char* op, const Tensor& J) {
   check_jacobian(op, J);
   check_cuda(op, J);
-  return J.stride(1) == 1 ? J : J.contiguous();
+  return J.stride(1) == 1 ? J : contiguous_or_copy(J);
 }
 
 // A small tensor (a vector or one value) read or written in its own dtype by a kernel, so that the
@@ -113,16 +214,20 @@ struct ValueRef {
   int64_t stride;  // elements between consecutive entries
 };
 
-inline ValueRef value_ref(const at::Tensor& t) {
+inline ValueRef value_ref(const Tensor& t) {
   return ValueRef{t.data_ptr(), storage_code(t.scalar_type()), t.dim() > 0 ? t.stride(0) : 0};
 }
 
-// A value ref of a one-element tensor on `device` in a float dtype: `t` itself when it is one,
-// else a float64 copy (kept alive by `keep`).
-inline ValueRef scalar_ref(const at::Tensor& t, const at::Device& device, at::Tensor* keep) {
-  *keep = t;
-  if (t.device() != device || !is_supported_float(t.scalar_type())) *keep = t.to(device, at::kDouble);
-  return ValueRef{keep->data_ptr(), storage_code(keep->scalar_type()), 0};
+// A value ref of a one-element tensor on CUDA device `device` in a float dtype: `t` itself when it is
+// one, else a float64 copy on that device (kept alive by `keep`).
+inline ValueRef scalar_ref(const Tensor& t, int32_t device, std::optional<Tensor>* keep) {
+  const bool on_device = t.is_cuda() && t.get_device_index() == device;
+  if (on_device && is_supported_float(t.scalar_type())) {
+    *keep = t;
+  } else {
+    *keep = torch::stable::to(t, ScalarType::Double, std::nullopt, torch::stable::Device(DeviceType::CUDA, device));
+  }
+  return ValueRef{(*keep)->data_ptr(), storage_code((*keep)->scalar_type()), 0};
 }
 
 __device__ __forceinline__ double load_value(const ValueRef& ref, int64_t i) {
@@ -131,9 +236,9 @@ __device__ __forceinline__ double load_value(const ValueRef& ref, int64_t i) {
     case kStoreDouble:
       return static_cast<const double*>(ref.ptr)[at];
     case kStoreHalf:
-      return static_cast<double>(static_cast<float>(static_cast<const c10::Half*>(ref.ptr)[at]));
+      return static_cast<double>(static_cast<float>(static_cast<const Half*>(ref.ptr)[at]));
     case kStoreBFloat16:
-      return static_cast<double>(static_cast<float>(static_cast<const c10::BFloat16*>(ref.ptr)[at]));
+      return static_cast<double>(static_cast<float>(static_cast<const BFloat16*>(ref.ptr)[at]));
     default:
       return static_cast<double>(static_cast<const float*>(ref.ptr)[at]);
   }
@@ -147,10 +252,10 @@ __device__ __forceinline__ void store_value(const ValueRef& ref, int64_t i, doub
       static_cast<double*>(ref.ptr)[at] = x;
       break;
     case kStoreHalf:
-      static_cast<c10::Half*>(ref.ptr)[at] = c10::Half(static_cast<float>(x));
+      static_cast<Half*>(ref.ptr)[at] = Half(static_cast<float>(x));
       break;
     case kStoreBFloat16:
-      static_cast<c10::BFloat16*>(ref.ptr)[at] = c10::BFloat16(static_cast<float>(x));
+      static_cast<BFloat16*>(ref.ptr)[at] = BFloat16(static_cast<float>(x));
       break;
     default:
       static_cast<float*>(ref.ptr)[at] = static_cast<float>(x);

@@ -9,10 +9,10 @@
 //                 then the weights at eta_{t+1}.
 // Larger batches spread the column sums over m blocks: dual_forward is still one launch;
 // dual_step is three (column sums, the one-thread mu/eta kernel, the elementwise weights).
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+
+#include <optional>
+#include <tuple>
 
 #include "../checks.h"
 #include "../drmoo_math.h"
@@ -201,111 +201,122 @@ __global__ void __launch_bounds__(kThreads)
 
 bool use_fused(int64_t batch, int64_t m) { return m <= kFusedThreads && batch * m <= kFusedMaxElements; }
 
-// The dual ops' inputs after validation: losses with contiguous rows, the math dtype, and the
-// sample weights (if any) converted to the math dtype, as the reference converts them before use.
+// The dual ops' inputs after validation (check_dual_inputs, by the caller): losses with contiguous
+// rows, the math dtype, and the sample weights (if any) converted to the math dtype, as the reference
+// converts them before use.
 struct DualInputs {
-  at::Tensor losses, sample_weight;
-  at::ScalarType acc;
+  Tensor losses;
+  std::optional<Tensor> sample_weight;
+  ScalarType acc;
 };
 
-DualInputs prepare(const char* op, const at::Tensor& losses, const at::Tensor& eta,
-                   const c10::optional<at::Tensor>& sample_weight, int64_t code, double param, double lam,
-                   double scale) {
-  check_cuda(op, losses);
-  check_dual_inputs(op, losses, eta, sample_weight.has_value() ? &*sample_weight : nullptr, code, param, lam, scale);
-  DualInputs in;
-  in.losses = losses.contiguous();  // no copy (and no ATen call beyond a flag check) when contiguous
-  in.acc = acc_dtype(losses.scalar_type());
-  if (sample_weight.has_value()) in.sample_weight = sample_weight->to(in.acc).contiguous();
+DualInputs prepare(const Tensor& losses, const std::optional<Tensor>& sample_weight) {
+  DualInputs in{contiguous_or_copy(losses), std::nullopt, acc_dtype(losses.scalar_type())};
+  if (sample_weight.has_value()) {
+    const Tensor& given = *sample_weight;
+    in.sample_weight = given.scalar_type() == in.acc && given.is_contiguous() ? given : contiguous_copy(given, in.acc);
+  }
   return in;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_forward_cuda(const at::Tensor& losses_in, const at::Tensor& eta,
-                                                                 double lam, double scale, int64_t code,
-                                                                 double param,
-                                                                 const c10::optional<at::Tensor>& sample_weight) {
-  const c10::cuda::OptionalCUDAGuard guard(losses_in.device());
-  DualInputs in = prepare("dual_forward", losses_in, eta, sample_weight, code, param, lam, scale);
+// The sample weights' data in the math dtype, or nullptr when there are none.
+template <typename acc_t>
+const acc_t* weights_ptr(const DualInputs& in) {
+  return in.sample_weight.has_value() ? in.sample_weight->const_data_ptr<acc_t>() : nullptr;
+}
+
+std::tuple<Tensor, Tensor, Tensor> dual_forward_cuda(const Tensor& losses_in, const Tensor& eta, double lam,
+                                                     double scale, int64_t code, double param,
+                                                     const std::optional<Tensor>& sample_weight) {
+  check_cuda("dual_forward", losses_in);
+  const int32_t device = losses_in.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  check_dual_inputs("dual_forward", losses_in, eta, sample_weight.has_value() ? &*sample_weight : nullptr, code,
+                    param, lam, scale);
+  DualInputs in = prepare(losses_in, sample_weight);
   const int64_t batch = in.losses.size(0), m = in.losses.size(1);
-  const auto options = in.losses.options().dtype(in.acc);
-  at::Tensor objective = at::empty({m}, options);
-  at::Tensor grad_eta = at::empty({m}, options);
-  at::Tensor weights = at::empty({batch, m}, options);
+  Tensor objective = new_cuda_tensor({m}, in.acc, device);
+  Tensor grad_eta = new_cuda_tensor({m}, in.acc, device);
+  Tensor weights = new_cuda_tensor({batch, m}, in.acc, device);
   const ValueRef eta_ref = value_ref(eta);
-  const cudaStream_t stream = current_stream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.losses.scalar_type(), "drmoo_dual_forward_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* losses = in.losses.data_ptr<scalar_t>();
-    const acc_t* omega = in.sample_weight.defined() ? in.sample_weight.data_ptr<acc_t>() : nullptr;
+  const cudaStream_t stream = current_stream(device);
+  dispatch_floating(in.losses.scalar_type(), "dual_forward", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    using acc_t = opmath_t<scalar_t>;
+    const scalar_t* losses = in.losses.const_data_ptr<scalar_t>();
+    const acc_t* omega = weights_ptr<acc_t>(in);
     const auto div = make_divergence<acc_t>(code, param);
     if (use_fused(batch, m)) {
       dual_fused_kernel<scalar_t, acc_t, false><<<1, kFusedThreads, 0, stream>>>(
           losses, omega, batch, static_cast<int>(m), eta_ref, ValueRef{}, static_cast<acc_t>(lam),
-          static_cast<acc_t>(scale), div, acc_t(0), acc_t(0), acc_t(0), grad_eta.data_ptr<acc_t>(),
-          objective.data_ptr<acc_t>(), nullptr, weights.data_ptr<acc_t>());
+          static_cast<acc_t>(scale), div, acc_t(0), acc_t(0), acc_t(0), grad_eta.mutable_data_ptr<acc_t>(),
+          objective.mutable_data_ptr<acc_t>(), nullptr, weights.mutable_data_ptr<acc_t>());
     } else {
       dual_column_kernel<scalar_t, acc_t><<<m, kThreads, 0, stream>>>(
           losses, omega, batch, m, eta_ref, static_cast<acc_t>(lam), static_cast<acc_t>(scale), div,
-          grad_eta.data_ptr<acc_t>(), objective.data_ptr<acc_t>(), weights.data_ptr<acc_t>());
+          grad_eta.mutable_data_ptr<acc_t>(), objective.mutable_data_ptr<acc_t>(), weights.mutable_data_ptr<acc_t>());
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    DRMOO_CUDA_LAUNCH_CHECK();
   });
   return {objective, grad_eta, weights};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dual_step_cuda(const at::Tensor& losses_in, at::Tensor& eta,
-                                                              const at::Tensor& w, double lam, double scale,
-                                                              int64_t code, double param, double gamma, double f1,
-                                                              double f2,
-                                                              const c10::optional<at::Tensor>& sample_weight) {
-  const c10::cuda::OptionalCUDAGuard guard(losses_in.device());
-  DualInputs in = prepare("dual_step", losses_in, eta, sample_weight, code, param, lam, scale);
+// eta is declared mutated (Tensor(a!)): the kernels write it in place.
+std::tuple<Tensor, Tensor, Tensor> dual_step_cuda(const Tensor& losses_in, const Tensor& eta, const Tensor& w,
+                                                  double lam, double scale, int64_t code, double param, double gamma,
+                                                  double f1, double f2, const std::optional<Tensor>& sample_weight) {
+  check_cuda("dual_step", losses_in);
+  const int32_t device = losses_in.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  check_dual_inputs("dual_step", losses_in, eta, sample_weight.has_value() ? &*sample_weight : nullptr, code, param,
+                    lam, scale);
   check_dual_step_inputs(losses_in, eta, w, sample_weight.has_value() ? &*sample_weight : nullptr, gamma, f1, f2);
+  DualInputs in = prepare(losses_in, sample_weight);
   const int64_t batch = in.losses.size(0), m = in.losses.size(1);
-  const auto options = in.losses.options().dtype(in.acc);
-  at::Tensor z = at::empty({m}, options);
-  at::Tensor mu = at::empty({}, options);
-  at::Tensor weights = at::empty({batch, m}, options);
+  Tensor z = new_cuda_tensor({m}, in.acc, device);
+  Tensor mu = new_cuda_tensor({}, in.acc, device);
+  Tensor weights = new_cuda_tensor({batch, m}, in.acc, device);
   // eta is updated in place in its own dtype (each value rounded as drmoo_math.h round_to says).
   const ValueRef eta_ref = value_ref(eta);
   const ValueRef w_ref = value_ref(w);
-  const cudaStream_t stream = current_stream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.losses.scalar_type(), "drmoo_dual_step_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
+  const cudaStream_t stream = current_stream(device);
+  dispatch_floating(in.losses.scalar_type(), "dual_step", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    using acc_t = opmath_t<scalar_t>;
     const auto div = make_divergence<acc_t>(code, param);
-    const scalar_t* losses = in.losses.data_ptr<scalar_t>();
-    const acc_t* omega = in.sample_weight.defined() ? in.sample_weight.data_ptr<acc_t>() : nullptr;
+    const scalar_t* losses = in.losses.const_data_ptr<scalar_t>();
+    const acc_t* omega = weights_ptr<acc_t>(in);
     if (use_fused(batch, m)) {
       dual_fused_kernel<scalar_t, acc_t, true><<<1, kFusedThreads, 0, stream>>>(
           losses, omega, batch, static_cast<int>(m), eta_ref, w_ref, static_cast<acc_t>(lam),
           static_cast<acc_t>(scale), div, static_cast<acc_t>(gamma), static_cast<acc_t>(f1), static_cast<acc_t>(f2),
-          z.data_ptr<acc_t>(), nullptr, mu.data_ptr<acc_t>(), weights.data_ptr<acc_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+          z.mutable_data_ptr<acc_t>(), nullptr, mu.mutable_data_ptr<acc_t>(), weights.mutable_data_ptr<acc_t>());
+      DRMOO_CUDA_LAUNCH_CHECK();
       return;
     }
     dual_column_kernel<scalar_t, acc_t><<<m, kThreads, 0, stream>>>(losses, omega, batch, m, eta_ref,
                                                                      static_cast<acc_t>(lam),
                                                                      static_cast<acc_t>(scale), div,
-                                                                     z.data_ptr<acc_t>(), nullptr, nullptr);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    dual_eta_kernel<acc_t><<<1, 1, 0, stream>>>(z.data_ptr<acc_t>(), w_ref, m, static_cast<acc_t>(gamma),
+                                                                     z.mutable_data_ptr<acc_t>(), nullptr, nullptr);
+    DRMOO_CUDA_LAUNCH_CHECK();
+    dual_eta_kernel<acc_t><<<1, 1, 0, stream>>>(z.mutable_data_ptr<acc_t>(), w_ref, m, static_cast<acc_t>(gamma),
                                                  static_cast<acc_t>(f1), static_cast<acc_t>(f2), eta_ref,
-                                                 mu.data_ptr<acc_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+                                                 mu.mutable_data_ptr<acc_t>());
+    DRMOO_CUDA_LAUNCH_CHECK();
     const int64_t blocks = std::max<int64_t>(1, std::min(ceil_div(batch * m, kThreads), resident_blocks()));
     dual_weights_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(
         losses, omega, batch, m, eta_ref, static_cast<acc_t>(lam), static_cast<acc_t>(scale), div,
-        weights.data_ptr<acc_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        weights.mutable_data_ptr<acc_t>());
+    DRMOO_CUDA_LAUNCH_CHECK();
   });
   return {z, mu, weights};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(drmoo, CUDA, m) {
-  m.impl("dual_forward", &dual_forward_cuda);
-  m.impl("dual_step", &dual_step_cuda);
+STABLE_TORCH_LIBRARY_IMPL(drmoo, CUDA, m) {
+  m.impl("dual_forward", TORCH_BOX(&dual_forward_cuda));
+  m.impl("dual_step", TORCH_BOX(&dual_step_cuda));
 }
 
 }  // namespace drmoo

@@ -13,11 +13,10 @@
 //      to kMaxTensorsPerLaunch tensors), 128-bit loads where J's columns and the parameter are both
 //      16-byte aligned; it returns without writing when the finiteness flag is 0.
 // gram is passes 1-2; combine is pass 3 with lr and w read in their own dtypes.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "../checks.h"
@@ -314,10 +313,10 @@ const void* tile_kernel() {
 }
 
 template <typename scalar_t>
-PartialsPlan plan_partials(const at::Tensor& J) {
-  using acc_t = at::opmath_type<scalar_t>;
+PartialsPlan plan_partials(const Tensor& J) {
+  using acc_t = opmath_t<scalar_t>;
   const int64_t m = J.size(0), n = J.size(1), ld = J.stride(0);
-  const scalar_t* data = J.data_ptr<scalar_t>();
+  const scalar_t* data = J.const_data_ptr<scalar_t>();
   PartialsPlan plan;
   if (m <= kMaxSmallTasks) {
     if (m <= 2) {
@@ -358,11 +357,11 @@ PartialsPlan plan_partials(const at::Tensor& J) {
 }
 
 template <typename scalar_t>
-void launch_partials(const PartialsPlan& plan, const at::Tensor& J, double* partials, cudaStream_t stream) {
-  using acc_t = at::opmath_type<scalar_t>;
+void launch_partials(const PartialsPlan& plan, const Tensor& J, double* partials, cudaStream_t stream) {
+  using acc_t = opmath_t<scalar_t>;
   const int m = static_cast<int>(J.size(0));
   const int64_t n = J.size(1), ld = J.stride(0);
-  const scalar_t* data = J.data_ptr<scalar_t>();
+  const scalar_t* data = J.const_data_ptr<scalar_t>();
   if (m <= kMaxSmallTasks) {
     const auto blocks = static_cast<unsigned>(plan.blocks);
     if (m <= 2) {
@@ -384,7 +383,7 @@ void launch_partials(const PartialsPlan& plan, const at::Tensor& J, double* part
     kernel<<<plan.grid, plan.block, plan.shared, stream>>>(data, ld, m, n, plan.row_blocks, plan.tile_pairs, plan.K,
                                                            plan.chunks, plan.stage_elems, partials);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  DRMOO_CUDA_LAUNCH_CHECK();
 }
 
 // ------------------------------------------------------------------------------------ 2. finalize
@@ -594,14 +593,14 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename scalar_t>
-void launch_update(const at::Tensor& J, at::TensorList params, const UpdateArgs& args, cudaStream_t stream) {
-  using acc_t = at::opmath_type<scalar_t>;
+void launch_update(const Tensor& J, const std::vector<Tensor>& params, const UpdateArgs& args, cudaStream_t stream) {
+  using acc_t = opmath_t<scalar_t>;
   const int64_t m = J.size(0), ld = J.stride(0);
   const size_t shared = static_cast<size_t>(m) * sizeof(acc_t);
   DRMOO_CHECK(shared <= 48 * 1024, "drmoo: the CUDA update supports up to ", 48 * 1024 / sizeof(acc_t),
               " tasks, got m = ", m);
-  const scalar_t* data = J.data_ptr<scalar_t>();
-  std::vector<at::Tensor> staged;  // contiguous copies of non-contiguous parameters, written back
+  const scalar_t* data = J.const_data_ptr<scalar_t>();
+  std::vector<Tensor> staged;  // contiguous copies of non-contiguous parameters, written back
   ParamTable<scalar_t> table{};
   int64_t chunks = 0, offset = 0;
   auto flush = [&] {
@@ -609,20 +608,20 @@ void launch_update(const at::Tensor& J, at::TensorList params, const UpdateArgs&
     DRMOO_CHECK(chunks < (int64_t{1} << 31), "drmoo: too many parameter elements for one CUDA launch");
     update_kernel<scalar_t, acc_t><<<static_cast<unsigned>(chunks), kThreads, shared, stream>>>(
         data, ld, static_cast<int>(m), args, table);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    DRMOO_CUDA_LAUNCH_CHECK();
     table = ParamTable<scalar_t>{};
     chunks = 0;
   };
-  for (const at::Tensor& param : params) {
+  for (const Tensor& param : params) {
     const int64_t count = param.numel();
     if (count == 0) continue;
-    at::Tensor target = param;
+    Tensor target = param;
     if (!param.is_contiguous()) {
-      target = param.contiguous();
+      target = contiguous_copy(param, param.scalar_type());
       staged.push_back(target);
     }
     const int k = table.count++;
-    table.ptr[k] = target.data_ptr<scalar_t>();
+    table.ptr[k] = target.mutable_data_ptr<scalar_t>();
     table.col0[k] = offset;
     table.numel[k] = count;
     chunks += ceil_div(count, kUpdateChunk);
@@ -633,87 +632,99 @@ void launch_update(const at::Tensor& J, at::TensorList params, const UpdateArgs&
   flush();
   // Write the staged copies back (unchanged values when the guard skipped the update).
   size_t next = 0;
-  for (const at::Tensor& param : params) {
-    if (param.numel() > 0 && !param.is_contiguous()) param.copy_(staged[next++]);
+  for (const Tensor& param : params) {
+    if (param.numel() > 0 && !param.is_contiguous()) {
+      Tensor target = param;
+      torch::stable::copy_(target, staged[next++]);
+    }
   }
 }
 
 // -------------------------------------------------------------------------------------------- ops
-at::Tensor gram_cuda(const at::Tensor& J_in) {
-  const c10::cuda::OptionalCUDAGuard guard(J_in.device());
-  const at::Tensor J = cuda_jacobian("gram", J_in);
+Tensor gram_cuda(const Tensor& J_in) {
+  check_cuda("gram", J_in);
+  const int32_t device = J_in.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  const Tensor J = cuda_jacobian("gram", J_in);
   const int64_t m = J.size(0);
-  at::Tensor out = at::empty({m, m}, J.options().dtype(acc_dtype(J.scalar_type())));
-  const cudaStream_t stream = current_stream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, J.scalar_type(), "drmoo_gram_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
+  Tensor out = new_cuda_tensor({m, m}, acc_dtype(J.scalar_type()), device);
+  const cudaStream_t stream = current_stream(device);
+  dispatch_floating(J.scalar_type(), "gram", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    using acc_t = opmath_t<scalar_t>;
     const PartialsPlan plan = plan_partials<scalar_t>(J);
-    const at::Tensor partials = at::empty({plan.blocks * m * (m + 1) / 2}, J.options().dtype(at::kDouble));
-    launch_partials<scalar_t>(plan, J, partials.data_ptr<double>(), stream);
+    const Tensor partials = new_cuda_tensor({plan.blocks * m * (m + 1) / 2}, ScalarType::Double, device);
+    launch_partials<scalar_t>(plan, J, partials.mutable_data_ptr<double>(), stream);
     StepArgs none{};
     none.enabled = false;
-    gram_finalize_kernel<acc_t><<<1, kFinalizeThreads, 0, stream>>>(partials.data_ptr<double>(), plan.blocks, m,
-                                                                     out.data_ptr<acc_t>(), none);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    gram_finalize_kernel<acc_t><<<1, kFinalizeThreads, 0, stream>>>(partials.mutable_data_ptr<double>(), plan.blocks,
+                                                                     m, out.mutable_data_ptr<acc_t>(), none);
+    DRMOO_CUDA_LAUNCH_CHECK();
   });
   return out;
 }
 
-void combine_cuda(const at::Tensor& J_in, const at::Tensor& w, at::TensorList params, const at::Tensor& lr) {
-  const c10::cuda::OptionalCUDAGuard guard(J_in.device());
+// params are declared mutated (Tensor(a!)[]): the update kernel writes them in place.
+void combine_cuda(const Tensor& J_in, const Tensor& w, const std::vector<Tensor>& params, const Tensor& lr) {
+  check_cuda("combine", J_in);
+  const int32_t device = J_in.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
   // Everything is checked before the first parameter is written (and before J is copied).
   check_jacobian("combine", J_in);
-  check_cuda("combine", J_in);
   check_combine_inputs(J_in, w, params, lr);
-  const at::Tensor J = cuda_jacobian("combine", J_in);
-  at::Tensor lr_keep;
-  UpdateArgs args{scalar_ref(lr, J.device(), &lr_keep), value_ref(w), nullptr};
-  const cudaStream_t stream = current_stream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, J.scalar_type(), "drmoo_combine_cuda", [&] {
+  const Tensor J = cuda_jacobian("combine", J_in);
+  std::optional<Tensor> lr_keep;
+  UpdateArgs args{scalar_ref(lr, device, &lr_keep), value_ref(w), nullptr};
+  const cudaStream_t stream = current_stream(device);
+  dispatch_floating(J.scalar_type(), "combine", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
     launch_update<scalar_t>(J, params, args, stream);
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gram_step_cuda(const at::Tensor& J_in, at::Tensor& w,
-                                                              at::TensorList params, double gamma, double c1,
-                                                              double c2, double beta, double rho,
-                                                              const at::Tensor& mu, const at::Tensor& z) {
-  const c10::cuda::OptionalCUDAGuard guard(J_in.device());
-  check_jacobian("gram_step", J_in);
+// w and params are declared mutated (Tensor(a!), Tensor(b!)[]): the kernels write them in place.
+std::tuple<Tensor, Tensor, Tensor> gram_step_cuda(const Tensor& J_in, const Tensor& w,
+                                                  const std::vector<Tensor>& params, double gamma, double c1,
+                                                  double c2, double beta, double rho, const Tensor& mu,
+                                                  const Tensor& z) {
   check_cuda("gram_step", J_in);
+  const int32_t device = J_in.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  check_jacobian("gram_step", J_in);
   check_gram_step_inputs(J_in, w, params, gamma, c1, c2, beta, rho, mu, z);
-  const at::Tensor J = cuda_jacobian("gram_step", J_in);
+  const Tensor J = cuda_jacobian("gram_step", J_in);
   const int64_t m = J.size(0);
-  at::Tensor gram = at::empty({m, m}, J.options().dtype(acc_dtype(J.scalar_type())));
-  at::Tensor d_norm = at::empty({}, J.options().dtype(at::kFloat));
-  at::Tensor alpha = at::empty({}, J.options().dtype(at::kFloat));
-  at::Tensor mu_keep;
+  Tensor gram = new_cuda_tensor({m, m}, acc_dtype(J.scalar_type()), device);
+  Tensor d_norm = new_cuda_tensor({}, ScalarType::Float, device);
+  Tensor alpha = new_cuda_tensor({}, ScalarType::Float, device);
+  std::optional<Tensor> mu_keep;
   StepArgs step{};
   step.enabled = true;
   step.w = value_ref(w);
   step.z = value_ref(z);
-  step.mu = scalar_ref(mu, J.device(), &mu_keep);
+  step.mu = scalar_ref(mu, device, &mu_keep);
   step.gamma = gamma;
   step.c1 = c1;
   step.c2 = c2;
   step.beta = beta;
   step.rho = rho;
-  step.d_norm = d_norm.data_ptr<float>();
-  step.alpha = alpha.data_ptr<float>();
-  const cudaStream_t stream = current_stream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, J.scalar_type(), "drmoo_gram_step_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
+  step.d_norm = d_norm.mutable_data_ptr<float>();
+  step.alpha = alpha.mutable_data_ptr<float>();
+  const cudaStream_t stream = current_stream(device);
+  dispatch_floating(J.scalar_type(), "gram_step", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    using acc_t = opmath_t<scalar_t>;
     const PartialsPlan plan = plan_partials<scalar_t>(J);
     const int64_t partial_count = plan.blocks * m * (m + 1) / 2;
     // One float64 workspace: partials, control (2 + m), the m x m step's work (4m).
-    const at::Tensor workspace = at::empty({partial_count + 2 + 5 * m}, J.options().dtype(at::kDouble));
-    double* partials = workspace.data_ptr<double>();
+    const Tensor workspace = new_cuda_tensor({partial_count + 2 + 5 * m}, ScalarType::Double, device);
+    double* partials = workspace.mutable_data_ptr<double>();
     step.control = partials + partial_count;
     step.work = step.control + 2 + m;
     launch_partials<scalar_t>(plan, J, partials, stream);
-    gram_finalize_kernel<acc_t><<<1, kFinalizeThreads, 0, stream>>>(partials, plan.blocks, m, gram.data_ptr<acc_t>(),
-                                                                     step);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    gram_finalize_kernel<acc_t><<<1, kFinalizeThreads, 0, stream>>>(partials, plan.blocks, m,
+                                                                     gram.mutable_data_ptr<acc_t>(), step);
+    DRMOO_CUDA_LAUNCH_CHECK();
     // The update reads lr = gamma*alpha, the flag and the incoming w from control.
     const UpdateArgs args{ValueRef{step.control, kStoreDouble, 0}, ValueRef{step.control + 2, kStoreDouble, 1},
                           step.control + 1};
@@ -724,10 +735,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gram_step_cuda(const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(drmoo, CUDA, m) {
-  m.impl("gram", &gram_cuda);
-  m.impl("combine", &combine_cuda);
-  m.impl("gram_step", &gram_step_cuda);
+STABLE_TORCH_LIBRARY_IMPL(drmoo, CUDA, m) {
+  m.impl("gram", TORCH_BOX(&gram_cuda));
+  m.impl("combine", TORCH_BOX(&combine_cuda));
+  m.impl("gram_step", TORCH_BOX(&gram_step_cuda));
 }
 
 }  // namespace drmoo

@@ -5,8 +5,8 @@ in a one-block kernel, and the update pass skips its writes when the device-side
 of the Gram is false.
 
 Same signatures, return values and in-place semantics as :mod:`drmoo_kernels.reference`; the
-extensions ``drmoo_kernels._C`` (the schemas) and ``drmoo_kernels._C_cuda`` (these kernels, built for one
-torch release) are imported on first use (see :mod:`drmoo_kernels._ops`).
+extensions ``drmoo_kernels._C`` (the schemas) and ``drmoo_kernels._C_cuda`` (these kernels, on torch's
+stable ABI like ``_C``) are imported on first use (see :mod:`drmoo_kernels._ops`).
 Differences: the parameters must have J's dtype, and J given as a list of blocks is concatenated
 (one copy) before the kernels run.
 """

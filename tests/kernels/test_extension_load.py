@@ -1,5 +1,6 @@
-"""Loading drmoo_kernels._C (stable ABI) and _C_cuda (regular ABI): a missing, failing or mismatched
-extension warns once, never silently; a stable-ABI build loads under every torch >= its target.
+"""Loading drmoo_kernels._C and _C_cuda (both on the stable ABI): a missing, failing or mismatched
+extension warns once, never silently; a stable-ABI build loads under every torch >= its target, and an
+older drmoo's regular-ABI _C_cuda (no stable marker) only under the torch it was built with.
 
 The failures are simulated (the loader's view of the file system and of the import are replaced):
 no second torch is needed to show what a build for another torch does.  That the real stable-ABI
@@ -67,8 +68,8 @@ def _fail_import(monkeypatch: pytest.MonkeyPatch, error: Exception | None,
 
 
 def _so_with_marker(tmp_path: Path, version: str | None, stable_target: str | None = None) -> Path:
-    """A stand-in shared object: filler bytes around the markers of csrc/ops.cpp (stable: with a target)
-    or csrc/cuda/module.cpp (regular ABI: without), or none."""
+    """A stand-in shared object: filler bytes around the markers of csrc/ops.cpp and csrc/cuda/module.cpp
+    (stable ABI: with a target), of an older drmoo's regular-ABI _C_cuda (without), or none."""
     path = tmp_path / "_C.abi3.so"
     marker = b"" if version is None else b"drmoo-built-with-torch=" + version.encode() + b";"
     if stable_target is not None:
@@ -175,9 +176,31 @@ def _cuda_load(monkeypatch: pytest.MonkeyPatch) -> tuple[str | None, list[warnin
     return reason, [w for w in caught if issubclass(w.category, KernelsUnavailableWarning)]
 
 
+def test_a_stable_cuda_build_loads_under_every_torch_from_its_target(
+        fresh_loader: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """_C_cuda built with a newer torch's headers for the stable ABI of an older one (as csrc/cuda/module.cpp
+    marks it): imported under the running torch, which is older than the build's but not than its target."""
+    _fake_extension(monkeypatch, _so_with_marker(tmp_path, "99.0.0", stable_target="2.11"), _ops.CUDA_EXTENSION)
+    attempts = _fail_import(monkeypatch, None, _ops.CUDA_EXTENSION)
+    reason, caught = _cuda_load(monkeypatch)
+    assert reason is None and caught == [] and attempts == [_ops.CUDA_EXTENSION]
+
+
+def test_a_stable_cuda_build_for_a_newer_torch_is_refused(fresh_loader: None, monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path) -> None:
+    _fake_extension(monkeypatch, _so_with_marker(tmp_path, "99.1.0", stable_target="99.0"), _ops.CUDA_EXTENSION)
+    attempts = _fail_import(monkeypatch, None, _ops.CUDA_EXTENSION)
+    reason, caught = _cuda_load(monkeypatch)
+    assert reason is not None and attempts == [] and len(caught) == 1
+    message = str(caught[0].message)
+    assert (f"drmoo_kernels._C_cuda was built for the stable ABI of torch >= 99.0 (against torch 99.1.0), but "
+            f"torch {RUNNING} is running") in message
+    assert "CUDA kernels are not available" in message
+
+
 def test_a_cuda_build_for_another_torch_is_not_loaded_and_warns_once(
         fresh_loader: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The CUDA kernels stay on the regular ABI: the same-release rule, whatever _C's stable ABI allows."""
+    """An older drmoo's regular-ABI _C_cuda (no stable marker): the same-release rule, not the stable one."""
     _fake_extension(monkeypatch, _so_with_marker(tmp_path, "2.9.0"), _ops.CUDA_EXTENSION)
     attempts = _fail_import(monkeypatch, None, _ops.CUDA_EXTENSION)
     reason, caught = _cuda_load(monkeypatch)
@@ -187,8 +210,8 @@ def test_a_cuda_build_for_another_torch_is_not_loaded_and_warns_once(
     assert "CUDA kernels are not available" in message and "pip install --no-build-isolation" in message
 
 
-def test_a_cuda_build_for_the_running_torch_loads(fresh_loader: None, monkeypatch: pytest.MonkeyPatch,
-                                                  tmp_path: Path) -> None:
+def test_a_regular_abi_cuda_build_for_the_running_torch_loads(fresh_loader: None,
+                                                              monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _fake_extension(monkeypatch, _so_with_marker(tmp_path, RUNNING.split("+")[0]), _ops.CUDA_EXTENSION)
     attempts = _fail_import(monkeypatch, None, _ops.CUDA_EXTENSION)
     reason, caught = _cuda_load(monkeypatch)
@@ -217,23 +240,55 @@ def test_the_real_extension_is_a_stable_abi_build_for_the_oldest_supported_torch
     assert _ops.load() is None
 
 
-def test_the_stable_abi_build_imports_no_torch_cxx_symbol() -> None:
-    """What makes _C loadable under another torch: besides Python's and the C++ runtime's, its only
-    imports are the C shim's functions (aoti_torch_*, torch_*), never a mangled c10::/at::/torch:: C++
-    symbol, whose ABI changes between torch releases.  (scripts/test_oldest.sh runs this under torch 2.11,
-    where each of those functions must also resolve: the import above would fail otherwise.)"""
+def _cuda_extension_path() -> str:
+    """The built drmoo_kernels._C_cuda (skips where it is not built: DRMOO_BUILD_CUDA=0, no GPU at build time)."""
+    spec = importlib.util.find_spec(_ops.CUDA_EXTENSION)
+    if spec is None or spec.origin is None:
+        pytest.skip("drmoo_kernels._C_cuda is not built (DRMOO_BUILD_CUDA=1 python setup.py build_ext --inplace)")
+    return spec.origin
+
+
+def test_the_real_cuda_extension_is_a_stable_abi_build_for_the_oldest_supported_torch() -> None:
+    """The built _C_cuda carries _C's markers (csrc/cuda/module.cpp): built with some torch >= the target, for
+    the stable ABI of torch 2.11, so the loader accepts it under any torch >= 2.11, not only its own."""
+    from drmoo_kernels._compat import MIN_TORCH, release
+
+    path = _cuda_extension_path()
+    assert _ops.stable_abi_target(path) == ".".join(map(str, MIN_TORCH))
+    built = _ops.built_with_torch(path)
+    assert built is not None and release(built)[:2] >= MIN_TORCH
+    assert _ops._version_problem(_ops.CUDA_EXTENSION, path, ".".join(map(str, MIN_TORCH)) + ".0") is None
+    assert "stable ABI of torch >= 2.11" in str(_ops._version_problem(_ops.CUDA_EXTENSION, path, "2.10.0"))
+
+
+@pytest.mark.parametrize("extension", [_ops.EXTENSION, _ops.CUDA_EXTENSION])
+def test_the_stable_abi_build_imports_no_torch_cxx_symbol(extension: str) -> None:
+    """What makes _C and _C_cuda loadable under another torch: besides Python's, the C++ runtime's (and,
+    for _C_cuda, the CUDA runtime's), their only imports are the C shim's functions (aoti_torch_*, torch_*),
+    never a mangled c10::/at::/torch:: C++ symbol, whose ABI changes between torch releases.
+    (scripts/test_oldest.sh runs this under torch 2.11, where each of those functions must also resolve:
+    the import above would fail otherwise.)"""
     nm = shutil.which("nm")
     if nm is None:
         pytest.skip("binutils' nm is not installed")
-    spec = importlib.util.find_spec(_ops.EXTENSION)
-    assert spec is not None and spec.origin is not None
-    listed = subprocess.run([nm, "-D", "--undefined-only", spec.origin], capture_output=True, text=True, check=True)
+    if extension == _ops.CUDA_EXTENSION:
+        origin = _cuda_extension_path()
+    else:
+        spec = importlib.util.find_spec(extension)
+        assert spec is not None and spec.origin is not None
+        origin = spec.origin
+    listed = subprocess.run([nm, "-D", "--undefined-only", origin], capture_output=True, text=True, check=True)
     imported = [line.split()[-1] for line in listed.stdout.splitlines() if line.strip()]
     torch_cxx = [name for name in imported if name.startswith(("_ZN3c10", "_ZN2at", "_ZN5torch", "_ZNK3c10",
                                                                "_ZNK2at", "_ZNK5torch"))]
     assert torch_cxx == []
     assert any(name.startswith("aoti_torch_") for name in imported)
     assert not any(name.startswith("_ZN") and "torch" in name for name in imported)
+    if extension == _ops.CUDA_EXTENSION:
+        # The current stream comes from the C shim, not from c10::cuda (README, "One build for every
+        # supported torch"); the kernels launch through the CUDA runtime.
+        assert "aoti_torch_get_current_cuda_stream" in imported
+        assert any(name.startswith("__cudaLaunchKernel") for name in imported)
 
 
 def test_choosing_the_reference_backend_never_loads_the_extension(fresh_loader: None,

@@ -226,7 +226,7 @@ CUDA_KERNELS = ["dual_column_kernel", "dual_eta_kernel", "dual_weights_kernel", 
 
 
 def _extension_path() -> Path:
-    """The CUDA kernels' shared object (the regular-ABI extension beside the stable-ABI drmoo_kernels._C)."""
+    """The CUDA kernels' shared object (drmoo_kernels._C_cuda, on the stable ABI like drmoo_kernels._C)."""
     if importlib.util.find_spec("drmoo_kernels._C") is None:
         pytest.fail("drmoo_kernels._C is not built (pip install . or python setup.py build_ext --inplace)")
     spec = importlib.util.find_spec("drmoo_kernels._C_cuda")
