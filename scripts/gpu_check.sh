@@ -134,7 +134,9 @@ fi
 
 echo "[gpu_check] done in $(( $(date +%s) - start ))s, exit status $status" | tee -a "$summary"
 if [ -n "${OUT:-}" ]; then
-    tar czf "$OUT/gpu_check.tar.gz" bench/results results/wallclock
+    packed=(bench/results)
+    [ -d results/wallclock ] && packed+=(results/wallclock)  # absent when bench-iter did not run
+    tar czf "$OUT/gpu_check.tar.gz" "${packed[@]}"
     cp "$summary" "$OUT/"
 fi
 exit "$status"
