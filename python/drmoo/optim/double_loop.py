@@ -37,8 +37,12 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         Y_bar   = grad_theta L(theta_t, eta_{t,d_bar};   xi_bar)    #                (line 10)
         Y_tilde = grad_theta L(theta_t, eta_{t,d_tilde}; xi_tilde)  #                (line 11)
         theta_{t+1} = theta_t - alpha * Y^T w_t                                        # line 12
-        w_{t+1} = Pi(w_t - beta * (Y_bar Y_tilde^T w_t + rho * w_t))                   # line 13
+        w_{t+1} = Pi(w_t - beta * (Y_bar (Y_tilde^T w_t) + rho * w_t))                 # line 13
         eta_{t+1,0} = eta_{t,D}                              # warm start of the next inner loop
+
+    Lines 12-13 are eq. (6)'s double-sampled MGDA step on the duals phi^i of eq. (4), with Pi the
+    Euclidean projection onto the simplex.  Y_tilde enters line 13 only through the vector
+    Y_tilde^T w_t, and Y_bar only through its product with it: no n x n or m x m product is formed.
 
     Each inner draw xi_{t,d} serves all m tasks at once (one multi-task batch gives every task's
     losses); the three outer batches are independent of each other and of the inner ones.  Samples
@@ -58,6 +62,16 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
     are refused at the second outer draw).  Y_bar Y_tilde^T w is then in z's coordinates and theta
     moves along (dz/dtheta)^T Y^T w_t (ONE backward through the trunk).  The inner loop on eta is
     unchanged.  Norms in ``stats`` are z-space.
+    Cost of a features step: Y and Y_bar take m backward passes above z each, and Y_tilde is never
+    formed: Y_tilde^T w_t = d (sum_b,i w_i c~[b, i] L[b, i]) / dz (c~ the cotangents at
+    eta_{t,d_tilde}) is ONE pass above z -- 2m + 1 passes above z (was 3m), plus the one through
+    the trunk.  (With ``jacobian_strategy = "batched"``, the default above 4 tasks, each Jacobian is
+    one vmapped pass: 2 vmapped passes + 1 plain pass + 1 pass feeding the heads, was 3 + 1.)  The
+    same is not done in parameters mode, where it would save m - 1 passes through the trunk: the
+    sum over tasks would then be autograd's, not the matrix product's, and change the paper's
+    reference results in their last bits.  A NaN/Inf that Y_tilde's rows would hold still stops the
+    step: Y's rows, on the same batch and heads, are checked task by task (through Y Y^T's diagonal);
+    the one pass propagates it too (0 * Inf = NaN through a zero w_i); and Y_tilde^T w_t is checked.
     The bound ||J_theta^T c|| <= ||dz/dtheta|| * ||J_z^T c|| (dz/dtheta: the trunk's Jacobian on
     the batch, operator norm) relates every norm taken in z to the true one; inner products (the
     Gram's off-diagonal) have no such bound.  The per-sample ``f*'`` weights and eta are exact.
@@ -210,27 +224,71 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
     def _outer_gradients(
         self, closure: Closure | None, etas: list[Tensor], indices: list[int]
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Lines 8-11 on three independent batches, checked: Y, Y_bar (Y_tilde^T w), L, z on xi, Y Y^T."""
+        """Lines 8-11 on three independent batches, checked: Y, Y_bar (Y_tilde^T w), L, z on xi, Y Y^T.
+
+        Parameters mode forms all three Jacobians (3m passes through the trunk, as the paper does).
+        Features mode forms Y and Y_bar (m passes above z each) and only Y_tilde^T w of Y_tilde, the
+        one thing of it line 13 uses, by ONE pass above z (:meth:`_tilde_times_w`).
+        """
         h = self.param_groups[0]
-        jacobians, objective, z_main = [], None, None
+        features = self.features_engine
+        jacobians, objective, z_main, tilde_w = [], None, None, None
         for role, index in zip(("Y", "Y_bar", "Y_tilde"), indices):
             losses = self.draw_losses(closure, need_graph=True)
             obj, z, cotangent = self.dual_forward(losses.detach(), etas[index], h["lam"], 1.0)
             self.check_dual(obj, z)
-            jacobians.append(self.task_jacobian(losses, cotangent, role, feed_heads=role == "Y"))
+            if role == "Y_tilde" and features is not None:
+                tilde_w = self._tilde_times_w(losses, cotangent)
+            else:
+                jacobians.append(self.task_jacobian(losses, cotangent, role, feed_heads=role == "Y"))
             if role == "Y":
                 objective, z_main = obj, z
         assert objective is not None and z_main is not None
-        jac, jac_bar, jac_tilde = jacobians
+        jac, jac_bar = jacobians[:2]
         gram = self.task_gram(jac)
         self.check_jacobian(gram, "Y")
         # Y_bar (Y_tilde^T w), in the Jacobians' accumulation precision, is all the w update uses of
         # them: a NaN/Inf anywhere in either reaches it (also through a zero weight: 0 * Inf = NaN).
         acc = torch.float64 if jac_bar.dtype == torch.float64 else torch.float32
-        cross = (jac_bar.to(acc) @ (self.w.to(acc) @ jac_tilde.to(acc))).double()
-        if self.features_engine is not None:  # rows w.r.t. z: each rank holds its samples' columns
-            cross = self.features_engine.sum_over_ranks(cross)
+        if tilde_w is None:  # parameters mode: the paper's three Jacobians
+            cross = (jac_bar.to(acc) @ (self.w.to(acc) @ jacobians[2].to(acc))).double()
+        else:
+            tilde_w = tilde_w.to(acc)
+            cross = (jac_bar.to(acc) @ tilde_w).double()
+            # Y_tilde^T w itself is checked too, not only through the product (a non-finite entry
+            # facing a zero column of Y_bar must not depend on how the matmul treats 0 * Inf): NaN on
+            # this rank's cross, which the sum below carries to every rank.
+            cross = cross.masked_fill(~torch.isfinite(tilde_w).all(), float("nan"))
+        if features is not None:  # rows w.r.t. z: each rank holds its samples' columns
+            cross = features.sum_over_ranks(cross)
         self.require_finite(torch.isfinite(cross), lambda bad: (
             f"non-finite gradients of the shared parameters (Y_bar, Y_tilde) in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))
         return jac, cross, objective, z_main, gram
+
+    def _tilde_times_w(self, losses: Tensor, cotangent: Tensor) -> Tensor:
+        """Features mode: Y_tilde^T w_t [sum of z's numel] in ONE backward pass above z.
+
+        Row i of Y_tilde is d (sum_b cotangent[b, i] losses[b, i]) / dz, so by linearity
+        Y_tilde^T w = d (sum_b,i w_i cotangent[b, i] losses[b, i]) / dz: the pass of the combined
+        cotangent ``cotangent * w`` (times ``loss_scale``, divided back afterwards, as
+        :meth:`task_jacobian` does).  Like the roles other than Y, it feeds no head.  The graph
+        check of :meth:`task_jacobian` (the losses read the trunk only through z) runs on these
+        losses too; their graph above z is kept, as the Jacobians' passes keep it.
+
+        The sum over tasks is autograd's accumulation at z, in z's dtype (float32 / float64 for a
+        float32 / float64 z: the Jacobians' accumulation precision; a half-precision z sums in half,
+        as the features lift and the combined gradients of FAMO and Nash-MTL do).  Each rank keeps its
+        samples' entries (the cross product is summed over ranks).
+        """
+        features = self.features_engine
+        assert features is not None
+        features.heads(losses, self._shared_params())  # the same refusal as the Jacobians' (no head fed)
+        scale = self.loss_scale
+        weighted = cotangent * self.w.to(cotangent.dtype)[None, :]
+        if scale != 1.0:
+            weighted = weighted * scale
+        flat = features.combined_gradient(self, losses, weighted.to(losses.dtype), "Y_tilde^T w", retain_graph=True)
+        if scale != 1.0:
+            flat.div_(scale)
+        return flat
