@@ -82,10 +82,10 @@ if [ -n "${GPU_CHECK_PREBUILT:-}" ]; then
     if [ "${#prebuilt[@]}" -eq 0 ]; then
         echo "[gpu_check] prebuilt: no .so in $GPU_CHECK_PREBUILT" | tee -a "$summary"; status=1
     else
-        step prebuilt 120 bash -c '"$1" -c "import drmoo_kernels as k, torch; b = k.available_backends(); \
+        step prebuilt 90 bash -c '"$1" -c "import drmoo_kernels as k, torch; b = k.available_backends(); \
 print(\"[prebuilt] torch\", torch.__version__, \"backends:\", \", \".join(b)); assert \"cuda\" in b and \"cpp\" in b" && \
-            "$1" -m pytest -q -p no:cacheprovider "${@:2}" tests/kernels/test_cuda_shapes.py \
-            tests/kernels/test_compiled_ops.py tests/kernels/test_extension_load.py' prebuilt "$python" "${parallel[@]}"
+            "$1" -m pytest -q -p no:cacheprovider "${@:2}" tests/kernels/test_extension_load.py \
+            tests/kernels/test_cuda_shapes.py' prebuilt "$python" "${parallel[@]}"
     fi
     rm -f "${prebuilt[@]}"
 fi
@@ -105,8 +105,20 @@ if [ "$what" != bench ]; then
     skip=()
     "$python" -c "import cvxpy" 2>/dev/null \
         || skip=(--deselect tests/optim/test_baselines.py::test_nash_weights_match_cvxpy)
-    step tests 280 "$python" -m pytest -q -p no:cacheprovider -ra "${parallel[@]}" "${skip[@]}" \
+    # The files that exercise the GPU first (pytest-xdist hands tests out in this order), so that a step cut
+    # at its cap has run them; then the rest of the suites (a path given twice is collected once).  Every
+    # failure is written to failures.txt with its traceback the moment it happens (pytest prints tracebacks
+    # only at the end, which a cut-off step never reaches), and the 30 slowest tests are listed.
+    gpu_first=(tests/kernels/test_cuda_shapes.py tests/kernels/test_compiled_ops.py tests/kernels/test_determinism.py
+        tests/kernels/test_gpu_codegen.py tests/kernels/test_extension_load.py tests/kernels/test_triton_launches.py
+        tests/kernels/test_triton_ops.py tests/optim/test_capturable.py tests/optim/test_min_norm_exact.py
+        tests/optim/test_features_jacobian.py tests/reliability/test_ops_checks.py)
+    : > "$logs/failures.txt"
+    step tests 280 env PYTHONPATH="scripts:$PYTHONPATH" DRMOO_LIVE_FAILURES="$logs/failures.txt" \
+        "$python" -m pytest -q -p no:cacheprovider -p pytest_live_failures -ra --durations=30 \
+        "${parallel[@]}" "${skip[@]}" "${gpu_first[@]}" \
         tests/kernels tests/optim tests/reliability tests/test_objective.py --junitxml="$logs/gpu-tests.xml"
+    grep "^==== FAILED" "$logs/failures.txt" | sort -u | tee -a "$summary" || true
 fi
 if [ "$what" != tests ]; then
     step bandwidth 90 "$python" scripts/gpu_bandwidth.py --out "$logs"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -111,3 +114,44 @@ def load_script() -> Callable[[str], Any]:
         return module
 
     return load
+
+
+RankWorker = Callable[..., None]
+
+
+def _run_ranks(worker: RankWorker, world: int, init_file: str, *args: Any) -> None:
+    """Run ``worker(rank, world, init_file, *args)`` for every rank in ``world`` fresh interpreters.
+
+    Not forked ones: once an earlier test of the session has started autograd's worker threads (any backward
+    on a GPU, and some under torch 2.11 on the CPU), a forked child may not run a backward ("Unable to handle
+    autograd's threading in combination with fork-based multiprocessing"; seen on an H200 and in CI's torch
+    2.11 leg).  ``worker`` is a module-level function of a test file, loaded again by its path; ``args`` must
+    be JSON values.  A worker that returned (its results saved, its process group destroyed) ends with
+    ``os._exit(0)``, as a forked child always does: under torch 2.11 a fresh interpreter's finalization could
+    still abort in gloo's teardown.  The ranks run from the init file's folder, so that a checkout's
+    uncompiled top-level ``drmoo_kernels/`` does not shadow the installed one.
+    """
+    script = (
+        "import importlib.util, json, os, sys\n"
+        "spec = importlib.util.spec_from_file_location('drmoo_rank_worker', sys.argv[1])\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "getattr(module, sys.argv[2])(int(sys.argv[3]), *json.loads(sys.argv[4]))\n"
+        "sys.stdout.flush()\n"
+        "sys.stderr.flush()\n"
+        "os._exit(0)\n"
+    )
+    arguments = json.dumps([world, init_file, *args])
+    source = worker.__code__.co_filename
+    workers = [subprocess.Popen([sys.executable, "-c", script, source, worker.__name__, str(rank), arguments],
+                                stderr=subprocess.PIPE, text=True, cwd=Path(init_file).parent)
+               for rank in range(world)]
+    errors = [(process.communicate(timeout=600)[1], process.returncode) for process in workers]
+    for rank, (stderr, code) in enumerate(errors):
+        assert code == 0, f"rank {rank} failed (exit {code}):\n{stderr[-4000:]}"
+
+
+@pytest.fixture
+def run_ranks() -> Callable[..., None]:
+    """:func:`_run_ranks`: ``run_ranks(worker, world, init_file, *args)`` runs a DDP test's ranks."""
+    return _run_ranks

@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -116,10 +115,9 @@ DDP_CASES = [(method, "losses", True) for method in sorted(available())] + [
 
 @pytest.mark.parametrize(("method", "form", "wrap"), DDP_CASES)
 def test_balancer_under_ddp_equals_one_process_on_the_whole_batch(tmp_path: Path, method: str, form: str,
-                                                                  wrap: bool) -> None:
+                                                                  wrap: bool, run_ranks: Callable[..., None]) -> None:
     single = _train_under_ddp(method, form, wrap)
-    mp.start_processes(_ddp_worker, args=(2, str(tmp_path / "init"), method, form, wrap, str(tmp_path)), nprocs=2,
-                       start_method="fork", join=True)
+    run_ranks(_ddp_worker, 2, str(tmp_path / "init"), method, form, wrap, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     for step, (first, second) in enumerate(zip(ranks[0]["grads"], ranks[1]["grads"])):
         for index, (a, b) in enumerate(zip(first, second)):
@@ -174,12 +172,12 @@ def _failing_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
         dist.destroy_process_group()
 
 
-def test_a_step_failing_on_one_rank_restores_every_grad_on_every_rank(tmp_path: Path) -> None:
+def test_a_step_failing_on_one_rank_restores_every_grad_on_every_rank(tmp_path: Path,
+                                                                      run_ranks: Callable[..., None]) -> None:
     """The method agrees on the failure (the summed Jacobian is NaN everywhere), every rank rolls the
     heads' fed gradients back, and the next step's collectives still pair up across ranks."""
     single = _fail_then_step_under_ddp()
-    mp.start_processes(_failing_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
-                       start_method="fork", join=True)
+    run_ranks(_failing_worker, 2, str(tmp_path / "init"), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     for rank, result in enumerate(ranks):
         assert "non-finite gradients of the shared parameters" in result["raised"], f"rank {rank}: {result['raised']!r}"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from drmoo import distributed
@@ -64,11 +64,11 @@ def _worker(rank: int, world: int, init_file: str, method: str, out: str) -> Non
 
 
 @pytest.mark.parametrize("method", sorted(available()))
-def test_two_gloo_processes_equal_one_process_on_the_whole_batch(tmp_path: Path, method: str) -> None:
+def test_two_gloo_processes_equal_one_process_on_the_whole_batch(tmp_path: Path, method: str,
+                                                                run_ranks: Callable[..., None]) -> None:
     single = _run(method)
     out = tmp_path / "rank0.pt"
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), method, str(out)), nprocs=2,
-                       start_method="fork", join=True)
+    run_ranks(_worker, 2, str(tmp_path / "init"), method, str(out))
     parallel = torch.load(out)
     assert single.keys() == parallel.keys()
     for key in single:

@@ -14,9 +14,6 @@ balancer walks the heads' graph down to it and lifts the direction through the c
 from __future__ import annotations
 
 import contextlib
-import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,43 +105,14 @@ def _worker(rank: int, world: int, init_file: str, method: str, form: str, out_d
         dist.destroy_process_group()
 
 
-def _run_ranks(world: int, init_file: str, *args: str) -> None:
-    """Run ``_worker`` in ``world`` fresh interpreters, not forked ones: once an earlier test of the session
-    has started autograd's worker threads, a forked child may not run a backward (torch 2.11 refuses:
-    "Unable to handle autograd's threading in combination with fork-based multiprocessing").
-
-    A worker whose results are saved and whose process group is destroyed ends with ``os._exit(0)``, as a
-    forked multiprocessing child (the other DDP tests' workers) always ends: under torch 2.11 a fresh
-    interpreter's finalization could still abort in gloo's teardown ("terminate called without an
-    active exception", SIGABRT, once in CI after both ranks had passed the final barrier).  The workers
-    run from the init file's folder, so that a checkout's uncompiled top-level ``drmoo_kernels/`` does
-    not shadow the installed one (CI's leg 2 ran them on the reference backend)."""
-    script = (
-        "import importlib.util, json, os, sys\n"
-        f"spec = importlib.util.spec_from_file_location('features_ddp_worker', {str(Path(__file__))!r})\n"
-        "module = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(module)\n"
-        "module._worker(int(sys.argv[1]), *json.loads(sys.argv[2]))\n"
-        "sys.stdout.flush()\n"
-        "sys.stderr.flush()\n"
-        "os._exit(0)\n"
-    )
-    arguments = json.dumps([world, init_file, *args])
-    workers = [subprocess.Popen([sys.executable, "-c", script, str(rank), arguments], stderr=subprocess.PIPE,
-                                text=True, cwd=Path(init_file).parent) for rank in range(world)]
-    errors = [(worker.communicate(timeout=600)[1], worker.returncode) for worker in workers]
-    for rank, (stderr, code) in enumerate(errors):
-        assert code == 0, f"rank {rank} failed (exit {code}):\n{stderr[-4000:]}"
-
-
 DDP_CASES = [(method, "losses") for method in FEATURE_METHODS] + [("double-clip", "closure"), ("famo", "closure")]
 
 
 @pytest.mark.parametrize(("method", "form"), DDP_CASES)
-def test_features_mode_under_ddp_equals_one_process_on_the_whole_batch(tmp_path: Path, method: str,
-                                                                       form: str) -> None:
+def test_features_mode_under_ddp_equals_one_process_on_the_whole_batch(tmp_path: Path, method: str, form: str,
+                                                                       run_ranks: Callable[..., None]) -> None:
     single = _train(method, form)
-    _run_ranks(2, str(tmp_path / "init"), method, form, str(tmp_path))
+    run_ranks(_worker, 2, str(tmp_path / "init"), method, form, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     for step, (first, second) in enumerate(zip(ranks[0]["grads"], ranks[1]["grads"])):
         for index, (a, b) in enumerate(zip(first, second)):

@@ -18,13 +18,13 @@ Jacobian or head gradient).
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import drmoo
@@ -165,12 +165,11 @@ def _rank_worker(rank: int, world: int, init_file: str, case: str, out_dir: str)
 
 
 @pytest.mark.parametrize("case", list(RANK_CASES))
-def test_ranks_that_disagree_on_the_problem_or_the_shard_size_are_refused_on_every_rank(tmp_path: Path,
-                                                                                       case: str) -> None:
+def test_ranks_that_disagree_on_the_problem_or_the_shard_size_are_refused_on_every_rank(
+        tmp_path: Path, case: str, run_ranks: Callable[..., None]) -> None:
     """Guards CR-16 (a gloo abort, or a hang, for different shared sets or m) and SW-15 (unequal
     shards averaged into a wrong .grad): every rank raises a ValueError naming the difference."""
-    mp.start_processes(_rank_worker, args=(2, str(tmp_path / "init"), case, str(tmp_path)), nprocs=2,
-                       start_method="fork", join=True)
+    run_ranks(_rank_worker, 2, str(tmp_path / "init"), case, str(tmp_path))
     for rank in (0, 1):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert RANK_CASES[case] in result["raised"], f"rank {rank}: {result['raised']!r}"
