@@ -55,6 +55,15 @@ def test_compare_reports_a_diverged_run_and_goes_on(tmp_path: Path, cache_dir: s
     assert main(args) == 0
     assert (diverged / "checkpoint.pt").read_bytes() == checkpoint
     assert f"| mgda[lr={DIVERGING_LR}] | 0 | 2 |" in (out / "table.md").read_text()
+    # Shared without its weights, as committed results are (no checkpoint.pt), the diverged run is reused
+    # too: `compare` stopped at it with "checkpoint.pt does not exist: train the run first", so that
+    # `reproduce_small.sh k4` failed from a fresh clone at the committed Nash-MTL run that diverged.
+    (diverged / "checkpoint.pt").unlink()
+    before = {path.name: path.read_bytes() for path in diverged.iterdir()}
+    assert main(args) == 0
+    assert {path.name: path.read_bytes() for path in diverged.iterdir()} == before
+    table = (out / "table.md").read_text()
+    assert f"| mgda[lr={DIVERGING_LR}] | 0 | 2 |" in table and "without their weights" in table
 
 
 def test_a_comparison_without_a_diverged_run_has_no_such_note(tmp_path: Path, cache_dir: str) -> None:

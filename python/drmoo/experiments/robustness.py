@@ -127,10 +127,14 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _ended(run_dir: Path) -> bool:
+    """The run in ``run_dir`` ended: trained to its length (``done``), or stopped at a non-finite step."""
+    return (run_dir / "done").is_file() or (run_dir / DIVERGED).is_file()
+
+
 def _finished(run_dir: Path, config: RunConfig) -> bool:
     """``run_dir`` holds ``config``'s run, ended: trained to its length, or stopped at a non-finite step."""
-    ended = (run_dir / "done").is_file() or (run_dir / DIVERGED).is_file()
-    if not ended or not (run_dir / "config.json").is_file():
+    if not _ended(run_dir) or not (run_dir / "config.json").is_file():
         return False
     try:
         return asdict(read_run_config(run_dir)) == asdict(config)
@@ -171,9 +175,10 @@ def reusable_result(run_dir: Path, valid: Callable[[dict[str, Any]], bool]) -> d
 
 
 def _shared_without_weights(run_dir: Path, report: dict[str, Any]) -> bool:
-    """A finished run with no checkpoint file at all, whose report says which checkpoint it evaluated."""
+    """An ended run (trained to its length, or stopped at a non-finite step: ``done`` or the diverged
+    marker) with no checkpoint file at all, whose report says which checkpoint it evaluated."""
     recorded = report.get("checkpoint")
-    return (not os.path.lexists(run_dir / CHECKPOINT) and (run_dir / "done").is_file()
+    return (not os.path.lexists(run_dir / CHECKPOINT) and _ended(run_dir)
             and isinstance(recorded, dict) and isinstance(recorded.get("payload_sha256"), str))
 
 
