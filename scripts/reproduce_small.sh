@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64]
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64]
 #   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
@@ -48,11 +48,11 @@
 #        9-task parameters-mode step draws several batches and costs 3-4 MGDA steps (~5 h of this CPU for
 #        the nine runs); results in results/multimnist-k-small/multimnist9/.
 # k9-all: k9's rows plus those three (the full comparison, as k4); reuses k9's finished runs.
-# k9-sweep, k9-runoff, k9-swept: Double-Clip's and Nash-MTL's features-mode rates swept at k = 9 (the
-#        two-stage validation rule of features-sweep, grid 0.01-1 centred on the 2-digit winners), then the
-#        k = 9 winners on the test digits, 3 seeds, where they differ from the 2-digit rates; the pairing
-#        with parameters mode gains their rows; results in results/multimnist-k-small/multimnist9/features-lr-sweep/
-#        and .../multimnist9/features-swept/.
+# k4-sweep, k4-runoff, k4-swept (and the same for k9): Double-Clip's and Nash-MTL's features-mode rates
+#        swept at k = 4 (9) itself (the two-stage validation rule of features-sweep, grid 0.01-1 centred on
+#        the 2-digit winners), then the winners on the test digits, 3 seeds, where they differ from the
+#        2-digit rates; the pairing with parameters mode gains their rows; results in
+#        results/multimnist-k-small/multimnist<k>/features-lr-sweep/ and .../multimnist<k>/features-swept/.
 # common-rate: Double-Clip at the common trunk rate 0.3 (the other rows of the rate-sensitivity table have
 #        committed runs at 0.3: MoCo's at its first choice, ema 0.9); results in results/multimnist2-small/common-rate/.
 # controls: tabulates rate-sensitivity.{csv,md} and ablations/contrasts.csv from the committed runs
@@ -157,33 +157,37 @@ k9|k9-all)
     "$drmoo" compare --experiment multimnist9 --preset small --seeds 0,1,2 --eps "$eps" --jobs "$jobs" \
         --methods "$spec" --device cpu --quiet --out results/multimnist-k-small/multimnist9
     "$python" scripts/small_controls.py modes results/multimnist-k-small/multimnist9 ;;
-k9-sweep)
-    # Double-Clip's and Nash-MTL's features-mode rates swept at k = 9 itself (k9's rows use the 2-digit
-    # winners, 0.1 and 0.03): a grid centred on those, grown by the rule while a best rate sits at an end.
+k4-sweep|k9-sweep)
+    # Double-Clip's and Nash-MTL's features-mode rates swept at k = 4 or 9 itself (k4's and k9's rows use
+    # the 2-digit winners, 0.1 and 0.03): a grid centred on those, grown by the rule while a best rate sits
+    # at an end.
+    k="${what:1:1}"
     spec=""
     for method in double-clip nashmtl; do
         for lr in 0.01 0.03 0.1 0.3 1.0; do spec="$spec${spec:+,}$method[jacobian=features,lr=$lr]"; done
     done
-    grown_sweep multimnist9 results/multimnist-k-small/multimnist9/features-lr-sweep "$spec" ;;
-k9-runoff)
-    spec=$("$python" scripts/sweep_rule.py finalists results/multimnist-k-small/multimnist9/features-lr-sweep)
-    sweep multimnist9 1,2 results/multimnist-k-small/multimnist9/features-lr-sweep/runoff "$spec" ;;
-k9-swept)
-    # The k = 9 winners on the test digits, 3 seeds, where they differ from the 2-digit rates k9 already ran;
-    # small_controls.py pairs them with k9's parameters-mode rows (vs-parameters.md).
+    grown_sweep "multimnist$k" "results/multimnist-k-small/multimnist$k/features-lr-sweep" "$spec" ;;
+k4-runoff|k9-runoff)
+    k="${what:1:1}"
+    spec=$("$python" scripts/sweep_rule.py finalists "results/multimnist-k-small/multimnist$k/features-lr-sweep")
+    sweep "multimnist$k" 1,2 "results/multimnist-k-small/multimnist$k/features-lr-sweep/runoff" "$spec" ;;
+k4-swept|k9-swept)
+    # The winners on the test digits, 3 seeds, where they differ from the 2-digit rates k4/k9 already ran;
+    # small_controls.py pairs them with the comparison's parameters-mode rows (vs-parameters.md).
+    k="${what:1:1}"
     swept=$("$python" scripts/sweep_rule.py winners results/multimnist2-small/features/lr-sweep)
     spec=""
     for row in $(sed 's/\],/]\n/g' <<< "$("$python" scripts/sweep_rule.py winners \
-            results/multimnist-k-small/multimnist9/features-lr-sweep)"); do
+            "results/multimnist-k-small/multimnist$k/features-lr-sweep")"); do
         grep -qxF "$row" <<< "$(sed 's/\],/]\n/g' <<< "$swept")" || spec="$spec${spec:+,}$row"
     done
     if [ -n "$spec" ]; then
-        "$drmoo" compare --experiment multimnist9 --preset small --seeds 0,1,2 --eps "$eps" --jobs "$jobs" \
-            --methods "$spec" --device cpu --quiet --out results/multimnist-k-small/multimnist9/features-swept
+        "$drmoo" compare --experiment "multimnist$k" --preset small --seeds 0,1,2 --eps "$eps" --jobs "$jobs" \
+            --methods "$spec" --device cpu --quiet --out "results/multimnist-k-small/multimnist$k/features-swept"
     else
-        echo "[reproduce_small k9-swept] the k = 9 winners are the 2-digit rates: k9's rows already hold them"
+        echo "[reproduce_small $what] the k = $k winners are the 2-digit rates: k$k's rows already hold them"
     fi
-    "$python" scripts/small_controls.py modes results/multimnist-k-small/multimnist9 ;;
+    "$python" scripts/small_controls.py modes "results/multimnist-k-small/multimnist$k" ;;
 common-rate)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "double-clip[lr=0.3]" --device cpu --quiet --out results/multimnist2-small/common-rate ;;
@@ -241,7 +245,7 @@ moco-sweep)
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64]" >&2
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64]" >&2
     exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s, $jobs jobs on $(nproc --all) cores"
