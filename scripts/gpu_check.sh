@@ -130,7 +130,7 @@ if [ "$what" != tests ]; then
     jd_variants=()
     "$python" -c "import torchjd" 2>/dev/null && jd_variants=(torchjd-mgda torchjd-upgrad)
     step tasks_scaling 120 "$python" bench/tasks_scaling.py --device cuda --batch 256 --tasks 2 8 40 --rounds 20 \
-        --variants plain parameters features features-double-clip features-famo features-nashmtl features-modo \
+        --variants plain parameters parameters-batched features features-double-clip features-famo features-nashmtl features-modo \
         features-sdmgrad features-double-loop "${jd_variants[@]}"
     # Paths reach the inner shell as its arguments ("$1"), never spliced into its text: a PYTHON or
     # TMPDIR with a space (or a quote) in it stays one word.

@@ -122,3 +122,25 @@ def test_tasks_scaling_table_names_the_gpu_setting() -> None:
     assert "| 40 | 0.010 s, 1.00 GB | 0.012 s (1.20x; min 1.10x), 1.25 GB |" in table
     cpu = scaling.table({**data, "device": "cpu", "batch": 32})
     assert "(CPU)" in cpu and "resident set size" in cpu and "32 px, batch 32" in cpu
+
+
+def test_tasks_scaling_batched_parameters_variant_takes_the_same_step() -> None:
+    """``parameters-batched`` (the per-task passes vmapped, as TorchJD's autojac) moves the trunk as
+    ``parameters`` does: same Jacobian, another way of computing it."""
+    scaling = _load("drmoo_tasks_scaling_batched", BENCH / "tasks_scaling.py")
+    torch.manual_seed(0)
+    moved = {}
+    for variant in ("parameters", "parameters-batched"):
+        torch.manual_seed(0)
+        trunk = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 512), torch.nn.Tanh())
+        heads = torch.nn.ModuleList(torch.nn.Linear(512, 1) for _ in range(3))
+        step = scaling.make_step(variant, trunk, heads, 3)
+        x, y = scaling.batch(3, size=4)
+        step(x, y)
+        moved[variant] = [p.detach().clone() for p in trunk.parameters()]
+    for a, b in zip(moved["parameters"], moved["parameters-batched"]):
+        # One step moves an entry by lr * |g| with lr = 1e-3 and |g| = O(1): the strategies' float32 rounding
+        # (~1e-7 of g) moves it by ~1e-10, a different direction by ~1e-4; 1e-6 tells the two apart.
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="parameters-batched"):
+        scaling.make_step("parameters-vmap", trunk, heads, 3)
