@@ -31,6 +31,7 @@
 #include <sys/sysinfo.h>
 #endif
 
+#include "../allocate.h"
 #include "../checks.h"
 #include "../dispatch.h"
 
@@ -146,51 +147,14 @@ inline double machine_memory_bytes() {
   return std::numeric_limits<double>::infinity();
 }
 
-// A new contiguous CPU tensor of the given shape in one of the four floating dtypes.
-// Through the C shim's aoti_torch_empty_strided (part of the stable C ABI that
-// torch::stable::Tensor itself is built on) rather than torch::stable::empty, which boxes its
-// arguments and goes through the dispatcher: measured here, that costs ~4 us per tensor, more than
-// the small ops' own work, and every op allocates one to three outputs per optimizer step.  The shim
-// also returns a failure as a status, so the error can name the size (a failure inside a dispatcher
-// call would reach the user as "API call failed" under torch 2.11, behind a backtrace under 2.14).
+// A new contiguous CPU tensor of the given shape in one of the four floating dtypes (allocate.h says why
+// through the C shim).
 inline Tensor new_cpu_tensor(const std::vector<int64_t>& sizes, ScalarType dtype) {
-  std::vector<int64_t> strides(sizes.size(), 1);
-  for (size_t k = sizes.size(); k-- > 1;) strides[k - 1] = strides[k] * std::max<int64_t>(sizes[k], 1);
-  int32_t code = aoti_torch_dtype_float32();
-  switch (dtype) {
-    case ScalarType::Double:
-      code = aoti_torch_dtype_float64();
-      break;
-    case ScalarType::Half:
-      code = aoti_torch_dtype_float16();
-      break;
-    case ScalarType::BFloat16:
-      code = aoti_torch_dtype_bfloat16();
-      break;
-    default:
-      DRMOO_CHECK(dtype == ScalarType::Float, "drmoo: the CPU kernels allocate floating tensors, not ",
-                  dtype_str(dtype));
-  }
   // Refuse a request larger than the machine's memory (RAM + swap) before asking torch: its allocator's
   // failure would come back as a status only after torch 2.11's shim has logged a C++ backtrace to
-  // stderr, which buries the one-line message below.
-  double requested_bytes = static_cast<double>(float_bytes(dtype));
-  for (const int64_t size : sizes) requested_bytes *= static_cast<double>(size);
-  AtenTensorHandle handle = nullptr;
-  const AOTITorchError status = requested_bytes > machine_memory_bytes()
-                                    ? AOTI_TORCH_FAILURE
-                                    : aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
-                                                         strides.data(), code, aoti_torch_device_type_cpu(), 0,
-                                                         &handle);
-  if (status != AOTI_TORCH_SUCCESS) {
-    std::string shape_text = "[";
-    for (size_t k = 0; k < sizes.size(); ++k) shape_text += (k > 0 ? ", " : "") + std::to_string(sizes[k]);
-    char bytes_text[32];
-    std::snprintf(bytes_text, sizeof(bytes_text), "%.0f", requested_bytes);
-    throw std::runtime_error(message::concat("drmoo: allocating a CPU tensor of shape ", shape_text, "] (",
-                                             dtype_str(dtype), ", ", bytes_text, " bytes) failed: out of memory?"));
-  }
-  return Tensor(handle);
+  // stderr, which buries the one-line message.
+  return new_floating_tensor(sizes, dtype, aoti_torch_device_type_cpu(), 0, "CPU", "a CPU tensor", "",
+                             machine_memory_bytes());
 }
 
 inline Tensor new_cpu_tensor(std::initializer_list<int64_t> shape, ScalarType dtype) {

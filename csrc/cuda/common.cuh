@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <initializer_list>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -32,6 +33,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../allocate.h"
 #include "../checks.h"
 #include "../dispatch.h"
 #include "../drmoo_math.h"
@@ -141,45 +143,11 @@ inline void check_cuda(const char* op, const Tensor& t) {
   DRMOO_CHECK(t.is_cuda(), "drmoo.", op, ": the CUDA kernel got tensors on ", device_str(t.device()));
 }
 
-// A new contiguous tensor on CUDA device `device` in a floating dtype (outputs and workspaces), through
-// the C shim's aoti_torch_empty_strided (torch's caching allocator, on the current stream) rather than
-// torch::stable::empty / new_empty, which box their arguments through the dispatcher (csrc/cpu/
-// cpu_util.h, new_cpu_tensor, measured that at ~4 us per tensor); a failure (out of memory) comes back
-// as a status, so the error can name the size.
+// A new contiguous tensor on CUDA device `device` in a floating dtype (outputs and workspaces), on torch's
+// caching allocator and current stream (allocate.h says why through the C shim).
 inline Tensor new_cuda_tensor(const std::vector<int64_t>& sizes, ScalarType dtype, int32_t device) {
-  std::vector<int64_t> strides(sizes.size(), 1);
-  for (size_t k = sizes.size(); k-- > 1;) strides[k - 1] = strides[k] * std::max<int64_t>(sizes[k], 1);
-  int32_t code = aoti_torch_dtype_float32();
-  switch (dtype) {
-    case ScalarType::Double:
-      code = aoti_torch_dtype_float64();
-      break;
-    case ScalarType::Half:
-      code = aoti_torch_dtype_float16();
-      break;
-    case ScalarType::BFloat16:
-      code = aoti_torch_dtype_bfloat16();
-      break;
-    default:
-      DRMOO_CHECK(dtype == ScalarType::Float, "drmoo: the CUDA kernels allocate floating tensors, not ",
-                  dtype_str(dtype));
-  }
-  AtenTensorHandle handle = nullptr;
-  const AOTITorchError status = aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
-                                                         strides.data(), code, aoti_torch_device_type_cuda(),
-                                                         device, &handle);
-  if (status != AOTI_TORCH_SUCCESS) {
-    double requested_bytes = static_cast<double>(float_bytes(dtype));
-    for (const int64_t size : sizes) requested_bytes *= static_cast<double>(size);
-    std::string shape_text = "[";
-    for (size_t k = 0; k < sizes.size(); ++k) shape_text += (k > 0 ? ", " : "") + std::to_string(sizes[k]);
-    char bytes_text[32];
-    std::snprintf(bytes_text, sizeof(bytes_text), "%.0f", requested_bytes);
-    throw std::runtime_error(message::concat("drmoo: allocating a CUDA tensor of shape ", shape_text, "] (",
-                                             dtype_str(dtype), ", ", bytes_text, " bytes) on cuda:", device,
-                                             " failed: out of memory?"));
-  }
-  return Tensor(handle);
+  return new_floating_tensor(sizes, dtype, aoti_torch_device_type_cuda(), device, "CUDA", "a CUDA tensor",
+                             " on cuda:" + std::to_string(device), std::numeric_limits<double>::infinity());
 }
 
 inline Tensor new_cuda_tensor(std::initializer_list<int64_t> shape, ScalarType dtype, int32_t device) {
