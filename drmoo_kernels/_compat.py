@@ -1,4 +1,4 @@
-"""The supported torch / Triton range (README, "Supported versions"), checked when drmoo is imported.
+"""The supported torch / Triton range (docs/install.md, "Supported versions"), checked when drmoo is imported.
 
 Lower bounds only: torch 2.11 and Triton 3.6 are what current GPU images ship and what the CI
 matrix's second leg installs (scripts/test_oldest.sh); the pinned development torch
@@ -43,7 +43,7 @@ def torch_version_problem(version: str) -> str | None:
     return (
         f"drmoo needs torch >= {_dotted(MIN_TORCH)}, but torch {version} is installed. Older torch versions are "
         f"not tested and can train wrongly without an error. Upgrade torch, e.g. "
-        f"pip install 'torch>={_dotted(MIN_TORCH)}' (see README, 'Supported versions')."
+        f"pip install 'torch>={_dotted(MIN_TORCH)}' (see docs/install.md, 'Supported versions')."
     )
 
 

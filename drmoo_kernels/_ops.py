@@ -1,6 +1,6 @@
 """The compiled ops: lazy loading, fake kernels, and the wrappers behind the ``cpp`` and ``cuda`` backends.
 
-Two extensions (README, "One build for every supported torch"):
+Two extensions (docs/install.md, "One build for every supported torch"):
 
 * ``drmoo_kernels._C``: the op schemas (``csrc/ops.cpp``, ``STABLE_TORCH_LIBRARY(drmoo, ...)``) and the
   CPU kernels (``csrc/cpu``), built on torch's LibTorch stable ABI for the oldest supported torch:

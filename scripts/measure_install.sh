@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Measure the install paths of README "Install" on this machine, from a fresh clone of HEAD, in a
+# Measure the install paths of docs/install.md on this machine, from a fresh clone of HEAD, in a
 # venv that already has torch (the user's environment).  Takes minutes (one kernel compile); not part
 # of the test suite.  Usage:
 #

@@ -8,7 +8,7 @@ venv="${DRMOO_VENV:-.venv}"
 echo "[test] ruff"
 "$venv/bin/ruff" check .
 # The documentation site (mkdocs.yml, docs/): --strict turns every warning (a broken link, an
-# unresolved API reference, a missing README section, a docstring griffe cannot parse) into a
+# unresolved API reference, a missing included file, a docstring griffe cannot parse) into a
 # failure.  site/ is git-ignored.  NO_MKDOCS_2_WARNING silences mkdocs-material's end-of-life banner.
 echo "[test] docs: mkdocs build --strict"
 start=$(date +%s)

@@ -10,8 +10,8 @@ A fenced block's info string says what it is:
 * ``text`` -- output or a fragment shown for reading: not executed, counted.
 
 Any other info string, or none, fails :func:`test_every_code_block_is_declared`: a block cannot be
-skipped without saying so.  The docs pages that include README sections (pymdownx.snippets'
-``--8<--`` lines) hold no copy of their blocks, so each block is executed once, from its source.
+skipped without saying so.  The files a docs page includes whole (pymdownx.snippets' ``--8<--`` lines:
+the results READMEs, bench/README.md) are not read here.
 """
 
 from __future__ import annotations
@@ -112,19 +112,60 @@ def test_the_fence_parser() -> None:
         (2, "python", "a = 1\n"), (6, "bash", "echo x\n"), (9, "text", "```\n")]
 
 
-def test_the_readme_sections_the_docs_include_exist() -> None:
-    """The docs pages include README sections by name (pymdownx.snippets): each must be marked once,
-    start before end, in README.md -- checked here too, for a plain pytest run (mkdocs --strict does
-    it in scripts/test.sh)."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    included = {name for page in DOCUMENTS[1:]
-                for name in re.findall(r'^--8<-- "README\.md:([\w-]+)"$', page.read_text(encoding="utf-8"), re.M)}
-    assert included, "the docs pages include no README section: has the include syntax changed?"
-    for name in sorted(included):
-        starts = readme.count(f"<!-- --8<-- [start:{name}] -->")
-        ends = readme.count(f"<!-- --8<-- [end:{name}] -->")
-        assert starts == ends == 1, f"README.md must mark section {name!r} once (start {starts}, end {ends})"
-        assert readme.index(f"[start:{name}]") < readme.index(f"[end:{name}]"), name
+def test_the_docs_pages_hold_their_own_text() -> None:
+    """The docs pages once included README sections by name (pymdownx.snippets); the README is now a short
+    entry point and the pages hold the text (issue 38).  A page may still include a whole file (the results
+    READMEs, bench/README.md), which must exist -- checked here too, for a plain pytest run (mkdocs --strict
+    does it in scripts/test.sh)."""
+    includes = [(page, target) for page in DOCUMENTS[1:]
+                for target in re.findall(r'^--8<-- "([^"]+)"$', page.read_text(encoding="utf-8"), re.M)]
+    assert includes, "the docs include no file at all: has the include syntax changed?"
+    for page, target in includes:
+        assert not target.startswith("README.md"), f"{page.name} includes {target}: the page must hold its text"
+        assert (ROOT / target).is_file(), f"{page.name} includes {target}, which does not exist"
+    assert "--8<-- [start:" not in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _anchors(markdown: str) -> set[str]:
+    """The ids python-markdown's toc gives the headings of a page (mkdocs' anchors)."""
+    anchors = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", markdown, re.M):
+        slug = re.sub(r"[^\w\s-]", "", heading.replace("`", "")).strip().lower()
+        anchors.add(re.sub(r"[-\s]+", "-", slug))
+    return anchors
+
+
+def test_the_readme_is_a_short_entry_point() -> None:
+    """Issue 38: the README is a pitch, the install, a quick start with the Balancer in its first screen,
+    the two commands, the results in short and links; the docs pages carry the rest."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = text.splitlines()
+    assert len(lines) <= 400, f"README.md has {len(lines)} lines"
+    readme_python = [block for block in PYTHON_BLOCKS if block.path.name == "README.md"]
+    first_balancer = min(block.line for block in readme_python if "drmoo.Balancer(" in block.code)
+    assert first_balancer <= 90, f"the README's Balancer quick start starts at line {first_balancer}"
+    assert "pip install dist/drmoo-" in text and "pip install --no-build-isolation ." in text.replace(" &&", "")
+    for command in ("bash scripts/demo.sh", "bash scripts/test.sh"):
+        assert f"```bash\n{command}\n```" in text, command
+    # The features-mode caveat, where the quick start shows the mode.
+    quick_start = text[text.index("## Quick start"):text.index("## Two commands")]
+    assert 'jacobian="features"' in quick_start and "Double-Clip and Nash-MTL" in quick_start
+
+
+def test_the_readme_links_resolve() -> None:
+    """Every relative link of the README names a file of the repository, and an anchor that its heading
+    gives (mkdocs checks the docs' own links; the README is outside the site)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert sum(link.startswith("docs/") for link in links) >= 8, links
+    for link in links:
+        if re.match(r"[a-z]+://", link):
+            continue
+        target, _, anchor = link.partition("#")
+        path = ROOT / target
+        assert path.exists(), f"README.md links to {link}: no such file"
+        if anchor:
+            assert anchor in _anchors(path.read_text(encoding="utf-8")), f"README.md links to {link}: no such heading"
 
 
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda block: block.name)

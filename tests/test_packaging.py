@@ -2,7 +2,7 @@
 
 Everything here is fast: setup.py's decisions are called as functions or run as ``setup.py --version``
 (which makes the build decision without compiling), and the one wheel built (pure Python, kernels
-off) takes seconds.  The install timings of the README are measured by scripts/measure_install.sh,
+off) takes seconds.  The install timings of docs/install.md are measured by scripts/measure_install.sh,
 which takes minutes and is not part of the test suite.
 """
 
@@ -149,7 +149,7 @@ def test_a_compile_error_is_one_line_and_nothing_is_installed(tmp_path: Path) ->
 
 
 def test_the_stable_abi_build_targets_the_oldest_supported_torch() -> None:
-    """drmoo_kernels._C is compiled for the stable ABI of torch MIN_TORCH (README, "One build for every
+    """drmoo_kernels._C is compiled for the stable ABI of torch MIN_TORCH (docs/install.md, "One build for every
     supported torch"): the same number in setup.py's compiler flags, its marker and drmoo_kernels._compat."""
     from drmoo_kernels._compat import MIN_TORCH
 

@@ -1,9 +1,9 @@
 """Every number quoted in the verdicts is the one in the committed CSV it names (issue 27).
 
-The verdict prose of the small benchmark (the two results READMEs, the README's experiments
-paragraph and "What reproduces") sits between ``<!-- verdict -->`` and ``<!-- /verdict -->``.  A
-number quoted there carries, right after it, an HTML comment naming its cell (invisible when
-rendered):
+The verdict prose of the small benchmark (the results READMEs, the README's results summary, and
+docs/experiments.md's experiments paragraph and "What reproduces") sits between ``<!-- verdict -->``
+and ``<!-- /verdict -->``.  A number quoted there carries, right after it, an HTML comment naming its
+cell (invisible when rendered):
 
     93.80<!--cell table.csv method=double-clip eps=0-->               a mean accuracy
     93.80 ± 0.79<!--cell table.csv method=double-clip eps=0-->        mean ± std
@@ -32,8 +32,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENTS = ("README.md", "results/multimnist2-small/README.md", "results/multimnist3-small/README.md",
-             "results/multimnist2-small/batch64/README.md", "results/multimnist2-small/features/README.md",
+DOCUMENTS = ("README.md", "docs/experiments.md", "results/multimnist2-small/README.md",
+             "results/multimnist3-small/README.md", "results/multimnist2-small/batch64/README.md",
+             "results/multimnist2-small/features/README.md",
              "results/multimnist-k-small/README.md")
 
 _NUMBER = r"[+\-−]?\d+(?:,\d{3})*(?:\.\d+)?"

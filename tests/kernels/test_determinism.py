@@ -1,4 +1,4 @@
-"""Bitwise reproducibility of the ops on CPU (README, "Determinism"); `drmoo train --resume` relies on it.
+"""Bitwise reproducibility of the ops on CPU (docs/guarantees.md, "Determinism"); `drmoo train --resume` relies on it.
 
 * Same inputs, same thread count: gram / combine / gram_step / dual_forward / dual_step return
   bitwise-identical results (and write identical parameters, w and eta) on every call, for the

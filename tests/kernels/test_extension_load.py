@@ -285,7 +285,7 @@ def test_the_stable_abi_build_imports_no_torch_cxx_symbol(extension: str) -> Non
     assert any(name.startswith("aoti_torch_") for name in imported)
     assert not any(name.startswith("_ZN") and "torch" in name for name in imported)
     if extension == _ops.CUDA_EXTENSION:
-        # The current stream comes from the C shim, not from c10::cuda (README, "One build for every
+        # The current stream comes from the C shim, not from c10::cuda (docs/install.md, "One build for every
         # supported torch"); the kernels launch through the CUDA runtime.
         assert "aoti_torch_get_current_cuda_stream" in imported
         assert any(name.startswith("__cudaLaunchKernel") for name in imported)

@@ -95,5 +95,5 @@ def test_a_run_checkpoint_is_read_through_the_documented_public_function(trained
     assert state["step"] == 1 and state["config"]["method"] == "double-clip" and "model" in state
     documented = read_checkpoint.__doc__ or ""
     assert all(part in documented for part in ("Args:", "run_dir:", "Returns:", "Raises:"))
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert "drmoo.experiments.read_checkpoint" in readme
+    cli_page = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    assert "drmoo.experiments.read_checkpoint" in cli_page
