@@ -27,7 +27,7 @@ careless edit, so everything that touches them goes through this module, which p
   keeps only what it needs.  A checkpoint is checked in this order before anything is unpickled: a
   regular file, the magic line, a header of at most ``MAX_HEADER_BYTES``, the file size equal to
   the header's announced payload size, that size at most the caller's bound (what the run can
-  legitimately hold, computed from its model, data and length; :data:`MAX_PAYLOAD_BYTES` when the
+  legitimately hold, computed from its model and data, never from a file; :data:`MAX_PAYLOAD_BYTES` when the
   caller knows nothing better), a ``torch.save`` archive signature; only then is the payload
   streamed once into one buffer of exactly that size while it is hashed, its SHA-256 compared
   with the header's, and the buffer unpickled in place with ``weights_only=True``.

@@ -67,18 +67,26 @@ def _peak_bytes(call: Callable[[], object]) -> int:
 def test_sec4_a_sparse_payload_with_a_matching_hash_is_refused_before_it_is_read(
         trained_run: Path, capsys: pytest.CaptureFixture) -> None:
     """The SHA-256 sits in the header anyone can write: a sparse payload of zeros with its true hash used to
-    be read whole (peak RSS 2.6 GB for 1 GiB).  The bound now comes from the run's model, data and length:
+    be read whole (peak RSS 2.6 GB for 1 GiB).  The bound now comes from the run's model and data:
     a payload one MiB over it is refused before a byte of it is allocated."""
     header = store.read_checkpoint_header(trained_run / "checkpoint.pt")
-    model, data = build_multimnist(read_run_config(trained_run))
-    budget = payload_budget(model, tasks=2, training_rows=data.train_labels.shape[0], steps=1)
-    _sparse_checkpoint(trained_run / "checkpoint.pt", budget + MiB, {"config": header["config"], "step": 1})
+    assert_payload_over_budget_refused(trained_run, header["config"], ["--max-steps", "3"], capsys)
+
+
+def assert_payload_over_budget_refused(run: Path, config: dict[str, object], resume_options: list[str],
+                                       capsys: pytest.CaptureFixture) -> None:
+    """A sparse payload one MiB over the budget of ``run``'s model and data, behind a header holding
+    ``config`` (config.json holds it too), is refused by eval and by a resume with ``resume_options``."""
+    model, data = build_multimnist(read_run_config(run))
+    budget = payload_budget(model, tasks=2, training_rows=data.train_labels.shape[0])
+    (run / "config.json").write_text(json.dumps(config))
+    _sparse_checkpoint(run / "checkpoint.pt", budget + MiB, {"config": config, "step": 1})
     result: list[tuple[int, str]] = []
-    peak = _peak_bytes(lambda: result.append(run_cli(["eval", "--run", str(trained_run), "--quiet"], capsys)))
+    peak = _peak_bytes(lambda: result.append(run_cli(["eval", "--run", str(run), "--quiet"], capsys)))
     assert_one_line_refusal(*result[0], "refused", "more than")
     assert peak < 32 * MiB, peak  # the payload was never allocated
-    assert_one_line_refusal(*run_cli(["train", "--resume", str(trained_run), "--max-steps", "3", "--quiet"],
-                                     capsys), "refused", "more than")
+    assert_one_line_refusal(*run_cli(["train", "--resume", str(run), *resume_options, "--quiet"], capsys),
+                            "refused", "more than")
 
 
 def test_sec4_the_store_streams_a_checkpoint_into_one_buffer_without_joining_chunks(tmp_path: Path) -> None:
@@ -97,7 +105,7 @@ def test_sec4_a_real_run_fits_its_budget_with_room(trained_run: Path) -> None:
     """The bound must never refuse a legitimate checkpoint: the tiny run's payload is far below it."""
     size = store.read_checkpoint_header(trained_run / "checkpoint.pt")["payload_bytes"]
     model, data = build_multimnist(read_run_config(trained_run))
-    assert size < payload_budget(model, tasks=2, training_rows=data.train_labels.shape[0], steps=1) / 4
+    assert size < payload_budget(model, tasks=2, training_rows=data.train_labels.shape[0]) / 4
 
 
 def test_sec4_a_checkpoint_state_with_an_extra_entry_is_refused(trained_run: Path,

@@ -7,8 +7,9 @@ the header a run writes (its config and step), the check that a checkpoint belon
 directory's ``config.json`` (every setting but :data:`~drmoo.experiments.run_config.RESUMABLE_FIELDS`),
 and the provenance that binds a result such as ``eval.json`` to the weights it was computed from.
 :func:`payload_budget` is what a run's checkpoint can legitimately weigh: the bound its readers give the
-store, which the header (anyone can write one with a matching hash) cannot raise; a state holding
-entries beyond :data:`STATE_KEYS` is refused.
+store, computed from the model and data it loads into and fixed caps, which neither the header (anyone
+can write one with a matching hash) nor config.json can raise; a state holding entries beyond
+:data:`STATE_KEYS` is refused.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from drmoo.store import (
 
 from .run_config import RunConfig, config_differences, read_run_config
 
-__all__ = ["CHECKPOINT", "checkpoint_provenance", "load_checkpoint", "payload_budget", "read_checkpoint",
-           "result_matches_checkpoint", "write_checkpoint"]
+__all__ = ["CHECKPOINT", "checkpoint_provenance", "load_checkpoint", "max_recorded_steps", "payload_budget",
+           "read_checkpoint", "result_matches_checkpoint", "write_checkpoint"]
 
 CHECKPOINT = "checkpoint.pt"  # in the run directory
 # Everything a run's checkpoint holds (training._save): an entry beyond these is refused, never loaded.
@@ -50,23 +51,39 @@ def write_checkpoint(path: Path, state: dict[str, Any], config: RunConfig) -> st
 STATE_COPIES_PER_TASK = 2  # optimizer state per shared-parameter tensor: up to 4 + 2 m copies of the model
 STATE_COPIES = 4
 BYTES_PER_TRAINING_ROW = 16  # the index stream's permutation (int64) and slack
-BYTES_PER_STEP_PER_TASK = 96  # a steps.csv row in the pickled state: w_i, eta_i keys and floats
-BYTES_PER_STEP = 1024  # the row's other fields
-FIXED_BUDGET = 64 << 20  # RNG states, headers, epoch rows, pickle framing
+BYTES_PER_STEP_PER_TASK = 96  # a steps.csv row in the pickled state: w_i, eta_i keys and floats (~46 measured)
+BYTES_PER_STEP = 1024  # the row's other fields, and an epoch row (~160 measured, ~200 + 40 m for an epoch's)
+# The per-step rows a checkpoint may hold in all: a fixed cap, not the run's length (config.json, which
+# anyone who can write the checkpoint can write too, would let a forged epochs x rows / batch raise it).
+# The trainer refuses a run longer than the cap allows (max_recorded_steps): CelebA-40's paper run
+# (63,600 steps, 40 tasks) needs 295 MiB of it at the estimate above, about 120 MiB in fact.
+STEP_ROWS_BUDGET = 512 << 20
+FIXED_BUDGET = 64 << 20  # RNG states, headers, pickle framing
 
 
-def payload_budget(model: nn.Module, tasks: int, training_rows: int, steps: int) -> int:
+def _bytes_per_step(tasks: int) -> int:
+    return BYTES_PER_STEP + BYTES_PER_STEP_PER_TASK * tasks
+
+
+def max_recorded_steps(tasks: int) -> int:
+    """The longest run (in steps) whose per-step rows fit a checkpoint's :data:`STEP_ROWS_BUDGET`."""
+    return STEP_ROWS_BUDGET // _bytes_per_step(tasks)
+
+
+def payload_budget(model: nn.Module, tasks: int, training_rows: int) -> int:
     """The most payload bytes a checkpoint of this run can legitimately hold.
 
     The model's tensors (parameters and buffers) times the optimizer's copies of them (moments,
     tracking estimates: at most 4 + 2 ``tasks`` copies), the index stream over ``training_rows``
-    rows, ``steps`` rows of per-step metrics and a fixed 64 MiB for the rest.  A header announcing
-    more is refused before anything is allocated, whatever hash it carries.
+    rows, :data:`STEP_ROWS_BUDGET` for the per-step metrics and a fixed 64 MiB for the rest: what
+    the code loads the checkpoint into, never what a run-directory file says (the run's length in
+    config.json is as writable as the checkpoint).  A header announcing more is refused before
+    anything is allocated, whatever hash it carries.
     """
     tensor_bytes: int = sum(t.numel() * t.element_size() for t in model.state_dict().values() if hasattr(t, "numel"))
     copies = STATE_COPIES + STATE_COPIES_PER_TASK * tasks
     return min(MAX_PAYLOAD_BYTES, (1 + copies) * tensor_bytes + BYTES_PER_TRAINING_ROW * training_rows
-               + (BYTES_PER_STEP + BYTES_PER_STEP_PER_TASK * tasks) * steps + FIXED_BUDGET)
+               + STEP_ROWS_BUDGET + FIXED_BUDGET)
 
 
 def load_checkpoint(run_dir: Path, config: RunConfig | None = None,

@@ -55,8 +55,8 @@ def load_trained_run(run_dir: Path, build: Build, device: str | None = None
     target = resolve_device(device or config.device)
     if not os.path.lexists(run_dir / CHECKPOINT):  # before building the model and data: the cheap refusal first
         raise FileNotFoundError(f"{run_dir / CHECKPOINT} does not exist: train the run first")
-    model, data = build(config)  # then: the checkpoint's size is bounded by what this model's run can hold
-    budget = payload_budget(model, data.num_tasks, data.train_labels.shape[0], _run_length(config, data))
+    model, data = build(config)  # then: the checkpoint's size is bounded by what this model and data can hold
+    budget = payload_budget(model, data.num_tasks, data.train_labels.shape[0])
     # verified (size within the budget, SHA-256, config) and never unpickled freely
     checkpoint = load_checkpoint(run_dir, config, budget)
     try:
@@ -67,14 +67,6 @@ def load_trained_run(run_dir: Path, build: Build, device: str | None = None
                               f"({str(error).strip().splitlines()[0] if str(error).strip() else error!r})") from None
     model.to(target)
     return config, model, data, target, provenance
-
-
-def _run_length(config: RunConfig, data: Any) -> int:
-    """The steps ``config``'s run trains (as training computes them): what its checkpoint's step rows can number."""
-    rows = int(data.train_labels.shape[0])
-    per_epoch = -(-rows // max(1, min(config.batch_size, rows)))
-    total = config.epochs * per_epoch
-    return total if config.max_steps is None else min(total, config.max_steps)
 
 
 def load_trained(run_dir: Path, build: Build, device: str | None = None

@@ -53,7 +53,7 @@ from drmoo.store import (
     write_json,
 )
 
-from .checkpoints import CHECKPOINT, payload_budget, read_checkpoint, write_checkpoint
+from .checkpoints import CHECKPOINT, max_recorded_steps, payload_budget, read_checkpoint, write_checkpoint
 from .devices import agreed, check_backend, setup_distributed
 from .evaluation import accuracy
 from .jobs import progress_bar
@@ -290,6 +290,10 @@ def _build_run(config: RunConfig, run_dir: Path, build: Build, device: torch.dev
     steps_per_epoch = math.ceil(data.train_labels.shape[0] / stream.batch_size)
     total = config.epochs * steps_per_epoch if config.max_steps is None else min(
         config.epochs * steps_per_epoch, config.max_steps)
+    if total > max_recorded_steps(data.num_tasks):  # its checkpoint could not be read back (payload_budget)
+        raise UsageError(f"a run of {total} steps ({config.epochs} epochs of {steps_per_epoch}) is longer than the "
+                         f"{max_recorded_steps(data.num_tasks)} steps whose per-step rows a checkpoint of "
+                         f"{data.num_tasks} tasks may hold: lower --epochs or --max-steps")
     grad_scale = {"value": GRAD_SCALE_INIT if config.amp == "fp16" else 1.0, "good_steps": 0, "skipped_steps": 0}
     return _Run(config, run_dir, device, is_main, model, data, optimizer, heads, stream, steps_per_epoch, total,
                 grad_scale=grad_scale)
@@ -299,9 +303,8 @@ def _train_locked(run: _Run, resume: bool, progress: bool, sample_weight: Callab
                   ) -> dict[str, Any]:
     """Restore a resumed run, then train it to ``run.total`` steps; called holding the run's lock."""
     if resume:
-        # verified before anything is written; its size bounded by what this run can hold (a resume may
-        # only extend the run, so the checkpoint's steps are at most run.total)
-        budget = payload_budget(run.model, run.data.num_tasks, run.stream.size, run.total)
+        # verified before anything is written; its size bounded by what this model and data can hold
+        budget = payload_budget(run.model, run.data.num_tasks, run.stream.size)
         _restore(run, read_checkpoint(run.run_dir, run.config, budget))
     elif run.checkpoint_path.exists():
         raise FileExistsError(
