@@ -16,8 +16,10 @@ careless edit, so everything that touches them goes through this module, which p
   opened), fsynced, renamed over the target (``renameat`` in the same directory descriptor) and the
   directory fsynced.  A reader sees the old file or the new one, never a mix; a failed write removes
   its temporary file and keeps the old file.  The rename replaces a symlink at the target's name by
-  a regular file; it never writes through it.  The lock file is opened ``O_NOFOLLOW`` and must be a
-  regular file with one link, so a planted link to another file is refused, never truncated.
+  a regular file; it never writes through it.  A regular file replaced keeps its permission bits,
+  and a read-only one (``chmod 444``: no write bit for anyone) is refused, never replaced.  The lock
+  file is opened ``O_NOFOLLOW`` and must be a regular file with one link, so a planted link to another
+  file is refused, never truncated.
 * **Stale temporary files are removed** when a run directory is locked: only regular files named
   like this module's own temporaries (``.NAME.<pid>.<16 hex digits>.drmoo-tmp``) whose writing
   process no longer exists (a SIGKILL or power loss mid-write).  Nothing else is touched.
@@ -190,6 +192,27 @@ def _create_temporary(directory: int, name: str, path: Path) -> tuple[int, str]:
     raise UsageError(f"cannot create a temporary file beside {path}: every name drawn exists")
 
 
+def _replaceable_mode(directory: int, path: Path) -> int | None:
+    """The permission bits of the regular file at ``path`` (None when there is none), which its
+    replacement keeps; a read-only one (no write bit for anyone, as ``chmod 444`` leaves it) is refused.
+
+    rename(2) ignores the target's mode: without this check a file someone made read-only to keep it
+    would be replaced, and a replaced file would get the temporary's 0644.  Read from the mode bits,
+    not ``access(2)``: root may write anything, but a read-only file still says "keep me".
+    """
+    try:
+        info = os.stat(path.name, dir_fd=directory, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        return None  # a link or other entry: replaced by a regular file, never written through (see above)
+    mode = stat.S_IMODE(info.st_mode)
+    if not mode & 0o222:
+        raise UsageError(f"{path} is read-only (mode {mode:o}): drmoo does not replace a file made read-only; make it "
+                         "writable (chmod u+w) to let drmoo replace it, or write elsewhere")
+    return mode & 0o777  # the permission bits; never set-id bits onto a file drmoo wrote
+
+
 def atomic_write(path: str | Path, chunks: Iterable[bytes | memoryview]) -> None:
     """Write ``path`` all or nothing (see the module's promises); a user-fixable OS error is one line."""
     path = Path(path)
@@ -199,10 +222,13 @@ def atomic_write(path: str | Path, chunks: Iterable[bytes | memoryview]) -> None
         raise _write_error(path, error) from None
     try:
         try:
+            mode = _replaceable_mode(directory, path)
             descriptor, tmp = _create_temporary(directory, path.name, path)
         except OSError as error:
             raise _write_error(path, error) from None
         try:
+            if mode is not None:
+                os.fchmod(descriptor, mode)
             with os.fdopen(descriptor, "wb") as handle:
                 for chunk in chunks:
                     handle.write(chunk)
