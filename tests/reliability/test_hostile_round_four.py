@@ -5,17 +5,31 @@ Each reproduction is the audit's, shrunk to the tiny run of :mod:`tests.reliabil
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import stat
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from drmoo import store
+from drmoo.data import celeba as celeba_data
 from drmoo.experiments.checkpoints import max_recorded_steps
 
 from .conftest import assert_one_line_refusal, run_cli
 from .test_store_hostile import assert_payload_over_budget_refused
+
+
+def _celeba_data_tests() -> ModuleType:
+    """tests/data/test_celeba.py, for its CelebA tree builder (pytest imports test files by path)."""
+    path = Path(__file__).parents[1] / "data" / "test_celeba.py"
+    spec = importlib.util.spec_from_file_location("celeba_data_tests", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # ------------------------------------------------------------------------------- SEC-8
 
@@ -71,3 +85,46 @@ def test_dl5_the_store_keeps_the_mode_of_a_file_it_replaces(tmp_path: Path) -> N
     with pytest.raises(store.UsageError, match="read-only"):
         store.write_text(path, "newer")
     assert path.read_text() == "new"
+
+
+# ------------------------------------------------------------------------------- CR-20
+
+
+def _claim_dimensions(jpeg: Path, width: int, height: int) -> None:
+    """Rewrite a JPEG's frame header (SOF0) to announce ``width`` x ``height``: what a decompression
+    bomb's header says, at the cost of a few bytes (the pixels are never there to decode)."""
+    data = bytearray(jpeg.read_bytes())
+    at = data.index(b"\xff\xc0") + 5  # marker, length (2), precision (1), then height and width
+    data[at : at + 4] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    jpeg.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("width", "height"), [(14_000, 13_000), (9_000, 9_000)],
+                         ids=["over PIL's bomb limit", "81 Mpx under it"])
+def test_cr20_an_oversize_celeba_image_is_one_line_before_the_run_directory(
+        width: int, height: int, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A 14000 x 13000 JPEG in a valid tree was a 67-line DecompressionBombError traceback after --out was
+    created; an 81 Mpx one under PIL's limit cost +1.2 GB per decode thread.  Both are now refused from
+    their headers, with the file and its size named, before anything is written."""
+    tree = _celeba_data_tests().make_celeba_tree(tmp_path / "data")
+    _claim_dimensions(tree / "img_align_celeba" / "000001.jpg", width, height)
+    out = tmp_path / "run"
+    code, err = run_cli(["train", "--experiment", "celeba40", "--preset", "quick", "--max-steps", "1", "--input-size",
+                         "16", "--batch-size", "8", "--quiet", "--data-root", str(tree), "--out", str(out)], capsys)
+    assert_one_line_refusal(code, err, "000001.jpg", f"{width} x {height}", "pixels")
+    assert not out.exists()
+
+
+def test_cr20_decode_bounds_the_pixels_it_allocates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image swapped for a larger one after the run started is refused by decode itself, from its
+    header (a ValueError naming it), before its pixels are allocated; PIL's bomb error is one too."""
+    tree = _celeba_data_tests().make_celeba_tree(tmp_path / "data")
+    path = tree / "img_align_celeba" / "000001.jpg"
+    assert tuple(celeba_data.decode(path, 8).shape) == (3, 8, 8)
+    monkeypatch.setattr(celeba_data, "MAX_IMAGE_PIXELS", 16 * 32 - 1)
+    with pytest.raises(ValueError, match=r"000001\.jpg.* 16 x 32 .*pixels"):
+        celeba_data.decode(path, 8)
+    monkeypatch.undo()
+    _claim_dimensions(path, 14_000, 13_000)
+    with pytest.raises(ValueError, match=r"000001\.jpg"):
+        celeba_data.decode(path, 8)

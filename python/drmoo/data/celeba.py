@@ -35,7 +35,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -43,8 +43,8 @@ from torch import Tensor
 
 from drmoo.store import make_directory, open_mapped_file, read_text
 
-__all__ = ["ALL_ATTRIBUTES", "ATTRIBUTES", "CelebA", "find_celeba_root", "load_celeba", "read_attributes",
-           "read_partitions"]
+__all__ = ["ALL_ATTRIBUTES", "ATTRIBUTES", "MAX_IMAGE_PIXELS", "CelebA", "check_image_sizes", "find_celeba_root",
+           "load_celeba", "read_attributes", "read_partitions"]
 
 # Paper App. D: the 8 attributes used as tasks, in this order.
 ATTRIBUTES: tuple[str, ...] = (
@@ -64,6 +64,11 @@ IMAGE_DIR = "img_align_celeba"
 ATTR_FILE = "list_attr_celeba.txt"
 PARTITION_FILE = "list_eval_partition.txt"
 CACHE_SPOT_CHECKS = 16  # cached images decoded again and compared each time a cache is opened (~2 ms each)
+# The largest image decoded, in pixels (2048 x 2048; the aligned faces are 178 x 218): its RGB array is at
+# most 12 MiB, so one decode thread holds a few tens of MiB whatever a file's header announces.  PIL's
+# own limit (decompression-bomb error past 179 Mpx, a warning past 89 Mpx) let an 81 Mpx face cost 1.2 GB.
+MAX_IMAGE_PIXELS = 1 << 22
+_JPEG_FRAMES = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 SPLITS = {"train": 0, "valid": 1, "test": 2}
 
 
@@ -237,14 +242,67 @@ class CelebA:
                 f"{len(self.train_images)} train / {len(self.test_images)} test images from {self.root}")
 
 
+class ImageTooLarge(ValueError):
+    """An image whose header announces more than :data:`MAX_IMAGE_PIXELS`: refused before it is decoded."""
+
+
+def _oversize(path: Path, width: int, height: int) -> ImageTooLarge:
+    return ImageTooLarge(f"CelebA image {path} is {width} x {height} = {width * height} pixels, more than the "
+                      f"{MAX_IMAGE_PIXELS} drmoo decodes (the aligned faces are 178 x 218): replace it with the "
+                      "data set's file")
+
+
+def _jpeg_dimensions(handle: BinaryIO) -> tuple[int, int] | None:
+    """(width, height) from a JPEG's frame header, reading only the segments before it; None if not a JPEG."""
+    if handle.read(2) != b"\xff\xd8":
+        return None
+    while True:
+        marker = handle.read(4)
+        if len(marker) < 4 or marker[0] != 0xFF:
+            return None
+        if marker[1] in _JPEG_FRAMES:
+            frame = handle.read(5)  # precision, height, width
+            return (int.from_bytes(frame[3:5], "big"), int.from_bytes(frame[1:3], "big")) if len(frame) == 5 else None
+        handle.seek(int.from_bytes(marker[2:4], "big") - 2, os.SEEK_CUR)
+
+
+def check_image_sizes(paths: list[Path]) -> None:
+    """Refuse (one line naming it) an image whose header announces more than :data:`MAX_IMAGE_PIXELS`.
+
+    Run on every image a run uses before anything is written: a decompression bomb or an oversize
+    face would otherwise fail (or cost its size in memory) mid-epoch, after the run directory exists.
+    A JPEG's frame header is read directly (~50 us an image: ~10 s for all of CelebA's); any other
+    format through PIL's header parser, its pixels never decoded.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    for path in paths:
+        with path.open("rb") as handle:
+            dimensions = _jpeg_dimensions(handle)
+        if dimensions is None:
+            try:
+                with Image.open(path) as opened:
+                    dimensions = opened.size
+            except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as error:
+                raise ValueError(f"cannot decode CelebA image {path}: {error}") from None
+        if dimensions[0] * dimensions[1] > MAX_IMAGE_PIXELS:
+            raise _oversize(path, *dimensions)
+
+
 def decode(path: Path, size: int) -> Tensor:
-    """One image as uint8 ``[3, size, size]``: RGB, centre square crop, antialiased bilinear resize."""
+    """One image as uint8 ``[3, size, size]``: RGB, centre square crop, antialiased bilinear resize.
+
+    An image of more than :data:`MAX_IMAGE_PIXELS` is refused from its header, before its pixels are
+    allocated (a ValueError naming it, as for a file PIL cannot read or calls a decompression bomb).
+    """
     from PIL import Image, UnidentifiedImageError
 
     if not path.is_file():
         raise FileNotFoundError(f"CelebA image {path} is missing (listed in {ATTR_FILE})")
     try:
         with Image.open(path) as opened:
+            if opened.size[0] * opened.size[1] > MAX_IMAGE_PIXELS:
+                raise _oversize(path, *opened.size)
             image = opened.convert("RGB")
             width, height = image.size
             side = min(width, height)
@@ -254,7 +312,9 @@ def decode(path: Path, size: int) -> Tensor:
             square = image.crop((left, top, left + side, top + side))
             square = square.resize((size, size), Image.Resampling.BILINEAR)
             array = np.asarray(square, dtype=np.uint8)
-    except (OSError, UnidentifiedImageError, ValueError) as error:
+    except ImageTooLarge:
+        raise
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as error:
         raise ValueError(f"cannot decode CelebA image {path}: {error}") from None
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
@@ -300,6 +360,7 @@ def load_celeba(
     # Only the splits a run reads are checked (no command reads the validation split).
     used = torch.cat([rows["train"], rows["test"]]).tolist()
     _check_images_exist(root, [files[i] for i in used])
+    check_image_sizes([root / IMAGE_DIR / files[i] for i in used])
     cache_path = None
     if cache_dir is not None:
         # Keyed by the annotation file and every used image's name, size and modification time, so a
