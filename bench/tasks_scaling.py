@@ -8,10 +8,14 @@ and, on a GPU machine, ``bench/results/tasks-scaling-gpu-<device>.{json,md}``::
 
     python bench/tasks_scaling.py --device cuda --batch 256 --tasks 2 8 40 --rounds 20
 
-Setting (issue 26): torchvision's ResNet18 trunk (its classifier removed: z = the 512 pooled features)
-with GroupNorm(32) -- and a second trunk with BatchNorm -- on 32 x 32 inputs, batch 32, one
-``Linear(512, 1)`` head per task with a per-sample logistic loss, SGD, one thread (CPU).  Variants, each
-one full training step (zero_grad, forward, backward, optimizer step):
+Setting (issues 26, 35): torchvision's ResNet18 trunk (its classifier removed: z = the 512 pooled features)
+with GroupNorm(32) -- and a second trunk with BatchNorm -- on 32 x 32 inputs, per-sample logistic losses,
+SGD, one thread (CPU).  Two head layouts (``--heads``): m separate ``Linear(512, 1)`` heads joined by
+``torch.cat`` (``separate``), and one shared ``Linear(512, m)`` (``shared``).  The default cells (batch, m):
+batch 32 at m in {2, 3, 8, 40, 100}, and batch 256 at m = 40 (``--batch``/``--tasks`` give a product
+instead); the variants that pass through the trunk once per task (parameters mode, TorchJD) run only at
+batch 32 and m <= 40 (``--all-cells``: everywhere).  Variants, each one full training step (zero_grad,
+forward, backward, optimizer step):
 
 * ``plain``: ``losses.mean(0).sum().backward()`` (the floor: one forward, one backward);
 * ``parameters``: ``drmoo.Balancer("mgda", trunk, m)`` -- m backward passes through the trunk, J is m x n;
@@ -30,11 +34,15 @@ On a GPU (``--device cuda``) every step is bracketed by ``torch.cuda.synchronize
 column is the peak of ``torch.cuda.max_memory_allocated()`` above what was allocated once the model was
 built (in-process: the CUDA caching allocator counts exactly what a step allocates).
 
-Time: the variants run *interleaved* in one process (round r runs every variant once, in turn), after one
-warm-up step each; the table gives each variant's median over the rounds and its ratio to the median of
-``plain`` -- both measured under the same load.  Memory: each (trunk, m, variant) runs again in a fresh
-subprocess (build, 2 steps), which reports the peak resident set size above the one it had once the
-model was built: the activations, gradients, Jacobians and everything else a step allocates.
+Time: the variants run *interleaved* with plain training in one process, after one warm-up step each:
+a round is plain, v1, plain, v2, plain, ...; each step of a variant is divided by the mean of the two plain
+steps around it, and the table gives the median of these ratios over the rounds (and their range).  On the
+CPU a step's time is the process's CPU time (``time.process_time``, one thread): a loaded machine no longer
+yields impossible ratios (wall clock gave 0.49x plain), though its load still slows memory and caches, so
+ratios move by a few percent.  On a GPU it is wall-clock time around the synchronised step.
+Memory: each (trunk, heads, batch, m, variant) runs again in a fresh subprocess (build, 2 steps), which
+reports the peak resident set size above the one it had once the model was built: the activations,
+gradients, Jacobians and everything else a step allocates.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +71,24 @@ EXTRA_VARIANTS = ("parameters-batched",)
 # The first table's columns (the issue's comparison); every features variant goes to the second.
 COMPARISON = ("plain", "parameters", "parameters-batched", "features", "features-double-clip", "torchjd-mgda",
               "torchjd-upgrad")
-TASKS = (2, 3, 8, 40)
+TASKS = (2, 3, 8, 40, 100)
 TRUNKS = ("groupnorm", "batchnorm")
+HEADS = ("separate", "shared")  # m Linear(512, 1) joined by torch.cat, or one Linear(512, m)
 BATCH = 32
+LARGE_BATCH = 256
 IMAGE = 32
+# The default grid's (batch, m) cells: every m at batch 32, and m = 40 at batch 256 (issue 35).
+CELLS = tuple((BATCH, m) for m in TASKS) + ((LARGE_BATCH, 40),)
+# Variants that take m passes through the trunk (or TorchJD's m x n Jacobian): only in the cells at batch 32
+# and m <= 40 of the default grid (at m = 100 the Jacobian alone is 4.5 GB and a step takes seconds).
+TRUNK_PER_TASK = ("parameters", "parameters-batched", "torchjd-mgda", "torchjd-upgrad")
+PER_TASK_MAX = 40
 
 
-def build(trunk_kind: str, num_tasks: int, seed: int = 0, device: str = "cpu") -> tuple[Any, Any]:
-    """(trunk, heads): ResNet18 with GroupNorm(32, c) or BatchNorm2d, fc removed; m Linear(512, 1)."""
+def build(trunk_kind: str, num_tasks: int, seed: int = 0, device: str = "cpu",
+          heads: str = "separate") -> tuple[Any, Any]:
+    """(trunk, heads): ResNet18 with GroupNorm(32, c) or BatchNorm2d, fc removed; m Linear(512, 1) in a
+    ModuleList (``heads="separate"``, joined by ``torch.cat``) or one Linear(512, m) (``"shared"``)."""
     import torch
     import torchvision
 
@@ -78,8 +96,13 @@ def build(trunk_kind: str, num_tasks: int, seed: int = 0, device: str = "cpu") -
     norm = (lambda channels: torch.nn.GroupNorm(32, channels)) if trunk_kind == "groupnorm" else torch.nn.BatchNorm2d
     trunk = torchvision.models.resnet18(norm_layer=norm)
     trunk.fc = torch.nn.Identity()
-    heads = torch.nn.ModuleList(torch.nn.Linear(512, 1) for _ in range(num_tasks))
-    return trunk.train().to(device), heads.train().to(device)
+    if heads == "separate":
+        head_module: Any = torch.nn.ModuleList(torch.nn.Linear(512, 1) for _ in range(num_tasks))
+    elif heads == "shared":
+        head_module = torch.nn.Linear(512, num_tasks)
+    else:
+        raise ValueError(f"unknown head layout {heads!r}; valid: {', '.join(HEADS)}")
+    return trunk.train().to(device), head_module.train().to(device)
 
 
 def make_step(variant: str, trunk: Any, heads: Any, num_tasks: int) -> Callable[[Any, Any], None]:
@@ -92,12 +115,18 @@ def make_step(variant: str, trunk: Any, heads: Any, num_tasks: int) -> Callable[
     shared = list(trunk.parameters())
     optimizer = torch.optim.SGD([*shared, *heads.parameters()], lr=1e-3)
 
+    separate = isinstance(heads, torch.nn.ModuleList)
+
     def forward(x: Any, y: Any) -> tuple[Any, Any]:
         z = trunk(x)
         if variant.startswith("torchjd-"):  # one graph per task: mtl_backward runs a pass per task above z
+            if not separate:
+                logits = heads(z)
+                return [F.binary_cross_entropy_with_logits(logits[:, task], y[:, task])
+                        for task in range(num_tasks)], z
             return [F.binary_cross_entropy_with_logits(head(z)[:, 0], y[:, task])
                     for task, head in enumerate(heads)], z
-        logits = torch.cat([head(z) for head in heads], dim=1)
+        logits = torch.cat([head(z) for head in heads], dim=1) if separate else heads(z)
         return F.binary_cross_entropy_with_logits(logits, y, reduction="none"), z  # [B, m]
 
     if variant == "plain":
@@ -155,33 +184,55 @@ def _synchronize(device: str) -> None:
 
 
 def time_interleaved(trunk_kind: str, num_tasks: int, variants: tuple[str, ...], rounds: int, *,
-                     size: int = BATCH, image: int = IMAGE, device: str = "cpu") -> dict[str, list[float]]:
-    """Seconds per step of each variant: one warm-up step each, then ``rounds`` rounds of one step per variant."""
+                     size: int = BATCH, image: int = IMAGE, device: str = "cpu",
+                     heads: str = "separate") -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(seconds per step, ratios to plain) of each variant: one warm-up step each, then ``rounds`` rounds.
+
+    A round runs plain, then each other variant with a plain step after it (plain, v1, plain, v2, plain,
+    ...): each step of a variant gets the ratio of its time to the mean of the two plain steps around it,
+    measured under the same load.  On the CPU a step's time is the process's CPU time
+    (``time.process_time``: what the step computes, not the time other processes held the cores; one
+    thread); on a GPU it is wall-clock time, the step bracketed by ``torch.cuda.synchronize()``.
+    """
+    on_gpu = device.startswith("cuda")
+    clock = time.perf_counter if on_gpu else time.process_time
     steps = {}
-    for variant in variants:
-        trunk, heads = build(trunk_kind, num_tasks, device=device)
-        steps[variant] = make_step(variant, trunk, heads, num_tasks)
+    for variant in dict.fromkeys(("plain", *variants)):
+        trunk, head_module = build(trunk_kind, num_tasks, device=device, heads=heads)
+        steps[variant] = make_step(variant, trunk, head_module, num_tasks)
     x, y = batch(num_tasks, size=size, image=image, device=device)
     for step in steps.values():
         step(x, y)
-    times: dict[str, list[float]] = {variant: [] for variant in variants}
+
+    def timed(variant: str) -> float:
+        _synchronize(device)
+        start = clock()
+        steps[variant](x, y)
+        _synchronize(device)
+        return clock() - start
+
+    times: dict[str, list[float]] = {variant: [] for variant in steps}
+    ratios: dict[str, list[float]] = {variant: [] for variant in steps if variant != "plain"}
     for _ in range(rounds):
-        for variant, step in steps.items():
-            _synchronize(device)
-            start = time.perf_counter()
-            step(x, y)
-            _synchronize(device)
-            times[variant].append(time.perf_counter() - start)
-    return times
+        before = timed("plain")
+        times["plain"].append(before)
+        for variant in ratios:
+            seconds = timed(variant)
+            after = timed("plain")
+            times[variant].append(seconds)
+            times["plain"].append(after)
+            ratios[variant].append(seconds / ((before + after) / 2))
+            before = after
+    return times, ratios
 
 
 def cuda_peak_memory(trunk_kind: str, num_tasks: int, variant: str, *, size: int, image: int,
-                     device: str) -> tuple[int, int]:
+                     device: str, heads: str = "separate") -> tuple[int, int]:
     """(bytes allocated once the model is built, peak bytes allocated above that during 2 steps), on a GPU."""
     import torch
 
-    trunk, heads = build(trunk_kind, num_tasks, device=device)
-    step = make_step(variant, trunk, heads, num_tasks)
+    trunk, head_module = build(trunk_kind, num_tasks, device=device, heads=heads)
+    step = make_step(variant, trunk, head_module, num_tasks)
     x, y = batch(num_tasks, size=size, image=image, device=device)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
@@ -190,7 +241,7 @@ def cuda_peak_memory(trunk_kind: str, num_tasks: int, variant: str, *, size: int
         step(x, y)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    del trunk, heads, step, x, y
+    del trunk, head_module, step, x, y
     torch.cuda.empty_cache()
     return base, peak
 
@@ -201,7 +252,8 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def probe_memory(trunk_kind: str, num_tasks: int, variant: str) -> tuple[int, int]:
+def probe_memory(trunk_kind: str, num_tasks: int, variant: str, *, size: int = BATCH, image: int = IMAGE,
+                 heads: str = "separate") -> tuple[int, int]:
     """(resident bytes once the model is built, peak resident bytes above it during 2 steps).
 
     The peak is sampled every millisecond by a thread (torch's kernels release the GIL) -- the
@@ -209,9 +261,9 @@ def probe_memory(trunk_kind: str, num_tasks: int, variant: str) -> tuple[int, in
     """
     import threading
 
-    trunk, heads = build(trunk_kind, num_tasks)
-    step = make_step(variant, trunk, heads, num_tasks)
-    x, y = batch(num_tasks)
+    trunk, head_module = build(trunk_kind, num_tasks, heads=heads)
+    step = make_step(variant, trunk, head_module, num_tasks)
+    x, y = batch(num_tasks, size=size, image=image)
     base = resident_bytes()
     peak = [base]
     done = threading.Event()
@@ -230,10 +282,12 @@ def probe_memory(trunk_kind: str, num_tasks: int, variant: str) -> tuple[int, in
     return base, max(peak[0], resident_bytes()) - base
 
 
-def peak_memory(trunk_kind: str, num_tasks: int, variant: str) -> tuple[int, int]:
+def peak_memory(trunk_kind: str, num_tasks: int, variant: str, *, size: int = BATCH, image: int = IMAGE,
+                heads: str = "separate") -> tuple[int, int]:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "python"), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, __file__, "--probe-memory", trunk_kind, str(num_tasks), variant],
+    out = subprocess.run([sys.executable, __file__, "--probe-memory", trunk_kind, str(num_tasks), variant,
+                          "--batch", str(size), "--image", str(image), "--heads", heads],
                          env=env, check=True, capture_output=True, text=True)
     base, peak = out.stdout.strip().splitlines()[-1].split()
     return int(base), int(peak)
@@ -246,82 +300,103 @@ def loadavg() -> str:
         return "?"
 
 
+def cell_variants(variants: Sequence[str], size: int, num_tasks: int, *, all_cells: bool) -> tuple[str, ...]:
+    """The variants measured in the (batch, m) cell: the per-task trunk passes (parameters, TorchJD) only at
+    batch 32 and m <= 40 unless ``all_cells`` (seconds per step and GBs of Jacobian elsewhere)."""
+    if all_cells or (size == BATCH and num_tasks <= PER_TASK_MAX):
+        return tuple(variants)
+    return tuple(v for v in variants if v not in TRUNK_PER_TASK)
+
+
 def table(data: dict[str, Any]) -> str:
     on_gpu = str(data.get("device", "cpu")).startswith("cuda")
-    size, image = data.get("batch", BATCH), data.get("image", IMAGE)
+    image = data.get("image", IMAGE)
     if on_gpu:
         setting = (f"Device: {data['machine']} (torch {data['torch']}, torchjd {data['torchjd']}); "
-                   f"{data['rounds']} interleaved rounds per (trunk, m), each step bracketed by "
-                   "`torch.cuda.synchronize()`; median seconds per step and its ratio to the median of plain "
-                   "training measured in the same rounds; then the step's memory: the peak of "
-                   "`torch.cuda.max_memory_allocated()` above what was allocated once the model was built (2 steps).")
+                   f"{data['rounds']} interleaved rounds per cell (plain, variant, plain, next variant, plain, ...), "
+                   "each step's wall-clock time bracketed by `torch.cuda.synchronize()`; a variant's ratio is its "
+                   "step's time over the mean of the two plain steps around it, the median over the rounds (the "
+                   "range in brackets); then the step's memory: the peak of `torch.cuda.max_memory_allocated()` "
+                   "above what was allocated once the model was built (2 steps).")
     else:
         setting = (f"Machine: {data['machine']}, {data['cores']} cores, one thread "
-                   f"(torch {data['torch']}, torchjd {data['torchjd']}); {data['rounds']} interleaved rounds per "
-                   "(trunk, m), median seconds per step and its ratio to the median of plain training measured in the "
-                   "same rounds; then the step's memory: the peak resident set size above the one the process had once "
-                   "the model was built (a fresh process per cell, 2 steps, sampled every millisecond).")
+                   f"(torch {data['torch']}, torchjd {data['torchjd']}); {data['rounds']} interleaved rounds per cell "
+                   "(plain, variant, plain, next variant, plain, ...). Time = the process's CPU time "
+                   "(`time.process_time`) of one step: what the step computes, not the time other processes held "
+                   "the cores (a shared machine's load slows memory and caches still, so ratios move by a few "
+                   "percent). A variant's ratio is its step's time over the mean of the two plain steps around "
+                   "it, the median over the rounds (the range in brackets); then, where measured, the step's "
+                   "memory: the peak resident set size above the one the process had once the model was built "
+                   "(a fresh process per cell, 2 steps, sampled every millisecond).")
     lines = [
         f"# Step time and peak memory against the number of tasks ({'GPU' if on_gpu else 'CPU'})",
         "",
         f"Regenerate: `{data['command']}`. {setting}",
         "",
-        "Load while measuring (1/5/15-minute load averages of the shared machine): "
-        f"start {data['load_start']}, end {data['load_end']}. Other jobs ran beside this one, so absolute times "
-        "are noisy; the ratios compare variants measured interleaved under the same load."
-        if not on_gpu else
-        f"Host load while measuring (1/5/15-minute load averages): start {data['load_start']}, end {data['load_end']}.",
+        ("Host load" if on_gpu else "Load") + " while measuring (1/5/15-minute load averages): "
+        f"start {data['load_start']}, end {data['load_end']}.",
         "",
     ]
     comparison = [v for v in data["variants"] if v in COMPARISON]
     every_method = [v for v in data["variants"] if v in FEATURES_METHODS]
-    for trunk_kind in data["trunks"]:
-        records = [r for r in data["records"] if r["trunk"] == trunk_kind]
+    sections: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for record in data["records"]:
+        key = (record["trunk"], record.get("heads", "separate"), record.get("batch", data.get("batch", BATCH)))
+        sections.setdefault(key, []).append(record)
+    for (trunk_kind, heads, size), records in sections.items():
+        head_text = ("m separate Linear(512, 1) heads joined by torch.cat" if heads == "separate"
+                     else "one shared Linear(512, m) head")
+        columns = [v for v in comparison if any(v in r["median_s"] for r in records)]
         lines += [f"## ResNet18 with {'GroupNorm' if trunk_kind == 'groupnorm' else 'BatchNorm'}, "
-                  f"{image} px, batch {size}, Linear(512, 1) heads", "",
-                  "Each cell: median seconds per step (its ratio to plain's median; the ratio of the two minima), "
-                  "peak memory of the step above the built model. With 3 rounds on a shared machine one disturbed "
-                  "step moves a median: where the two ratios disagree, the minima are the steadier comparison.",
-                  "",
-                  "| m | " + " | ".join(comparison) + " |",
-                  "|---:|" + "---:|" * len(comparison)]
-        lines += [f"| {record['m']} | " + " | ".join(_cell(record, v, seconds=True) for v in comparison) + " |"
+                  f"{image} px, batch {size}, {head_text}", "",
+                  "Each cell: median seconds per step (the median ratio to plain [its range over the rounds]), "
+                  "peak memory of the step above the built model where measured.", "",
+                  "| m | " + " | ".join(columns) + " |",
+                  "|---:|" + "---:|" * len(columns)]
+        lines += [f"| {record['m']} | " + " | ".join(_cell(record, v, seconds=True) for v in columns) + " |"
                   for record in records]
         lines.append("")
-        if len(every_method) > 2 and "plain" in data["variants"]:
+        methods = [v for v in every_method if any(v in r["median_s"] for r in records)]
+        if len(methods) > 2:
             lines += ["Features mode, every method that has it (MoCo refuses it), measured in the same rounds: "
-                      "each cell is the ratio to plain's median (the ratio of the minima), and the step's peak "
-                      "memory.", "",
-                      "| m | " + " | ".join(FEATURES_METHODS[v] for v in every_method) + " |",
-                      "|---:|" + "---:|" * len(every_method)]
-            lines += [f"| {record['m']} | " + " | ".join(_cell(record, v, seconds=False) for v in every_method) + " |"
+                      "each cell is the median ratio to plain [its range], and the step's peak memory.", "",
+                      "| m | " + " | ".join(FEATURES_METHODS[v] for v in methods) + " |",
+                      "|---:|" + "---:|" * len(methods)]
+            lines += [f"| {record['m']} | " + " | ".join(_cell(record, v, seconds=False) for v in methods) + " |"
                       for record in records]
             lines.append("")
     return "\n".join(lines)
 
 
 def _cell(record: dict[str, Any], variant: str, *, seconds: bool) -> str:
-    """One variant's cell of one (trunk, m) record: [seconds,] ratio to plain (median; minima), memory."""
+    """One variant's cell of one record: [seconds,] median ratio to plain [range], memory."""
+    if variant not in record["median_s"]:
+        return "--"
     median = record["median_s"][variant]
-    memory = record["step_peak_rss_gb"].get(variant)
+    memory = record.get("step_peak_rss_gb", {}).get(variant)
     mem = f", {memory:.2f} GB" if memory is not None else ""
     if variant == "plain":
         return f"{median:.3f} s{mem}"
-    ratio = f"{median / record['median_s']['plain']:.2f}x"
-    fastest = f"{record['min_s'][variant] / record['min_s']['plain']:.2f}x"
+    ratios = record["ratios"][variant]
+    ratio = f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
     if seconds:
-        return f"{median:.3f} s ({ratio}; min {fastest}){mem}"
-    return f"{ratio} (min {fastest}){mem}"
+        return f"{median:.3f} s ({ratio}){mem}"
+    return f"{ratio}{mem}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", type=int, nargs="+", default=list(TASKS))
+    parser.add_argument("--tasks", type=int, nargs="+", default=None,
+                        help=f"m values (with --batch: every pair; default: the cells {CELLS})")
+    parser.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (see --tasks)")
     parser.add_argument("--trunks", nargs="+", default=list(TRUNKS), choices=TRUNKS)
+    parser.add_argument("--heads", nargs="+", default=list(HEADS), choices=HEADS)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=(*VARIANTS, *EXTRA_VARIANTS))
+    parser.add_argument("--all-cells", action="store_true",
+                        help=f"run {', '.join(TRUNK_PER_TASK)} in every cell (default: batch {BATCH}, m <= "
+                             f"{PER_TASK_MAX} only)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="cpu (the committed table), or cuda on a GPU machine")
-    parser.add_argument("--batch", type=int, default=BATCH, help=f"batch size (default {BATCH})")
     parser.add_argument("--image", type=int, default=IMAGE, help=f"image side in pixels (default {IMAGE})")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--out", type=Path, default=None,
@@ -340,7 +415,11 @@ def main() -> None:
         parser.error(f"--device {args.device}: torch sees no CUDA device on this machine")
     if not on_gpu and args.device != "cpu":
         parser.error(f"--device must be cpu or cuda[:index], not {args.device!r}")
-    if args.batch < 1 or args.image < 32:
+    if args.tasks is None and args.batch is None:
+        cells = list(CELLS)
+    else:
+        cells = [(size, m) for size in (args.batch or [BATCH]) for m in (args.tasks or list(TASKS))]
+    if any(size < 1 for size, _ in cells) or args.image < 32:
         parser.error("--batch must be at least 1 and --image at least 32 (ResNet18 halves it five times)")
     if args.out is None:
         slug = "cpu"
@@ -350,27 +429,24 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.probe_memory:
         trunk_kind, m, variant = args.probe_memory
-        print(*probe_memory(trunk_kind, int(m), variant))
+        print(*probe_memory(trunk_kind, int(m), variant, size=cells[0][0], image=args.image, heads=args.heads[0]))
         return
     from importlib.metadata import version
 
-    defaults = {"tasks": list(TASKS), "trunks": list(TRUNKS), "variants": list(VARIANTS), "rounds": [3],
-                "device": ["cpu"], "batch": [BATCH], "image": [IMAGE]}
-    grid_arguments = {key: value for key, value in {"tasks": args.tasks, "trunks": args.trunks,
-                                                     "variants": args.variants, "rounds": [args.rounds],
-                                                     "device": [args.device], "batch": [args.batch],
-                                                     "image": [args.image]}.items()
-                      if value != defaults[key]}
-
+    given = {"tasks": args.tasks, "batch": args.batch, "trunks": args.trunks, "heads": args.heads,
+             "variants": args.variants, "rounds": [args.rounds], "device": [args.device], "image": [args.image]}
+    defaults = {"tasks": None, "batch": None, "trunks": list(TRUNKS), "heads": list(HEADS), "variants": list(VARIANTS),
+                "rounds": [3], "device": ["cpu"], "image": [IMAGE]}
+    flags = [f"--{key} {' '.join(map(str, value))}" for key, value in given.items() if value != defaults[key]]
+    flags += ["--all-cells"] * args.all_cells + ["--no-memory"] * args.no_memory
     data: dict[str, Any] = {
         # the grid's arguments (not where the files went: --out)
-        "command": " ".join(["python bench/tasks_scaling.py", *(f"--{key} {' '.join(map(str, value))}"
-                                                                  for key, value in grid_arguments.items())]),
+        "command": " ".join(["python bench/tasks_scaling.py", *flags]),
         "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-        "torch": torch.__version__, "torchjd": version("torchjd"),
-        "device": args.device, "batch": args.batch, "image": args.image,
-        "rounds": args.rounds, "trunks": args.trunks, "variants": args.variants, "tasks": args.tasks,
-        "load_start": loadavg(), "records": [],
+        "torch": torch.__version__, "torchjd": version("torchjd"), "device": args.device, "image": args.image,
+        "clock": "wall, synchronized" if on_gpu else "process CPU time",
+        "rounds": args.rounds, "trunks": args.trunks, "heads": args.heads, "variants": args.variants,
+        "cells": cells, "load_start": loadavg(), "records": [],
     }
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -381,29 +457,31 @@ def main() -> None:
     if on_gpu:
         data["machine"] = f"{torch.cuda.get_device_name(args.device)} (CUDA {torch.version.cuda})"
     for trunk_kind in args.trunks:
-        for m in args.tasks:
-            times = time_interleaved(trunk_kind, m, tuple(args.variants), args.rounds,
-                                     size=args.batch, image=args.image, device=args.device)
-            record = {"trunk": trunk_kind, "m": m, "times_s": times,
-                      "median_s": {v: statistics.median(t) for v, t in times.items()},
-                      "min_s": {v: min(t) for v, t in times.items()}, "step_peak_rss_gb": {}, "load": loadavg()}
-            if not args.no_memory:
-                record["model_rss_gb"] = {}
-                for variant in args.variants:
-                    if on_gpu:
-                        base, peak = cuda_peak_memory(trunk_kind, m, variant, size=args.batch, image=args.image,
-                                                      device=args.device)
-                    else:
-                        base, peak = peak_memory(trunk_kind, m, variant)
-                    record["model_rss_gb"][variant] = base / 1e9
-                    record["step_peak_rss_gb"][variant] = peak / 1e9
-            data["records"].append(record)
-            print(trunk_kind, m, {v: f"{s:.3f}" for v, s in record["median_s"].items()}, record["step_peak_rss_gb"],
-                  flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            data["load_end"] = loadavg()
-            args.out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
-            args.out.with_suffix(".md").write_text(table(data) + "\n")
+        for heads in args.heads:
+            for size, m in cells:
+                variants = cell_variants(args.variants, size, m, all_cells=args.all_cells)
+                times, ratios = time_interleaved(trunk_kind, m, variants, args.rounds, size=size, image=args.image,
+                                                 device=args.device, heads=heads)
+                record = {"trunk": trunk_kind, "heads": heads, "batch": size, "m": m, "times_s": times,
+                          "ratios": ratios, "median_s": {v: statistics.median(t) for v, t in times.items()},
+                          "step_peak_rss_gb": {}, "load": loadavg()}
+                if not args.no_memory:
+                    record["model_rss_gb"] = {}
+                    for variant in times:
+                        if on_gpu:
+                            base, peak = cuda_peak_memory(trunk_kind, m, variant, size=size, image=args.image,
+                                                          device=args.device, heads=heads)
+                        else:
+                            base, peak = peak_memory(trunk_kind, m, variant, size=size, image=args.image, heads=heads)
+                        record["model_rss_gb"][variant] = base / 1e9
+                        record["step_peak_rss_gb"][variant] = peak / 1e9
+                data["records"].append(record)
+                print(trunk_kind, heads, size, m, {v: f"{statistics.median(r):.2f}x" for v, r in ratios.items()},
+                      flush=True)
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                data["load_end"] = loadavg()
+                args.out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+                args.out.with_suffix(".md").write_text(table(data) + "\n")
 
 
 if __name__ == "__main__":

@@ -110,18 +110,52 @@ def test_gpu_table_reports_the_device_time_and_its_figures(tmp_path: Path, monke
 
 def test_tasks_scaling_table_names_the_gpu_setting() -> None:
     scaling = _load("drmoo_tasks_scaling", BENCH / "tasks_scaling.py")
-    record = {"trunk": "groupnorm", "m": 40, "median_s": {"plain": 0.010, "features": 0.012},
-              "min_s": {"plain": 0.010, "features": 0.011}, "step_peak_rss_gb": {"plain": 1.0, "features": 1.25}}
+    record = {"trunk": "groupnorm", "heads": "separate", "batch": 256, "m": 40,
+              "median_s": {"plain": 0.010, "features": 0.012}, "ratios": {"features": [1.1, 1.2, 1.3]},
+              "step_peak_rss_gb": {"plain": 1.0, "features": 1.25}}
+    shared = {**record, "heads": "shared", "batch": 32, "ratios": {"features": [1.05, 1.0, 1.1]},
+              "step_peak_rss_gb": {}}
     data = {"command": "python bench/tasks_scaling.py --device cuda --batch 256", "machine": "NVIDIA H200 (CUDA 13.0)",
-            "cores": 16, "torch": "2.11.0", "torchjd": "0.18.0", "rounds": 20, "device": "cuda", "batch": 256,
+            "cores": 16, "torch": "2.11.0", "torchjd": "0.18.0", "rounds": 3, "device": "cuda",
             "image": 32, "load_start": "0", "load_end": "0", "trunks": ["groupnorm"],
-            "variants": ["plain", "features"], "records": [record]}
+            "variants": ["plain", "features"], "records": [record, shared]}
     table = scaling.table(data)
     assert table.startswith("# Step time and peak memory against the number of tasks (GPU)")
-    assert "torch.cuda.max_memory_allocated()" in table and "32 px, batch 256" in table
-    assert "| 40 | 0.010 s, 1.00 GB | 0.012 s (1.20x; min 1.10x), 1.25 GB |" in table
-    cpu = scaling.table({**data, "device": "cpu", "batch": 32})
-    assert "(CPU)" in cpu and "resident set size" in cpu and "32 px, batch 32" in cpu
+    assert "torch.cuda.max_memory_allocated()" in table and "wall-clock" in table
+    assert "32 px, batch 256, m separate Linear(512, 1) heads joined by torch.cat" in table
+    # the median of the per-round ratios (each against the plain steps around it) and their range
+    assert "| 40 | 0.010 s, 1.00 GB | 0.012 s (1.20x [1.10-1.30]), 1.25 GB |" in table
+    assert "32 px, batch 32, one shared Linear(512, m) head" in table
+    assert "| 40 | 0.010 s | 0.012 s (1.05x [1.00-1.10]) |" in table
+    cpu = scaling.table({**data, "device": "cpu"})
+    assert "(CPU)" in cpu and "resident set size" in cpu and "time.process_time" in cpu
+
+
+def test_tasks_scaling_interleaves_plain_around_every_variant_on_process_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """plain, v1, plain, v2, plain per round; each ratio is over the two plain steps around it; CPU time."""
+    scaling = _load("drmoo_tasks_scaling_rounds", BENCH / "tasks_scaling.py")
+    order: list[str] = []
+    seconds = {"plain": 1.0, "features": 1.5, "parameters": 3.0}
+    clock = [0.0]
+
+    def make_step(variant: str, trunk: object, heads: object, num_tasks: int) -> object:
+        def step(x: object, y: object) -> None:
+            order.append(variant)
+            clock[0] += seconds[variant]
+        return step
+
+    monkeypatch.setattr(scaling, "build", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(scaling, "make_step", make_step)
+    monkeypatch.setattr(scaling, "batch", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(scaling.time, "process_time", lambda: clock[0])
+    monkeypatch.setattr(scaling.time, "perf_counter", lambda: -1.0)  # a wall clock would give zero times
+    times, ratios = scaling.time_interleaved("groupnorm", 2, ("features", "parameters"), 2)
+    warmup = ["plain", "features", "parameters"]
+    assert order == warmup + ["plain", "features", "plain", "parameters", "plain"] * 2
+    assert ratios == {"features": [1.5, 1.5], "parameters": [3.0, 3.0]}
+    assert times["plain"] == [1.0] * 6 and times["features"] == [1.5, 1.5]
+    assert scaling.cell_variants(("plain", "parameters", "features"), 32, 100, all_cells=False) == ("plain", "features")
+    assert scaling.cell_variants(("plain", "parameters"), 32, 40, all_cells=False) == ("plain", "parameters")
 
 
 def test_tasks_scaling_batched_parameters_variant_takes_the_same_step() -> None:
