@@ -90,8 +90,9 @@ from torch import Tensor
 
 from .jacobian import graph_leaves
 from .optim import NonFiniteStepError, available, create
-from .optim._base import MultiObjectiveOptimizer, check_flag
+from .optim._base import MultiObjectiveOptimizer
 from .optim._features import with_features
+from .optim._hyperparameters import check_flag
 
 LossesInput = Tensor | tuple[Tensor, Tensor] | Callable[[], Any]
 SharedParams = Iterable[Tensor] | Iterable[dict[str, Any]]

@@ -12,23 +12,25 @@ import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from drmoo.attacks import fgsm, pixel_step
+from drmoo.models.multitask import MultiTaskModel
 from drmoo.store import CheckpointError, UsageError, save_result
 
 from .checkpoints import CHECKPOINT, checkpoint_provenance, load_checkpoint, payload_budget
 from .devices import resolve_device
 from .run_config import RunConfig, read_run_config
 
-if TYPE_CHECKING:  # the trainer imports this module
-    from .training import Build
+__all__ = ["Build", "accuracy", "check_eps", "evaluate_robustness", "load_trained", "load_trained_run"]
 
-__all__ = ["accuracy", "check_eps", "evaluate_robustness", "load_trained", "load_trained_run"]
+# How an experiment builds a run's model and data from its config (the registry's ``build``); here, below the
+# trainer, which imports this module for :func:`accuracy` and re-exports it.
+Build = Callable[[RunConfig], tuple[MultiTaskModel, Any]]
 
 
 @torch.no_grad()

@@ -55,6 +55,7 @@ from drmoo.store import (
 
 from .checkpoints import CHECKPOINT, max_recorded_steps, payload_budget, read_checkpoint, write_checkpoint
 from .devices import agreed, check_backend, setup_distributed
+from .evaluation import Build as Build  # re-exported: the experiments' modules take it from here
 from .evaluation import accuracy
 from .jobs import progress_bar
 from .run_config import RunConfig, check_run_dir, read_run_config
@@ -69,8 +70,6 @@ AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # ru
 GRAD_SCALE_INIT, GRAD_SCALE_BACKOFF, GRAD_SCALE_GROWTH, GRAD_SCALE_GROWTH_INTERVAL = 2.0**16, 0.5, 2.0, 2000
 MAX_SKIPPED_FP16_STEPS = 50  # and more than half of the steps: fp16 cannot train this run
 DIVERGED = "diverged"  # the marker of a run that ended at a non-finite step (see _stop_diverged)
-
-Build = Callable[[RunConfig], tuple[MultiTaskModel, Any]]
 
 
 class TrainingInterrupted(RuntimeError):

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._base import MultiObjectiveOptimizer, NonFiniteStepError, ParamsT
+from ._base import MultiObjectiveOptimizer, ParamsT
+from ._guards import NonFiniteStepError
 from .double_clip import DoubleClipMGDA
 from .double_loop import DoubleLoopMGDA
 from .famo import FAMO

@@ -45,7 +45,7 @@ dual statistics and the one n-sized direction (as DDP's own gradient all-reduce)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,12 +53,10 @@ from torch import Tensor
 from drmoo import distributed
 from drmoo.jacobian import copy_into_row, heads_above_features, require_reached, task_jacobian
 
-if TYPE_CHECKING:
-    from ._base import MultiObjectiveOptimizer
+from ._direction import write_direction
+from ._engine import EngineHost
 
-JACOBIANS: tuple[str, ...] = ("parameters", "features")
-
-# Features mode computes the rows above z in one vmapped pass above this many tasks (see configure).
+# Features mode computes the rows above z in one vmapped pass above this many tasks (see _base.configure_jacobian).
 BATCHED_ABOVE_TASKS = 4
 
 FeaturesInput = Tensor | tuple[Tensor, ...] | list[Tensor]  # z: one tensor, or the pieces the heads read
@@ -97,31 +95,9 @@ def with_features(losses: Any, features: FeaturesInput | None, features_mode: bo
     return (losses[0], z, losses[1]) if isinstance(losses, tuple) else (losses, z)
 
 
-def configure(optimizer: MultiObjectiveOptimizer, jacobian: str) -> FeaturesJacobian | None:
-    """The engine for ``jacobian`` ("parameters": None, the paper's J_theta; "features": J_z).
-
-    A method that cannot be written in feature space says why in its class attribute
-    ``FEATURES_REFUSAL`` and is refused here, at construction (never a silent fallback).
-    """
-    if jacobian not in JACOBIANS:
-        raise ValueError(f"jacobian must be one of {', '.join(JACOBIANS)}; got {jacobian!r}")
-    if jacobian == "parameters":
-        return None
-    refusal = getattr(type(optimizer), "FEATURES_REFUSAL", None)
-    if refusal:
-        raise ValueError(f"{type(optimizer).__name__} cannot use jacobian='features': {refusal}")
-    # The rows above z: a per-task pass walks every head (the cotangent is zero on the other tasks'
-    # columns, but autograd still runs their heads' backward), m^2 small head backwards in all; one
-    # vmapped pass ("batched") does them at once but costs a fixed setup.  Measured on ResNet18's
-    # z (B = 32, d = 512) with m Linear(512, 1) heads, one CPU thread: loop 0.7 / 13.5 / ~460 ms at
-    # m = 2 / 8 / 40, batched 8.9 / 5.4 / 38 ms.  Set ``optimizer.jacobian_strategy`` afterwards to
-    # override (e.g. "loop" for heads whose ops vmap cannot batch).
-    optimizer.jacobian_strategy = "batched" if optimizer.num_tasks > BATCHED_ABOVE_TASKS else "loop"
-    return FeaturesJacobian(type(optimizer).__name__)
-
-
 class FeaturesJacobian:
-    """The features-mode engine of one optimizer (see the module docstring).
+    """The features-mode engine of one optimizer (see the module docstring; implements
+    :class:`~drmoo.optim._engine.JacobianEngine`).
 
     Holds, during one step only, the z of the step's batch and what was learnt from walking the
     losses' graph down to it (the heads); :meth:`end_step` forgets both (the graph is not kept
@@ -178,13 +154,14 @@ class FeaturesJacobian:
                 )
         return (result[0], result[2]) if len(result) == 3 else result[0]
 
-    def heads(self, losses: Tensor, shared: Sequence[Tensor]) -> list[Tensor]:
-        """The leaves above z (the heads), after checking that the losses read the trunk only through z."""
+    def heads(self, losses: Tensor, shared: Sequence[Tensor], *, feed_heads: bool = True) -> list[Tensor]:
+        """The leaves above z (the heads; none unless ``feed_heads``), after checking that the losses read
+        the trunk only through z (whether or not the heads are fed)."""
         if self.features is None:
             raise ValueError("jacobian='features': no features z were given with these losses")
         if self._checked is None or self._checked[0] is not losses:
             self._checked = (losses, heads_above_features(losses, self.features, shared))
-        return self._checked[1]
+        return self._checked[1] if feed_heads else []
 
     # ------------------------------------------------------------------------------ rows of J_z
     def _buffer(self, slot: str, rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -196,24 +173,30 @@ class FeaturesJacobian:
             self._buffers[slot] = buf
         return buf
 
-    def task_jacobian(self, optimizer: MultiObjectiveOptimizer, losses: Tensor, cotangent: Tensor, slot: str, *,
-                      heads: Sequence[Tensor]) -> Tensor:
+    def task_jacobian(self, host: EngineHost, losses: Tensor, cotangent: Tensor, slot: str, *,
+                      heads: Sequence[Tensor], feed_heads: bool = True) -> Tensor:
         """J_z [m, sum of z's numel]: row i = d (sum_b cotangent[b, i] losses[b, i]) / dz, flattened; the
         heads accumulate their gradients in the same passes (above z only: the trunk is not traversed).
+        Each rank keeps its samples' columns (:meth:`products_over_ranks` sums their products).
 
         The graph above z is always kept: it is small (the heads), the step's later draws of the same
         batch walk it again, and the trunk's graph below z -- the large one -- is freed by the lift."""
         assert self.features is not None
-        shared = optimizer._shared_params()
-        out = self._buffer(slot, optimizer.num_tasks, shared[0].dtype, shared[0].device)
-        return task_jacobian(losses, cotangent, self.features, out, strategy=optimizer.jacobian_strategy,
-                             feed_heads=bool(heads), retain_graph=True, heads=heads)
+        shared = host._shared_params()
+        scale = host.loss_scale
+        scaled = cotangent * scale if scale != 1.0 else cotangent
+        out = self._buffer(slot, host.num_tasks, shared[0].dtype, shared[0].device)
+        jacobian = task_jacobian(losses, scaled, self.features, out, strategy=host.jacobian_strategy,
+                                 feed_heads=bool(heads), retain_graph=True, heads=heads)
+        if scale != 1.0:
+            jacobian.div_(scale)
+        return jacobian
 
-    def combined_gradient(self, optimizer: MultiObjectiveOptimizer, losses: Tensor, weighted: Tensor, slot: str, *,
+    def combined_gradient(self, host: EngineHost, losses: Tensor, weighted: Tensor, slot: str, *,
                           retain_graph: bool) -> Tensor:
         """d (sum_b,i weighted[b, i] losses[b, i]) / dz, flattened (one pass above z), into buffer ``slot``."""
         assert self.features is not None
-        shared = optimizer._shared_params()
+        shared = host._shared_params()
         flat = self._buffer(slot, 1, shared[0].dtype, shared[0].device)[0]
         grads = torch.autograd.grad(losses, self.features, grad_outputs=weighted, retain_graph=retain_graph,
                                     allow_unused=True)
@@ -221,43 +204,50 @@ class FeaturesJacobian:
         return flat
 
     @staticmethod
-    def sum_over_ranks(small: Tensor) -> Tensor:
+    def products_over_ranks(small: Tensor) -> Tensor:
         """An m x m (or m) product of features rows, summed over ranks: each rank's rows hold the
         columns of its own samples, and the global batch's columns are their concatenation."""
         return distributed.all_reduce_sum_(small)
 
     # --------------------------------------------------------------------------------- the lift
-    def apply(self, optimizer: MultiObjectiveOptimizer, rows: Tensor, coefficients: Tensor,
-              factor: Tensor | float) -> Tensor | None:
+    def apply(self, host: EngineHost, rows: Tensor, coefficients: Tensor, factor: Tensor | float) -> None:
         """The method's direction ``factor * coefficients^T rows`` (rows w.r.t. z) lifted to theta by ONE
         backward pass through the trunk: d_theta = (dz/dtheta)^T (factor * coefficients^T rows).
 
         Summed over ranks and checked finite (eagerly: raises before anything is written; capturable:
         into the step's found_inf).  Direction mode (``drmoo.Balancer``): the gradients autograd returns
         become the shared parameters' ``.grad`` contribution directly (times ``grad_scale``, added to an
-        existing ``.grad`` once the step succeeds) and None is returned.  Otherwise the flat [n]
-        direction is returned, for :meth:`MultiObjectiveOptimizer.apply_direction` to write theta.
+        existing ``.grad`` once the step succeeds).  Otherwise the flat [n] direction writes theta as a
+        parameters-mode direction does (:func:`~drmoo.optim._direction.write_direction`).
         """
+        flat = self._lift(host, rows, coefficients, factor)
+        if flat is not None:
+            one = torch.ones(1, dtype=coefficients.dtype, device=coefficients.device)
+            write_direction(host, flat[None, :], one, 1.0, self._buffers)
+
+    def _lift(self, host: EngineHost, rows: Tensor, coefficients: Tensor,
+              factor: Tensor | float) -> Tensor | None:
+        """:meth:`apply`'s lift: None when direction mode wrote ``.grad``, else the flat direction d_theta."""
         assert self.features is not None, "a features direction is applied within the step that made it"
         width = sum(piece.numel() for piece in self.features)
         if rows.shape[-1] != width:
             raise ValueError(f"features rows have {rows.shape[-1]} columns, but z has {width} entries")
         acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-        scale = optimizer.loss_scale  # fp16: the trunk's backward runs on scaled cotangents
+        scale = host.loss_scale  # fp16: the trunk's backward runs on scaled cotangents
         with torch.no_grad():
             direction = torch.mv(rows.to(acc).T, coefficients.to(acc))  # [sum numel z], z's coordinates
             if not (isinstance(factor, float) and factor == 1.0):
                 direction = direction * factor
             if scale != 1.0:
                 direction = direction * scale
-            found_inf = optimizer.found_inf
+            found_inf = host.found_inf
             if found_inf is not None:  # a skipped capturable step: a zero cotangent, no NaN into the trunk
                 direction = direction.masked_fill(found_inf, 0.0)
             cotangents, offset = [], 0
             for piece in self.features:
                 cotangents.append(direction[offset: offset + piece.numel()].view_as(piece).to(piece.dtype))
                 offset += piece.numel()
-        shared = optimizer._shared_params()
+        shared = host._shared_params()
         grads = list(torch.autograd.grad(self.features, shared, grad_outputs=cotangents, allow_unused=True))
         require_reached(grads)
         with torch.no_grad():
@@ -268,17 +258,17 @@ class FeaturesJacobian:
                 parts = torch.split(joined, [g.numel() for g in grads])
                 grads = [part.view_as(grad) for part, grad in zip(parts, grads)]
             norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64)
-            optimizer.require_finite(torch.isfinite(norms.sum()).reshape(1), lambda _: (
+            host.require_finite(torch.isfinite(norms.sum()).reshape(1), lambda _: (
                 f"non-finite gradient of the shared parameters from the backward pass through the trunk in "
-                f"{optimizer.failing_iteration}; the step was abandoned and nothing was updated"))
-            if optimizer.direction_mode:
-                gain = optimizer.grad_scale / scale
+                f"{host.failing_iteration}; the step was abandoned and nothing was updated"))
+            if host.direction_mode:
+                gain = host.grad_scale / scale
                 if gain != 1.0:
                     torch._foreach_mul_(grads, gain)
                 if found_inf is not None:
                     for grad in grads:
                         grad.masked_fill_(found_inf, 0.0)
-                optimizer.set_aside_head_grads(shared)  # the step's .grad, committed once it succeeds
+                host.set_aside_head_grads(shared)  # the step's .grad, committed once it succeeds
                 for param, grad in zip(shared, grads):
                     param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
                 return None

@@ -32,14 +32,9 @@ from drmoo import distributed
 from drmoo.jacobian import copy_into_row, head_leaves, require_reached
 from drmoo_kernels.reference import project_simplex
 
-from ._base import (
-    STATE_KEY,
-    Closure,
-    MultiObjectiveOptimizer,
-    check_count,
-    check_fraction,
-    check_positive,
-)
+from ._base import Closure, MultiObjectiveOptimizer
+from ._hyperparameters import check_count, check_fraction, check_positive
+from ._state_dict import STATE_KEY
 
 __all__ = [
     "JointBaseline",
@@ -200,7 +195,7 @@ class JointBaseline(MultiObjectiveOptimizer):
         if self.features_engine is None:
             return norm_f64(combined)
         square = torch.linalg.vector_norm(combined).double() ** 2
-        return torch.sqrt(self.features_engine.sum_over_ranks(square.reshape(1)))[0]
+        return torch.sqrt(self.features_engine.products_over_ranks(square.reshape(1)))[0]
 
     def combined_finite(self, combined: Tensor, norm: Tensor) -> Tensor:
         """0-d bool: a :meth:`combined_gradient` is finite (features mode: on every rank, read from its
@@ -212,7 +207,7 @@ class JointBaseline(MultiObjectiveOptimizer):
         the J part summed over ranks (each holds its samples' columns)."""
         if self.features_engine is None:
             return joint_cross(first, z_first, second, z_second)
-        cross = self.features_engine.sum_over_ranks(cross_gram(first, second))
+        cross = self.features_engine.products_over_ranks(cross_gram(first, second))
         return cross + torch.diag(z_first.double() * z_second.double())
 
     def _vector(self, name: str) -> Tensor:

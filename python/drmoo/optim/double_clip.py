@@ -10,8 +10,8 @@ from torch import Tensor
 from drmoo import distributed
 from drmoo_kernels.reference import clip_factor, gram_step_small
 
-from ._base import Closure, MultiObjectiveOptimizer, ParamsT, check_flag, check_positive
-from ._features import configure as configure_jacobian
+from ._base import Closure, MultiObjectiveOptimizer, ParamsT, configure_jacobian
+from ._hyperparameters import check_flag, check_positive
 
 
 class DoubleClipMGDA(MultiObjectiveOptimizer):
@@ -141,7 +141,7 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
-        self.features_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One iteration of Algorithm 2; calls ``closure`` twice (once if ``resample=False``).

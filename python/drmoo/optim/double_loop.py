@@ -11,8 +11,9 @@ from torch import Tensor
 
 from drmoo_kernels.reference import project_simplex
 
-from ._base import STATE_KEY, Closure, MultiObjectiveOptimizer, ParamsT, check_flag, check_positive
-from ._features import configure as configure_jacobian
+from ._base import Closure, MultiObjectiveOptimizer, ParamsT, configure_jacobian
+from ._hyperparameters import check_flag, check_positive
+from ._state_dict import STATE_KEY
 
 
 class DoubleLoopMGDA(MultiObjectiveOptimizer):
@@ -139,7 +140,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
-        self.features_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -260,7 +261,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
             # this rank's cross, which the sum below carries to every rank.
             cross = cross.masked_fill(~torch.isfinite(tilde_w).all(), float("nan"))
         if features is not None:  # rows w.r.t. z: each rank holds its samples' columns
-            cross = features.sum_over_ranks(cross)
+            cross = features.products_over_ranks(cross)
         self.require_finite(torch.isfinite(cross), lambda bad: (
             f"non-finite gradients of the shared parameters (Y_bar, Y_tilde) in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))

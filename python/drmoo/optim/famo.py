@@ -11,9 +11,10 @@ from torch import Tensor
 
 from drmoo.jacobian import column_views, copy_into_row
 
-from ._base import HYPERPARAMETER_CHECKS, STATE_KEY, Closure, ParamsT, check_flag, check_positive
-from ._features import configure as configure_jacobian
+from ._base import Closure, ParamsT, configure_jacobian
+from ._hyperparameters import HYPERPARAMETER_CHECKS, check_flag, check_positive
 from ._joint import JointBaseline, TaskGradients, common_defaults
+from ._state_dict import STATE_KEY
 
 ReevaluateFn = Closure  # the same protocol: per-sample losses, or (losses, sample_weight)
 
@@ -170,7 +171,7 @@ class FAMO(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
-        self.features_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian)
         if len(floors) not in (1, num_tasks):
             raise ValueError(f"loss_floor has {len(floors)} values, but num_tasks={num_tasks}")
         self._floor_cache: tuple[tuple[float, ...], Tensor] | None = None

@@ -9,8 +9,8 @@ from torch import Tensor
 
 from drmoo_kernels.reference import clip_factor
 
-from ._base import SOLVERS, Closure, ParamsT, check_flag, check_positive
-from ._features import configure as configure_jacobian
+from ._base import Closure, ParamsT, configure_jacobian
+from ._hyperparameters import SOLVERS, check_flag, check_positive
 from ._joint import (
     JointBaseline,
     check_count,
@@ -353,7 +353,7 @@ class MGDA(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
-        self.features_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One MGDA iteration; calls ``closure`` once.  Nothing changes if a check fails.

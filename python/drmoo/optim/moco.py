@@ -7,9 +7,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import STATE_KEY, Closure, ParamsT, check_flag
-from ._features import configure as configure_jacobian
+from ._base import Closure, ParamsT, configure_jacobian
+from ._hyperparameters import check_flag
 from ._joint import JointBaseline, check_fraction, common_defaults, joint_gram, joint_norm, simplex_step
+from ._state_dict import STATE_KEY
 
 
 class MoCo(JointBaseline):
@@ -119,7 +120,7 @@ class MoCo(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
-        self.features_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian)
 
     def extra_state(self) -> dict[str, Any]:
         dtype = self._shared_params()[0].dtype

@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import Closure, ParamsT, check_flag
-from ._features import configure as configure_jacobian
+from ._base import Closure, ParamsT, configure_jacobian
+from ._hyperparameters import check_flag
 from ._joint import JointBaseline, all_finite, common_defaults, joint_norm, simplex_step
 
 
@@ -105,7 +105,7 @@ class MoDo(JointBaseline):
     ) -> None:
         defaults = common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, rho=rho)
         super().__init__(params, num_tasks, {**defaults, "capturable": check_flag("capturable", capturable)}, backend)
-        self.features_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One MoDo iteration; calls ``closure`` three times.  Nothing changes if a check fails.

@@ -7,9 +7,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import STATE_KEY, Closure, ParamsT, check_flag, check_positive
-from ._features import configure as configure_jacobian
+from ._base import Closure, ParamsT, configure_jacobian
+from ._hyperparameters import check_flag, check_positive
 from ._joint import TINY, JointBaseline, check_count, common_defaults, joint_gram, joint_norm
+from ._state_dict import STATE_KEY
 
 # Ridge on the unit-diagonal (Jacobi-scaled) Gram matrix.  When the joint gradients are linearly
 # dependent with conflicting signs (e.g. g_2 = -g_1), F below is unbounded and no alpha solves the
@@ -181,7 +182,7 @@ class NashMTL(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
-        self.features_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian)
 
     def extra_state(self) -> dict[str, Any]:
         return {"alpha": torch.ones(self.num_tasks, device=self.device, dtype=torch.float64)}

@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import STATE_KEY, Closure, ParamsT, check_flag
-from ._features import configure as configure_jacobian
+from ._base import Closure, ParamsT, configure_jacobian
+from ._hyperparameters import check_flag
 from ._joint import (
     TINY,
     JointBaseline,
@@ -19,6 +19,7 @@ from ._joint import (
     rows_finite,
     simplex_step,
 )
+from ._state_dict import STATE_KEY
 
 
 class SDMGrad(JointBaseline):
@@ -146,7 +147,7 @@ class SDMGrad(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
-        self.features_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian)
 
     def extra_state(self) -> dict[str, Any]:
         return {"momentum_buffer": torch.zeros(self.num_tasks, device=self.device, dtype=torch.float64)}

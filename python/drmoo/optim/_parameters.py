@@ -1,0 +1,74 @@
+"""``jacobian="parameters"`` (the paper's): per-task gradients with respect to the shared parameters theta.
+
+Row i of J_theta [m, n] is the gradient of sum_b cotangent[b, i] * losses[b, i] w.r.t. every shared
+parameter, flattened in the parameters' order.  The rows land in a preallocated flat buffer per role
+(reused across steps) through :func:`drmoo.jacobian.task_jacobian` (``"loop"``: one backward per task,
+the parameters' ``.grad`` being views of the buffer; ``"batched"``: one vmapped backward).  Under
+torch.distributed each rank's rows are its shard's, summed into the global batch's at once: every
+product of them (the Gram, ...) is then the global batch's as it stands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from drmoo import distributed
+from drmoo.jacobian import head_leaves, task_jacobian
+
+from ._direction import write_direction
+from ._engine import EngineHost
+
+
+class ParametersJacobian:
+    """The parameters-mode engine of one optimizer (implements :class:`~drmoo.optim._engine.JacobianEngine`).
+
+    Holds only buffers, which a pickled / deep-copied optimizer does not carry (the next step rebuilds them).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Tensor] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._buffers = {}
+
+    def unpack(self, result: Any, *, need_graph: bool) -> Any:
+        return result
+
+    def heads(self, losses: Tensor, shared: Sequence[Tensor], *, feed_heads: bool) -> list[Tensor]:
+        return head_leaves(losses, shared) if feed_heads else []
+
+    def _buffer(self, slot: str, shared: Sequence[Tensor], rows: int) -> Tensor:
+        n = sum(p.numel() for p in shared)
+        buf = self._buffers.get(slot)
+        if buf is None or buf.shape != (rows, n) or buf.dtype != shared[0].dtype or buf.device != shared[0].device:
+            buf = torch.empty(rows, n, device=shared[0].device, dtype=shared[0].dtype)
+            self._buffers[slot] = buf
+        return buf
+
+    def task_jacobian(self, host: EngineHost, losses: Tensor, cotangent: Tensor, slot: str, *,
+                      heads: Sequence[Tensor], feed_heads: bool) -> Tensor:
+        shared = host._shared_params()
+        scale = host.loss_scale
+        scaled = cotangent * scale if scale != 1.0 else cotangent
+        jacobian = task_jacobian(losses, scaled, shared, self._buffer(slot, shared, host.num_tasks),
+                                 strategy=host.jacobian_strategy, feed_heads=feed_heads,
+                                 retain_graph=host.take_graph_reuse())
+        if scale != 1.0:
+            jacobian.div_(scale)
+        return distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
+
+    def products_over_ranks(self, small: Tensor) -> Tensor:
+        return small  # the rows are already the global batch's
+
+    def apply(self, host: EngineHost, rows: Tensor, coefficients: Tensor, factor: Tensor | float) -> None:
+        write_direction(host, rows, coefficients, factor, self._buffers)
+
+    def end_step(self) -> None:
+        pass

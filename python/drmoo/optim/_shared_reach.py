@@ -1,0 +1,110 @@
+"""The heads-as-shared check: a "shared" parameter that only some tasks reach is refused.
+
+Such a parameter's Jacobian entries are exactly zero for the tasks that do not reach it, so a method's
+direction gives it w_i times its task's gradient (a head's learning rate silently divided by about
+m).  Parameter p counts as reached by task i when task i's gradient is nonzero on p.  A task whose
+whole gradient is zero (all its sample weights zero, a zero-initialised head in front of it) tells
+nothing and is left out; the check is repeated (up to :data:`SHARED_REACH_CHECKS` times) until every
+task has been seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from drmoo import distributed
+
+# How many Jacobians at most are read for shared parameters that only some tasks reach (heads passed
+# as shared): the first one whose every row is nonzero settles it (one pass over J, one host read).
+SHARED_REACH_CHECKS = 10
+
+
+class SharedReach:
+    """The check's progress for one optimizer: how many tables it has judged (see the module docstring)."""
+
+    def __init__(self, num_tasks: int) -> None:
+        self.num_tasks = num_tasks
+        self.checks_done = 0
+
+    @property
+    def pending(self) -> bool:
+        """Whether the check still has to run (one task has nothing to compare; done once settled)."""
+        return self.num_tasks >= 2 and self.checks_done < SHARED_REACH_CHECKS
+
+    def check_jacobian(self, shared: Sequence[Tensor], jacobian: Tensor) -> None:
+        """Judge the table read off ``jacobian`` (nothing when it is not w.r.t. the shared parameters)."""
+        reached = reach_from_jacobian(shared, jacobian)
+        if reached is not None:
+            self.checks_done = judge_shared_reach(shared, reached, self.num_tasks, self.checks_done)
+
+    def check_by_backward(self, losses: Tensor, cotangent: Tensor, shared: Sequence[Tensor],
+                          device: torch.device) -> None:
+        """Judge the table taken by one backward per task (:func:`reach_by_backward`)."""
+        reached = reach_by_backward(losses, cotangent, shared, self.num_tasks, device)
+        self.checks_done = judge_shared_reach(shared, reached, self.num_tasks, self.checks_done)
+
+
+def column_views_2d(shared: Sequence[Tensor], matrix: Tensor) -> list[Tensor]:
+    """The [m, numel] column blocks of a per-task matrix [m, n], one per shared parameter (J's layout)."""
+    blocks, offset = [], 0
+    for param in shared:
+        blocks.append(matrix[:, offset : offset + param.numel()])
+        offset += param.numel()
+    return blocks
+
+
+def reach_from_jacobian(shared: Sequence[Tensor], jacobian: Tensor) -> Tensor | None:
+    """[m, P] bool "task i reaches parameter p", read off a Jacobian w.r.t. the shared parameters
+    (no extra backward); None when ``jacobian`` is not one (features rows)."""
+    if jacobian.dim() != 2 or jacobian.shape[1] != sum(p.numel() for p in shared):
+        return None
+    with torch.no_grad():
+        return torch.stack([view.any(dim=1) for view in column_views_2d(shared, jacobian != 0)], dim=1)
+
+
+def reach_by_backward(losses: Tensor, cotangent: Tensor, shared: Sequence[Tensor], num_tasks: int,
+                      device: torch.device) -> Tensor:
+    """The same table for a method that forms no Jacobian (FAMO's one combined backward).
+
+    Each task's gradient w.r.t. the shared parameters is taken alone (one backward per task, keeping
+    the graph) and reduced at once to "nonzero on parameter p", so the memory is one task's gradient,
+    not a Jacobian: m backward passes on the steps where the check is pending, nothing afterwards.
+    """
+    rows = []
+    for task in range(num_tasks):
+        grads = torch.autograd.grad(losses[:, task], shared, grad_outputs=cotangent[:, task].to(losses.dtype),
+                                    retain_graph=True, allow_unused=True)
+        with torch.no_grad():
+            rows.append(torch.stack([torch.zeros((), dtype=torch.bool, device=device) if grad is None
+                                     else (grad != 0).any().to(device) for grad in grads]))
+        del grads
+    reached = torch.stack(rows)
+    if distributed.is_distributed():  # the shards' gradients sum to the global batch's
+        reached = distributed.all_reduce_sum_(reached.to(torch.float32)) > 0
+    return reached
+
+
+def judge_shared_reach(shared: Sequence[Tensor], reached: Tensor, num_tasks: int, checks_done: int) -> int:
+    """Raise if a shared parameter is reached by some informative tasks only (``reached``: [m, P] bool);
+    otherwise the new count of checks done (:data:`SHARED_REACH_CHECKS` once every task has been seen)."""
+    with torch.no_grad():
+        informative = reached.any(dim=1)
+        table = reached[informative].tolist()
+    tasks = [task for task, ok in enumerate(informative.tolist()) if ok]
+    for index, param in enumerate(shared):
+        reaching = [task for task, row in zip(tasks, table) if row[index]]
+        if reaching and len(reaching) < len(tasks):
+            raise ValueError(
+                f"shared parameter {index} (shape {tuple(param.shape)}) is reached only by the losses of "
+                f"task(s) {reaching} of {num_tasks}: it looks like a task-specific head.  Pass only the "
+                "parameters every task uses (e.g. model.trunk.parameters()) as the shared parameters -- each "
+                "head then gets its own task's gradient in .grad; given as shared, its gradient would be "
+                "scaled by that task's weight w_i.  If the parameter is meant to be shared by some tasks "
+                "only, pass allow_partial_shared=True to drmoo.Balancer (or set "
+                "optimizer.allow_partial_shared = True on a drmoo optimizer)"
+            )
+    # Done once every task has been seen (or after a few Jacobians); a refused step checks again.
+    return SHARED_REACH_CHECKS if len(tasks) == num_tasks else checks_done + 1

@@ -1,0 +1,113 @@
+"""A saved optimizer state checked before it is loaded, and owned once it is.
+
+``load_state_dict`` refuses a state saved by another method, for another problem (another number of
+tasks or of shared parameters), with invalid hyperparameters, missing entries, w off the simplex or
+non-finite dual variables -- before anything is loaded, with a message naming the problem.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._hyperparameters import BOOKKEEPING_KEYS, check_groups_agree, check_hyperparameter
+
+# The key of drmoo's own entries (w, eta, the counters) in ``optimizer.state``, beside torch's per-parameter ones.
+STATE_KEY = "drmoo"
+
+
+def initial_state(num_tasks: int, *, method: str, device: torch.device,
+                  parameters_dtype: torch.dtype) -> dict[str, Any]:
+    """A new optimizer's ``state["drmoo"]``: w uniform, eta zero, no step taken, none skipped.
+
+    w and eta in float32 (float64 when the parameters are float64): they are tiny, and the dual
+    variables need the precision whatever the model's dtype.
+    """
+    dtype = torch.float64 if parameters_dtype == torch.float64 else torch.float32
+    return {
+        "w": torch.full((num_tasks,), 1.0 / num_tasks, device=device, dtype=dtype),
+        "eta": torch.zeros(num_tasks, device=device, dtype=dtype),
+        "step": 0,
+        "method": method,  # load_state_dict refuses another method's state
+        # steps skipped on the device by capturable=True (a NaN/Inf met; nothing written)
+        "skipped_steps": torch.zeros((), dtype=torch.int64, device=device),
+    }
+
+
+def validate_state_dict(state_dict: Any, *, method: str, hyperparameters: set[str], entries: dict[str, Any],
+                        problem: str) -> None:
+    """Raise ValueError naming the problem unless ``state_dict`` is ``method``'s, for this problem.
+
+    Args:
+        state_dict: what was handed to ``load_state_dict``.
+        method: the loading optimizer's class name.
+        hyperparameters: the names of its hyperparameters (``capturable`` left out).
+        entries: the entries ``state["drmoo"]`` must have, with the loading optimizer's current values
+            (a saved tensor must have the current one's shape, a saved int be an int >= 0).
+        problem: how a shape mismatch's message names the loading optimizer's problem (m, n).
+    """
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) or not isinstance(
+        state_dict.get("param_groups"), list
+    ):
+        raise ValueError("not an optimizer state_dict (expected a dict with 'state' and 'param_groups')")
+    saved = state_dict["state"].get(STATE_KEY)
+    if not isinstance(saved, dict):
+        raise ValueError(f"state_dict has no {STATE_KEY!r} entry: it was not saved by a drmoo optimizer")
+    saved_by = saved.get("method", method)
+    if saved_by != method:
+        raise ValueError(f"state_dict was saved by {saved_by}, not by {method}: it cannot continue this run")
+    _check_groups(state_dict["param_groups"], method, hyperparameters)
+    for key, current in entries.items():
+        if key not in saved:
+            raise ValueError(f"state_dict has no {key!r} entry: it was not saved by {method} (or is damaged)")
+        value = saved[key]
+        if isinstance(current, Tensor):
+            if not isinstance(value, Tensor):
+                raise ValueError(f"state_dict's {key} must be a tensor, got {type(value).__name__}")
+            if tuple(value.shape) != tuple(current.shape):
+                raise ValueError(f"state_dict's {key} has shape {tuple(value.shape)}, but this {method} ({problem}) "
+                                 f"expects {tuple(current.shape)}")
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise ValueError(f"state_dict's {key} has NaN or Inf entries")
+        elif isinstance(current, int) and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"state_dict's {key} must be an int >= 0, got {value!r}")
+    w = saved["w"].double()
+    if bool((w < 0).any()) or abs(float(w.sum()) - 1.0) > 1e-6:
+        raise ValueError(f"state_dict's w is not on the probability simplex: {w.tolist()}")
+
+
+def _check_groups(groups: Any, method: str, hyperparameters: set[str]) -> None:
+    """The saved parameter groups carry exactly ``method``'s hyperparameters, valid and in agreement."""
+    if not groups or not all(isinstance(group, dict) for group in groups):
+        raise ValueError("state_dict's param_groups must be a non-empty list of dicts")
+    for group in groups:
+        keys = set(group) - BOOKKEEPING_KEYS - {"capturable"}
+        if keys != hyperparameters:
+            missing, unexpected = sorted(hyperparameters - keys), sorted(keys - hyperparameters)
+            raise ValueError(
+                f"state_dict's hyperparameters are not {method}'s (missing: {missing or 'none'}; not {method}'s: "
+                f"{unexpected or 'none'}): it was saved by another method"
+            )
+        for key in keys:
+            try:
+                check_hyperparameter(key, group[key])
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"state_dict has an invalid hyperparameter: {error}") from None
+    check_groups_agree(groups)
+
+
+def owned_state(loaded: dict[str, Any], *, method: str, device: torch.device,
+                dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+    """The loaded ``state["drmoo"]`` as this optimizer's own: torch copies non-parameter state by reference
+    and moves none of it, so every tensor is copied onto ``device`` in the loading optimizer's dtype
+    (``dtypes``; a host-side RNG state stays on the CPU), and ``method`` names the loader."""
+    owned = {
+        key: value.detach().to(device="cpu" if key == "rng_state" else device,
+                               dtype=dtypes.get(key, value.dtype), copy=True)
+        if isinstance(value, Tensor) else value
+        for key, value in loaded.items()
+    }
+    owned["method"] = method
+    return owned
