@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -884,6 +885,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = argv
+    rerun_advice = RERUN_ADVICE.get(args.command)
+    previous_sigterm = _catch_sigterm() if rerun_advice is not None else None
     try:
         _extras.require(COMMAND_EXTRAS.get(args.command, ()))
         if args.command in COMMANDS_WITH_KERNELS:
@@ -910,11 +913,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         training = sys.modules.get("drmoo.experiments.training")
         if training is None or not isinstance(error, training.TrainingInterrupted):
             raise
-        print(f"drmoo {args.command}: {error}", file=sys.stderr)
-        return 130
-    except KeyboardInterrupt:
-        print(f"drmoo {args.command}: interrupted; finished runs are kept in the output directory", file=sys.stderr)
-        return 130
+        if rerun_advice is not None:
+            print(f"drmoo {args.command}: stopped by signal {error.signum} after step {error.step} of "
+                  f"{error.run_dir}, whose checkpoint is saved; {rerun_advice}", file=sys.stderr)
+        else:
+            print(f"drmoo {args.command}: {error}", file=sys.stderr)
+        return 128 + int(error.signum)  # what a shell reports for a process that signal ended
+    except KeyboardInterrupt as interrupt:
+        terminated = isinstance(interrupt, _Terminated)
+        cause = "stopped by SIGTERM" if terminated else "interrupted"
+        advice = rerun_advice or "finished runs are kept in the output directory"
+        print(f"drmoo {args.command}: {cause}; {advice}", file=sys.stderr)
+        return 143 if terminated else 130
+    finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+# The commands that go on where they stopped when run again with the same arguments, and what they keep.
+RERUN_ADVICE = {
+    "compare": "finished runs are kept and an interrupted run continues from its checkpoint: rerun the same "
+               "command to resume",
+    "ablate": "finished values are kept and skipped: rerun the same command to go on",
+    "synthetic": "finished runs are kept and reused: rerun the same command to go on",
+}
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM in a command of :data:`RERUN_ADVICE`: it unwinds as Ctrl-C does (comparison workers are
+    told to save and stop), and the command exits with 143, as a process SIGTERM ends."""
+
+
+def _raise_terminated(_signum: int, _frame: Any) -> None:
+    raise _Terminated
+
+
+def _catch_sigterm() -> Any:
+    """SIGTERM raises :class:`_Terminated` from now on; returns the handler it replaced (None off the main
+    thread, where signals cannot be handled; a training loop's own handler takes over while it runs)."""
+    try:
+        return signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:
+        return None
 
 
 if __name__ == "__main__":

@@ -100,13 +100,18 @@ def test_workers_die_when_the_comparison_is_killed(tmp_path: Path) -> None:
         parent.wait()
         _wait_for(lambda: not any(_alive(pid) for pid in workers), f"workers {workers} to die with their parent")
     finally:
-        if parent.poll() is None:
-            parent.kill()
-        for path in markers.glob("*.pid"):
-            try:
-                os.kill(int(path.stem), signal.SIGKILL)  # only our own fake workers, by their recorded pid
-            except ProcessLookupError:
-                pass
+        end_fake_workers(parent, markers)
+
+
+def end_fake_workers(parent: subprocess.Popen[bytes], markers: Path) -> None:
+    """A test's clean-up: its parent process and the fake workers whose pids it recorded in ``markers``."""
+    if parent.poll() is None:
+        parent.kill()
+    for path in markers.glob("*.pid"):
+        try:
+            os.kill(int(path.stem), signal.SIGKILL)  # only our own fake workers, by their recorded pid
+        except ProcessLookupError:
+            pass
 
 
 def test_progress_from_inside_each_job_is_shown_when_not_a_terminal(tmp_path: Path) -> None:

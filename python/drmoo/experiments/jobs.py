@@ -214,9 +214,11 @@ def run_in_workers(function: Callable[..., Any], calls: Sequence[tuple[Any, ...]
                         results[futures[future]] = future.result()
                         display.finished(futures[future])
                     display.tick()
-            except BaseException:
+            except BaseException as error:
                 for future in futures:
                     future.cancel()
+                if isinstance(error, KeyboardInterrupt):  # Ctrl-C, or drmoo compare's SIGTERM
+                    _stop_workers(pool)
                 raise
     finally:
         display.close()
@@ -224,6 +226,18 @@ def run_in_workers(function: Callable[..., Any], calls: Sequence[tuple[Any, ...]
             progress_queue.close()
             progress_queue.join_thread()
     return results
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """SIGTERM to every worker: a run in training saves its checkpoint after the step in flight and stops
+    (its own handler), so that the pool's shutdown waits seconds, not for the runs to finish, and
+    running the comparison again resumes them.  (Ctrl-C in a terminal reached them already.)"""
+    processes = getattr(pool, "_processes", None) or {}  # pid -> process (the executor's own table)
+    for process in list(processes.values()):
+        try:
+            process.terminate()
+        except (OSError, ValueError):  # already gone
+            pass
 
 
 def _drain(progress_queue: Any, display: _JobProgress) -> None:

@@ -73,7 +73,20 @@ DIVERGED = "diverged"  # the marker of a run that ended at a non-finite step (se
 
 
 class TrainingInterrupted(RuntimeError):
-    """Raised after a SIGINT/SIGTERM once the checkpoint is safely on disk."""
+    """Raised after a SIGINT/SIGTERM once the checkpoint is safely on disk.
+
+    ``signum`` is the signal (the command exits with 128 + signum, as a process that signal ends),
+    ``run_dir`` the run whose checkpoint was saved at ``step``.  Picklable with its fields, so that a
+    comparison worker's interruption reaches the parent whole.
+    """
+
+    def __init__(self, signum: int, step: int, run_dir: Path) -> None:
+        self.signum, self.step, self.run_dir = signum, step, run_dir
+        super().__init__(f"stopped by signal {signum} after step {step}; checkpoint saved, continue with "
+                         f"drmoo train --resume {run_dir}")
+
+    def __reduce__(self) -> tuple[type[TrainingInterrupted], tuple[int, int, Path]]:
+        return TrainingInterrupted, (self.signum, self.step, self.run_dir)
 
 
 class IndexStream:
@@ -505,10 +518,9 @@ def _loop(run: _Run, closure: _BatchLosses, progress: bool) -> None:
                 _save(run)
             if agreed(stop.raised is not None, run.device):  # every rank stops after the same step
                 _save(run)
-                raise TrainingInterrupted(
-                    f"stopped by signal {stop.raised} after step {run.step}; checkpoint saved, continue with "
-                    f"drmoo train --resume {run.run_dir}"
-                )
+                # A rank that got no signal itself stops with the others (a launcher's SIGTERM).
+                raise TrainingInterrupted(stop.raised if stop.raised is not None else signal.SIGTERM, run.step,
+                                          run.run_dir)
 
 
 def _train_step(run: _Run, closure: _BatchLosses, skipped: list[dict[str, Any]]) -> dict[str, Any] | None:
