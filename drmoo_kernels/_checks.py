@@ -70,6 +70,8 @@ def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
     The one rule for every positive scalar drmoo takes: the ops' arguments and the optimizers'
     hyperparameters (:mod:`drmoo.optim` applies it at construction and at every step).
     """
+    if isinstance(value, bool):  # an int to float(), but True is no rate: mgda[clip_c1=True] read as 1
+        raise ValueError(f"{name} must be a number, got {value!r}")
     try:
         number = float(value)
     except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor with several values

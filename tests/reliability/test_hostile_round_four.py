@@ -8,14 +8,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import stat
+import time
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 from drmoo import store
 from drmoo.data import celeba as celeba_data
 from drmoo.experiments.checkpoints import max_recorded_steps
+from drmoo.experiments.robustness import check_distinct
+from drmoo.experiments.run_config import RunConfig
+from drmoo.optim import create
 
 from .conftest import assert_one_line_refusal, run_cli
 from .test_store_hostile import assert_payload_over_budget_refused
@@ -128,3 +133,75 @@ def test_cr20_decode_bounds_the_pixels_it_allocates(tmp_path: Path, monkeypatch:
     _claim_dimensions(path, 14_000, 13_000)
     with pytest.raises(ValueError, match=r"000001\.jpg"):
         celeba_data.decode(path, 8)
+
+
+# ------------------------------------------------------------------------------- U-16, U-14, U-15, SW-17
+
+
+def test_u16_twenty_thousand_seeds_are_checked_in_linear_time(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``compare --seeds 0,...,19999`` spent > 90 s comparing every run with every other before any output.
+    The check is now one pass (names counted, settings keyed): the whole command, up to its refusal of the
+    --out below, takes seconds; one seed given twice among them is still found."""
+    out = tmp_path / "a-file"
+    out.write_text("not a directory")
+    seeds = ",".join(map(str, range(20_000)))
+    started = time.perf_counter()
+    assert_one_line_refusal(*run_cli(["compare", "--methods", "mgda", "--seeds", seeds, "--out", str(out), "--quiet"],
+                                     capsys), "is a file, not a directory")
+    assert time.perf_counter() - started < 60
+    configs = [RunConfig(experiment="multimnist2", method="mgda", preset="quick", seed=seed) for seed in range(20_000)]
+    started = time.perf_counter()
+    with pytest.raises(store.UsageError, match="mgda-seed7 twice"):
+        check_distinct([*configs, configs[7]])
+    assert time.perf_counter() - started < 10  # quadratic: 2 x 10^8 comparisons of settings
+
+
+@pytest.mark.parametrize("command", ["eval", "compare"])
+def test_u14_an_eps_given_twice_is_refused(command: str, trained_run: Path, tmp_path: Path, tiny_args,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """``--eps 0,0`` evaluated the same column twice."""
+    target = ["--run", str(trained_run)] if command == "eval" else [
+        "--methods", "mgda", "--out", str(tmp_path / "c"), *tiny_args("--max-steps", "1")]
+    assert_one_line_refusal(*run_cli([command, *target, "--eps", "0,0.01,0", "--quiet"], capsys),
+                            "--eps", "0.0 is given twice")
+    assert not (tmp_path / "c").exists()
+
+
+def test_u15_a_hyperparameter_given_twice_is_refused(tmp_path: Path, tiny_args,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    """``train --hp lam=0.3 --hp lam=0.9`` kept the last silently."""
+    out = tmp_path / "run"
+    assert_one_line_refusal(*run_cli(["train", "--hp", "lam=0.3", "--hp", "lam=0.9", "--out", str(out),
+                                      *tiny_args("--max-steps", "1")], capsys), "--hp", "lam", "twice")
+    assert not out.exists()
+
+
+def test_u15_a_bool_is_not_a_number(tmp_path: Path, tiny_args, capsys: pytest.CaptureFixture) -> None:
+    """``mgda[clip_c1=True]`` read the bool as 1 (Python's bool is an int; a float setting refuses it)."""
+    out = tmp_path / "cmp"
+    assert_one_line_refusal(*run_cli(["compare", "--methods", "mgda[clip_c1=True,clip_c2=0.5]", "--out", str(out),
+                                      "--eps", "0", *tiny_args("--max-steps", "1")], capsys),
+                            "clip_c1 must be a number, got True")
+    assert not out.exists()
+    with pytest.raises(ValueError, match="lr must be a number, got True"):
+        create("mgda", [torch.nn.Parameter(torch.zeros(2))], 2, lr=True)
+
+
+def test_u15_a_long_variant_is_refused_for_its_length(tmp_path: Path, tiny_args,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    """A 1,960-character variant was refused as "not a short name without path separators"."""
+    variant = "mgda[lam=0." + "1" * 1948 + "]"
+    assert len(variant) == 1960
+    assert_one_line_refusal(*run_cli(["compare", "--methods", variant, "--out", str(tmp_path / "c"), "--eps", "0",
+                                      *tiny_args("--max-steps", "1")], capsys), "1960 characters", "at most 200")
+
+
+def test_sw17_a_quoted_number_is_the_number(tmp_path: Path, tiny_args, capsys: pytest.CaptureFixture) -> None:
+    """``mgda[lam=0.5],mgda[lam='0.5']``: the quoted number trains as the number (the optimizer reads it as
+    one) but escaped the duplicate check: the same run twice, two rows.  Settings are compared as the
+    optimizer takes them."""
+    out = tmp_path / "cmp"
+    assert_one_line_refusal(*run_cli(["compare", "--methods", "mgda[lam=0.5],mgda[lam='0.5']", "--out", str(out),
+                                      "--eps", "0", *tiny_args("--max-steps", "1")], capsys),
+                            "mgda[lam=0.5] and mgda[lam='0.5'] are the same settings")
+    assert not out.exists()

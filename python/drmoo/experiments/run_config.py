@@ -31,6 +31,7 @@ JACOBIANS = ("loop", "batched")
 RESUMABLE_FIELDS = ("epochs", "max_steps", "device")
 MODELS = ("resnet18", "lenet")
 EVAL_SPLITS = ("test", "validation")
+MAX_LABEL = 200  # a run's label (a variant's text) names its directory: well below a file name's 255 bytes
 AMP_MODES = ("none", "bf16", "fp16")  # the forward's autocast dtype (training.AMP_DTYPES maps them to torch's)
 
 
@@ -115,8 +116,11 @@ class RunConfig:
             raise UsageError(f"unknown --model {self.model!r}; valid choices: {', '.join(MODELS)}")
         if self.eval_split not in EVAL_SPLITS:
             raise UsageError(f"unknown --eval-split {self.eval_split!r}; valid choices: {', '.join(EVAL_SPLITS)}")
-        if not isinstance(self.label, str) or len(self.label) > 200 or any(c in self.label for c in "/\\\0\n"):
-            raise UsageError(f"a run label is a short name without path separators, got {self.label!r}")
+        if not isinstance(self.label, str) or any(c in self.label for c in "/\\\0\n"):
+            raise UsageError(f"a run label is a name without path separators, got {self.label!r}")
+        if len(self.label) > MAX_LABEL:
+            raise UsageError(f"a run label is at most {MAX_LABEL} characters (it names the run's directory), got "
+                             f"{len(self.label)}: {self.label[:60]!r}...")
 
 
 def config_differences(saved: RunConfig | dict[str, Any], wanted: RunConfig | dict[str, Any],

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .run_config import MAX_LABEL
+
 __all__ = ["RUN_KEYS", "MethodVariant", "expand_all", "parse_variants", "run_dir_name"]
 
 RUN_KEYS = ("epochs", "max_steps")  # keys that set the run's length instead of a hyperparameter
@@ -105,6 +107,9 @@ def parse_variants(text: str) -> list[MethodVariant]:
                 else:
                     hparams[key] = value
         label = item if settings is not None else ""
+        if len(label) > MAX_LABEL:  # before the run config says it in its own words
+            raise ValueError(f"the variant {item[:40]!r}... is {len(item)} characters long; a variant's text labels "
+                             f"its row and names its run directories, so it is at most {MAX_LABEL} characters")
         variants.append(MethodVariant(match.group("method"), hparams, run, label))
     names = [variant.name for variant in variants]
     duplicates = sorted({name for name in names if names.count(name) > 1})
