@@ -427,6 +427,9 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
                         help="continue the run saved in RUN_DIR exactly where it stopped (default: a new run)")
     parser.add_argument("--nproc", type=_count, help="data-parallel processes: relaunches itself under torchrun "
                         "(gloo on CPU, nccl on GPUs); the batch size is the global one (default: one process)")
+    parser.add_argument("--config", metavar="FILE", type=_path,
+                        help="the run's settings from a .toml or .json file with the keys of a run's config.json "
+                        "(a run's own config.json replays it); options on the command line override the file")
     parser.set_defaults(handler=_run_train)
 
 
@@ -449,6 +452,20 @@ def _launch_torchrun(nproc: int, argv: list[str]) -> int:
                "-m", "drmoo", *forwarded]
     print("launching:", " ".join(command), file=sys.stderr)
     return subprocess.call(command, env=os.environ.copy())
+
+
+def _with_config_file(argv: list[str], args: argparse.Namespace) -> tuple[list[str], str | None]:
+    """``argv`` with the settings of ``--config FILE`` inserted as options right after ``train``, before the
+    typed ones (which thereby override them), and the file's run label."""
+    from drmoo.experiments.config_file import options_from_config_file
+    from drmoo.store import UsageError
+
+    if args.resume:
+        raise UsageError("--config starts a run from a file's settings and --resume continues a saved run as it "
+                         "was: give one")
+    position = argv.index(args.command) + 1
+    options, label = options_from_config_file(args.config, argv[position:])
+    return [*argv[:position], *options, *argv[position:]], label
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -477,6 +494,9 @@ def _run_train(args: argparse.Namespace) -> int:
         config.validate()
     else:
         config = _run_config(args, args.method, args.seed)
+        if args.file_label is not None:  # a variant's run (compare --methods NAME[KEY=VALUE]) replayed
+            config.label = args.file_label
+            config.validate()
         run_dir = Path(args.out or f"runs/{config.experiment}-{config.method}-seed{config.seed}")
     experiment = get_experiment(config.experiment)
     # Everything is checked before torchrun starts, the data too: a refusal is one line, not one traceback
@@ -884,6 +904,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.file_label = None
+    if getattr(args, "config", None) is not None:  # train --config FILE: the file's settings, then the typed ones
+        try:
+            argv, args.file_label = _with_config_file(argv, args)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"drmoo {args.command}: error: {error}", file=sys.stderr)
+            return 2
+        label, args = args.file_label, parser.parse_args(argv)
+        args.file_label = label
     args.argv = argv
     rerun_advice = RERUN_ADVICE.get(args.command)
     previous_sigterm = _catch_sigterm() if rerun_advice is not None else None

@@ -1,0 +1,91 @@
+"""``drmoo train --config FILE``: a run's settings from a TOML or JSON file with the keys of ``config.json``.
+
+A run's own ``config.json`` replays it: ``drmoo train --config runs/x/config.json --out runs/y`` trains
+the same run again.  The file's settings become command-line options placed *before* the ones typed,
+so that an option on the command line overrides the file (argparse keeps an option's last value) and
+every value goes through the same parsing and checks as when it is typed.  ``hparams`` become
+``--hp KEY=VALUE`` options, except those the command line sets itself (``--hp KEY=...``, or ``--lr``
+for ``lr``).  A key that is not a field of :class:`~drmoo.experiments.run_config.RunConfig` is refused.
+Imports no torch (the CLI reads the file before anything else).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import fields
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from drmoo.experiments.run_config import MAX_CONFIG_BYTES, RunConfig
+from drmoo.store import UsageError, parse_json, read_bytes
+
+__all__ = ["options_from_config_file"]
+
+# Keys of config.json that are no command-line option of ``train``: set on the built config instead.
+NOT_OPTIONS = ("hparams", "label")
+
+
+def _load(path: Path) -> dict[str, Any]:
+    data = read_bytes(path, MAX_CONFIG_BYTES, "--config file")
+    if path.suffix == ".toml":
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - Python 3.10
+            try:
+                import tomli as tomllib
+            except ModuleNotFoundError:
+                raise UsageError(f"--config {path}: reading TOML needs Python >= 3.11 or the tomli package "
+                                 "(pip install tomli); or give the settings as JSON") from None
+        try:
+            values = tomllib.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+            raise UsageError(f"--config {path}: not valid TOML: {error}") from None
+    elif path.suffix == ".json":
+        values = parse_json(data, path)
+    else:
+        raise UsageError(f"--config {path}: expected a .toml or .json file (the keys of a run's config.json)")
+    if not isinstance(values, dict):
+        raise UsageError(f"--config {path}: expected a table of settings (the keys of a run's config.json)")
+    return values
+
+
+def _option_value(key: str, value: Any, path: Path) -> str:
+    if isinstance(value, (dict, list, bool)):  # no run setting is a table, a list or a flag
+        raise UsageError(f"--config {path}: {key} = {value!r} is not a setting's value")
+    return str(value)
+
+
+def options_from_config_file(path: str | Path, typed: list[str]) -> tuple[list[str], str | None]:
+    """The options that stand for the settings of ``path``, to be placed before ``typed`` (the options
+    given on the command line after ``train``), and the file's run label (None: none).
+
+    Raises:
+        UsageError: the file cannot be read, is not TOML/JSON, or holds a key that is not a run setting.
+    """
+    path = Path(path)
+    values = _load(path)
+    known = {field.name for field in fields(RunConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise UsageError(f"--config {path}: unknown setting(s) {', '.join(unknown)}; the settings are the keys of "
+                         f"a run's config.json: {', '.join(sorted(known))}")
+    options: list[str] = []
+    for key, value in values.items():
+        if key in NOT_OPTIONS or value is None:  # None: the option's default (e.g. the preset's size)
+            continue
+        options.append(f"--{key.replace('_', '-')}={_option_value(key, value, path)}")
+    hparams = values.get("hparams") or {}
+    if not isinstance(hparams, dict):
+        raise UsageError(f"--config {path}: hparams must be a table of hyperparameters, got {hparams!r}")
+    typed_hp = {item.partition("=")[0].strip() for flag, item in pairwise(typed) if flag == "--hp"}
+    typed_hp |= {item[len("--hp="):].partition("=")[0].strip() for item in typed if item.startswith("--hp=")}
+    if "--lr" in typed or any(item.startswith("--lr=") for item in typed):
+        typed_hp.add("lr")
+    for key, value in hparams.items():
+        if key not in typed_hp:
+            options += ["--hp", f"{key}={value!r}"]  # repr: --hp's literal_eval gives back the value's type
+    label = values.get("label")
+    if label is not None and not isinstance(label, str):
+        raise UsageError(f"--config {path}: label must be text, got {label!r}")
+    return options, label or None
