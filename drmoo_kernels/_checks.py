@@ -72,6 +72,8 @@ def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
     """
     if isinstance(value, bool):  # an int to float(), but True is no rate: mgda[clip_c1=True] read as 1
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, (str, bytes)):  # float("0.8") would coerce a config file's text silently
+        raise ValueError(f"{name} must be a number, got the text {value!r}: pass the number itself")
     try:
         number = float(value)
     except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor with several values

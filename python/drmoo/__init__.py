@@ -2,7 +2,8 @@
 
 * :func:`dual_objective` - the f-divergence DR dual of each task (differentiable);
 * :mod:`drmoo.optim` - Double-Clip MGDA, Double-Loop MGDA (and the baselines) as torch optimizers;
-* :class:`Balancer` - any of those methods writing its direction into ``.grad``, for any torch optimizer;
+* :class:`Balancer` - any of those methods writing its direction into ``.grad``, for any torch optimizer
+  (:data:`MethodName` its method names, :func:`method_name` one held in a ``str``);
 * :mod:`drmoo.experiments` - the paper's experiments; ``drmoo`` on the command line runs them.
 
 ``import drmoo`` itself imports no torch: the names below are loaded on first use (PEP 562), so
@@ -21,7 +22,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from drmoo_kernels import DIVERGENCE_NAMES, Divergence, get_divergence, project_simplex
 
     from . import optim
-    from .balancer import Balancer
+    from .balancer import Balancer, LossesInput, MethodName, SharedParams, method_name
     from .objective import dual_objective, worst_case_weights
 
 # public name -> the module that defines it (None: the name is that submodule itself)
@@ -32,6 +33,10 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "project_simplex": ("drmoo_kernels", "project_simplex"),
     "optim": ("drmoo.optim", None),
     "Balancer": ("drmoo.balancer", "Balancer"),
+    "LossesInput": ("drmoo.balancer", "LossesInput"),
+    "MethodName": ("drmoo.balancer", "MethodName"),
+    "SharedParams": ("drmoo.balancer", "SharedParams"),
+    "method_name": ("drmoo.balancer", "method_name"),
     "dual_objective": ("drmoo.objective", "dual_objective"),
     "worst_case_weights": ("drmoo.objective", "worst_case_weights"),
 }
@@ -40,9 +45,13 @@ __all__ = [
     "DIVERGENCE_NAMES",
     "Balancer",
     "Divergence",
+    "LossesInput",
+    "MethodName",
+    "SharedParams",
     "__version__",
     "dual_objective",
     "get_divergence",
+    "method_name",
     "optim",
     "project_simplex",
     "worst_case_weights",

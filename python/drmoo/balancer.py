@@ -14,8 +14,8 @@ One implementation.  The balancer holds an instance of the method's optimizer cl
 :func:`drmoo.optim.available`) in *direction mode*: ``backward`` runs that class's own ``step``,
 which computes the per-task dual objectives, the Jacobian, the weights, and updates eta, w and the
 method's state (MoCo's tracked Jacobian, FAMO's logits, SDMGrad's momentum, ...) exactly as
-``step(closure)`` does -- only the theta write ``theta -= lr * d`` becomes ``.grad += d`` (see
-:mod:`drmoo.optim._base`, "Two ways to apply a step").  Hence, with ``torch.optim.SGD(lr=lr)`` (no
+``step(closure)`` does -- only the theta write ``theta -= lr * d`` becomes ``.grad += d``.
+Hence, with ``torch.optim.SGD(lr=lr)`` (no
 momentum, no weight decay) and the balancer's ``lr`` equal to SGD's, the trajectory is the one of
 the method's ``step`` with that lr, to rounding (tested for every method).
 
@@ -24,7 +24,10 @@ hyperparameter is the step size of the dual variables eta (the baselines' joint 
 and Double-Clip's eta step gamma * mu * (z (.) w) both use it); Double-Loop's eta has its own
 ``dual_lr`` and its ``lr`` is unused.  ``optimizer=opt`` gives the paper's coupling: every
 ``backward`` first sets it to the current lr of ``opt``'s parameter group that holds the shared
-parameters, so a scheduler on ``opt`` schedules eta too.  ``lr=`` fixes it instead (schedule it,
+parameters, so a scheduler on ``opt`` schedules eta too.  Double-Loop's ``dual_lr`` follows it too,
+in ratio: eta's step is ``dual_lr * lr_now / lr_start``, lr_start being the group's ``initial_lr``
+(what a torch LR scheduler started from) or, without a scheduler, its lr when the balancer was
+built -- so a scheduler that takes theta's lr to 0 stops eta as well.  ``lr=`` fixes it instead (schedule it,
 if wanted, with a torch LR scheduler on :attr:`Balancer.algorithm`); with neither, the method's
 default is used and the constructor warns.
 
@@ -83,7 +86,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, get_args, overload
 
 import torch
 from torch import Tensor
@@ -95,9 +98,17 @@ from .optim._features import with_features
 from .optim._hyperparameters import check_flag
 
 LossesInput = Tensor | tuple[Tensor, Tensor] | Callable[[], Any]
+"""What :meth:`Balancer.backward` takes: per-sample losses ``[B, m]`` (one column per task, with their
+graph), a pair ``(losses, sample_weight)`` (importance weights ``[B, m]``), or a closure that draws a
+fresh batch and returns either (with ``jacobian="features"``: ``(losses, z)`` or
+``(losses, z, sample_weight)``)."""
 SharedParams = Iterable[Tensor] | Iterable[dict[str, Any]]
+"""The shared parameters, as torch optimizers take them: an iterable of tensors
+(``model.trunk.parameters()``) or of parameter groups (dicts with ``"params"``)."""
 # The registry names of drmoo.optim.available() (tests/typing checks that they agree).
 MethodName = Literal["double-clip", "double-loop", "mgda", "modo", "moco", "sdmgrad", "nashmtl", "famo"]
+"""The methods' registry names (:func:`drmoo.optim.available`), the ``method`` of :class:`Balancer`.  A
+name held in a ``str`` (a config file's) becomes one through :func:`method_name`."""
 JacobianMode = Literal["parameters", "features"]
 SolverName = Literal["one_step", "min_norm"]
 
@@ -106,6 +117,31 @@ SolverName = Literal["one_step", "min_norm"]
 _GRAPH_PASSES = {"modo": 3, "sdmgrad": 3, "double-loop": 3}
 # Methods whose lr is not eta's step size (Double-Loop's eta takes dual_lr): no warning about it.
 _LR_UNUSED = {"double-loop"}
+# Methods whose eta step is dual_lr: under optimizer= it follows the optimizer's lr in ratio.
+_DUAL_LR_METHODS = {"double-loop"}
+
+
+def method_name(name: str) -> MethodName:
+    """``name`` checked and typed as a :data:`MethodName`: for a method's name held in a ``str``.
+
+    ``drmoo.Balancer(name, ...)`` with ``name: str`` (read from a config file or a command line) fails
+    type checking, since every overload of :class:`Balancer` takes one literal name;
+    ``drmoo.Balancer(drmoo.method_name(name), ...)`` passes, with the hyperparameters every method
+    shares (``lam``, ``divergence``, ``lr``, ...), and a wrong name fails here, at once.
+
+    Args:
+        name: a registry name of :func:`drmoo.optim.available`, e.g. ``"double-clip"``.
+
+    Returns:
+        ``name`` itself, typed as :data:`MethodName`.
+
+    Raises:
+        ValueError: ``name`` is no method's name (the message lists them).
+    """
+    names = get_args(MethodName)
+    if not isinstance(name, str) or name not in names:
+        raise ValueError(f"unknown method {name!r}; valid choices: {', '.join(names)}")
+    return cast(MethodName, name)
 
 
 def _reaches(losses: Tensor, params: Iterable[Tensor]) -> bool:
@@ -125,12 +161,20 @@ class Balancer:
             every task's losses depend on (the trunk), not the heads.
         num_tasks: m, the number of columns of the per-sample losses.
         optimizer: the torch optimizer that steps the shared parameters; eta's step size then
-            follows the current lr of its group that holds them (its scheduler included).  Not
-            together with ``lr``.
+            follows the current lr of its group that holds them (its scheduler included;
+            Double-Loop's ``dual_lr`` in ratio, see the module docstring).  Not together with ``lr``.
         allow_partial_shared: accept shared parameters that only some tasks reach (refused by
             default: a head passed as shared would get w_i times its gradient).
-        jacobian: ``"parameters"`` (the per-task Jacobian of the shared parameters); other modes
-            are passed to the method's class.
+        jacobian: ``"parameters"`` (the default, the paper's: the per-task gradients w.r.t. the
+            shared parameters, m backward passes through the trunk) or ``"features"`` (w.r.t. the
+            representation z that every head reads, passed as ``backward(losses, features=z)``: m
+            passes through the heads and one through the trunk, for many tasks).  What changes:
+            the Gram, the weights and every norm are taken in z's coordinates.  MGDA, MoDo,
+            SDMGrad, Double-Loop and FAMO still move theta by the exact gradient of sum_i c_i L^i
+            and their rates carry over; Double-Clip, Nash-MTL (and MGDA with ``clip_c1``) read a
+            norm taken in z in theta's step length, so their ``lr`` must be chosen for features
+            mode -- they warn once (:class:`drmoo.optim.FeaturesRateWarning`) unless built with
+            ``features_rate_chosen=True``.  MoCo refuses it.
         **hparams: the method's hyperparameters, as its optimizer class takes them (``lam``,
             ``divergence``, ``lr`` -- eta's step size here --, ``capturable``, ``backend``, ...);
             typed per method for type checkers.
@@ -147,6 +191,7 @@ class Balancer:
                  lr: float = ..., pref_lr: float = ..., rho: float = ..., c1: float = ..., c2: float = ...,
                  f1: float = ..., f2: float = ..., lam: float = ..., divergence: str = ..., dual_scale: float = ...,
                  resample: bool = ...,
+                 features_rate_chosen: bool = ...,
                  capturable: bool = False, backend: str | None = None) -> None: ...
     @overload
     def __init__(self, method: Literal["double-loop"], shared_params: SharedParams, num_tasks: int, *,
@@ -162,6 +207,7 @@ class Balancer:
                  lr: float = ..., pref_lr: float = ..., rho: float = ..., lam: float = ..., divergence: str = ...,
                  solver: SolverName = ..., max_iter: int = ..., tol: float = ...,
                  clip_c1: float | None = ..., clip_c2: float | None = ...,
+                 features_rate_chosen: bool = ...,
                  capturable: bool = False, backend: str | None = None) -> None: ...
     @overload
     def __init__(self, method: Literal["modo"], shared_params: SharedParams, num_tasks: int, *,
@@ -190,6 +236,7 @@ class Balancer:
                  jacobian: JacobianMode = "parameters",
                  lr: float = ..., max_norm: float = ..., update_every: int = ..., solver_iters: int = ...,
                  lam: float = ..., divergence: str = ...,
+                 features_rate_chosen: bool = ...,
                  capturable: bool = False, backend: str | None = None) -> None: ...
     @overload
     def __init__(self, method: Literal["famo"], shared_params: SharedParams, num_tasks: int, *,
@@ -220,8 +267,17 @@ class Balancer:
         self._algorithm.direction_mode = True
         self._algorithm.allow_partial_shared = check_flag("allow_partial_shared", allow_partial_shared)
         self._optimizer = optimizer
+        self._dual_lr_start: tuple[float, float] | None = None  # Double-Loop: (dual_lr, the lr it goes with)
         if optimizer is not None:
-            self._lr_group(optimizer)  # refuse an optimizer that does not hold the shared parameters now
+            group = self._lr_group(optimizer)  # refuse an optimizer that does not hold the shared parameters now
+            if method in _DUAL_LR_METHODS:
+                start = float(group.get("initial_lr", group["lr"]))
+                if not start > 0.0:
+                    raise ValueError(
+                        f"drmoo.Balancer({method!r}, optimizer=...): eta's step dual_lr follows the optimizer's "
+                        f"learning rate in ratio to its starting rate, which is {start!r}; build the balancer while "
+                        "the rate is > 0, or leave optimizer= out (dual_lr is then fixed)")
+                self._dual_lr_start = (float(self._algorithm.hyper("dual_lr")), start)
         elif "lr" not in hparams and method not in _LR_UNUSED:
             warnings.warn(
                 f"drmoo.Balancer({method!r}): eta's step size is the method's default "
@@ -290,7 +346,7 @@ class Balancer:
                 ``.grad`` (see the module docstring, "Mixed precision"); the losses stay unscaled.
             features: with ``jacobian="features"`` (required then, with losses): z, the trunk's output
                 that every head reads (a tensor or a tuple of tensors); the closure form returns
-                ``(losses, z)`` or ``(losses, z, sample_weight)`` instead (:mod:`drmoo.optim._features`).
+                ``(losses, z)`` or ``(losses, z, sample_weight)`` instead.
 
         Returns the per-task dual objectives of the step (detached), as the method's ``step`` does.
         Raises ValueError/TypeError naming the problem for bad losses, and
@@ -373,9 +429,15 @@ class Balancer:
     def _follow_optimizer_lr(self, optimizer: torch.optim.Optimizer) -> None:
         """eta's step size = the current lr of the optimizer's group of the shared parameters, so that
         the optimizer's scheduler reaches eta too (checked with the other hyperparameters by the step)."""
-        lr = self._lr_group(optimizer)["lr"]
+        coupled = self._lr_group(optimizer)
+        lr = coupled["lr"]
         for group in self._algorithm.param_groups:
             group["lr"] = lr
+        if self._dual_lr_start is not None:  # Double-Loop: eta steps with dual_lr, scaled as theta's lr is
+            dual_lr, start = self._dual_lr_start
+            start = float(coupled.get("initial_lr", start))
+            for group in self._algorithm.param_groups:
+                group["dual_lr"] = dual_lr * float(lr) / start
 
     def _check_losses(self, losses: Tensor | tuple[Tensor, Tensor]) -> None:
         """Refuse what the method would misread, before anything runs: the shape, a graph that does

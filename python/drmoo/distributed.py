@@ -11,7 +11,7 @@ to each batch the closure draws), and computes
   all-reduce of the flat [m, n] buffer);
 
 after which every rank runs the identical (fused) update.  The heads' gradients are summed the same
-way (:func:`all_reduce_grads`).  With equal shard sizes this equals one process on the whole batch
+way, by the optimizer's step.  With equal shard sizes this equals one process on the whole batch
 up to the order of floating-point sums.
 """
 

@@ -16,3 +16,11 @@ drmoo.Balancer("mgda", trunk.parameters(), 2, c2=0.5, lr=1e-3)  # rejected: Doub
 drmoo.Balancer("mgda", trunk.parameters(), 2, solver="minnorm", lr=1e-3)  # rejected: not a solver
 drmoo.Balancer("mgda", trunk.parameters(), 2, jacobian="feature", lr=1e-3)  # rejected: not a Jacobian mode
 drmoo.Balancer("mgda", trunk.parameters(), "2", lr=1e-3)  # rejected: num_tasks is an int
+
+
+def from_config(name: str) -> None:
+    """A method's name read from a config file is a str (a local would be narrowed to its literal)."""
+    drmoo.Balancer(name, trunk.parameters(), 2, lr=1e-3)  # rejected: a str is no MethodName (method_name)
+
+
+drmoo.Balancer("famo", trunk.parameters(), 2, lr=1e-3, features_rate_chosen=True)  # rejected: FAMO's rate carries over

@@ -23,9 +23,18 @@ drmoo.Balancer("famo", trunk.parameters(), 2, lr=1e-3, loss_floor=(0.0, 0.1), ba
 drmoo.Balancer("mgda", [{"params": list(trunk.parameters())}], 2, lr=1, allow_partial_shared=True,
                jacobian="parameters", capturable=False)
 
+# A method's name held in a str (a config file's): checked and typed by drmoo.method_name.
+name_from_config: str = "nashmtl"
+typed_name: drmoo.MethodName = drmoo.method_name(name_from_config)
+drmoo.Balancer(drmoo.method_name(name_from_config), trunk.parameters(), 2, lam=0.8, optimizer=optimizer)
+drmoo.Balancer("double-clip", trunk.parameters(), 2, jacobian="features", lr=0.1, features_rate_chosen=True)
+shared: drmoo.SharedParams = trunk.parameters()
+drmoo.Balancer(typed_name, shared, 2, lr=1e-3)
+
 x, y = torch.randn(16, 4), torch.randn(16, 2)
 losses: torch.Tensor = (heads(trunk(x)) - y) ** 2
-objectives: torch.Tensor = coupled.backward(losses)
+given: drmoo.LossesInput = losses
+objectives: torch.Tensor = coupled.backward(given)
 weights: torch.Tensor = coupled.w
 eta: torch.Tensor = fixed.eta
 steps: int = fixed.steps_taken

@@ -33,7 +33,7 @@ def _load(path: Path) -> dict[str, Any]:
             import tomllib
         else:  # pragma: no cover - Python 3.10
             try:
-                import tomli as tomllib
+                import tomli as tomllib  # type: ignore[import-not-found]  # Python 3.10 only
             except ModuleNotFoundError:
                 raise UsageError(f"--config {path}: reading TOML needs Python >= 3.11 or the tomli package "
                                  "(pip install tomli); or give the settings as JSON") from None

@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._base import MultiObjectiveOptimizer, ParamsT
+from ._features_rate import FeaturesRateWarning
 from ._guards import NonFiniteStepError
 from .double_clip import DoubleClipMGDA
 from .double_loop import DoubleLoopMGDA
@@ -52,6 +53,7 @@ __all__ = [
     "MGDA",
     "DoubleClipMGDA",
     "DoubleLoopMGDA",
+    "FeaturesRateWarning",
     "MoCo",
     "MoDo",
     "MultiObjectiveOptimizer",

@@ -11,6 +11,7 @@ from drmoo import distributed
 from drmoo_kernels.reference import clip_factor, gram_step_small
 
 from ._base import Closure, MultiObjectiveOptimizer, ParamsT, configure_jacobian
+from ._features_rate import warn_unless_rate_chosen
 from ._hyperparameters import check_flag, check_positive
 
 
@@ -51,7 +52,7 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
     (L^i at eta_{t+1} on xi_bar), ``balanced_grad_norm`` = ||grad_{theta,eta} L^(theta_t, eta_{t+1}) w_t||
     on xi_bar (the measure of Theorem 5.2, eq. (9)) and ``theta_grad_norm`` = ||J^T w_t||.
 
-    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  J's rows are the
+    Feature space (``jacobian="features"``).  J's rows are the
     gradients w.r.t. the representation z (m backward passes through the heads only): the Gram G of
     step 4 and w's update (step 5) use z's coordinates, and so does the theta clip: alpha = min(c1,
     c2 / ||J_z^T w||), ||d|| being a z-space norm, so the step's length is bounded by gamma * c2 *
@@ -80,8 +81,14 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         resample: draw a second batch for step 3.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend for the Gram/update (see :mod:`drmoo_kernels.dispatch`).
-        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
-            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
+        jacobian: ``"parameters"`` (the paper's: per-task gradients w.r.t. the shared parameters, m
+            backward passes through the trunk) or ``"features"`` (w.r.t. the representation z: m
+            passes through the heads, one through the trunk; see "Feature space" above).
+            Its theta clip alpha = min(c1, c2 / ||J^T w||) reads a norm taken in z, so ``lr`` must be
+            chosen for features mode: built in features mode it warns once
+            (:class:`~drmoo.optim.FeaturesRateWarning`) unless ``features_rate_chosen=True``.
+        features_rate_chosen: say that ``lr`` was chosen for ``jacobian="features"`` (silences the
+            warning).
 
     Defaults and presets.  The defaults are the paper's main Multi-MNIST setting (App. D.2; lambda =
     0.8 as App. F.1 says the main experiments used); ``DoubleClipMGDA.preset(name)`` gives the
@@ -125,6 +132,7 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         capturable: bool = False,
         backend: str | None = None,
         jacobian: str = "parameters",
+        features_rate_chosen: bool = False,
     ) -> None:
         defaults = {
             "lr": check_positive("lr", lr, allow_zero=True),
@@ -142,6 +150,8 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         }
         super().__init__(params, num_tasks, defaults, backend)
         self.jacobian_engine = configure_jacobian(self, jacobian)
+        warn_unless_rate_chosen(self, jacobian, "its theta clip alpha = min(c1, c2 / ||J_z^T w||) reads a norm "
+                                "taken in z", features_rate_chosen)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One iteration of Algorithm 2; calls ``closure`` twice (once if ``resample=False``).

@@ -56,7 +56,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
     ``balanced_grad_norm`` = ||[Y^T w_t ; z (.) w_t]|| on xi (the joint (theta, eta) measure used for
     every method) and ``theta_grad_norm`` = ||Y^T w_t||, ``inner_indices`` = (d, d_bar, d_tilde).
 
-    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  Y, Y_bar and Y_tilde
+    Feature space (``jacobian="features"``).  Y, Y_bar and Y_tilde
     are taken w.r.t. the representation z, which belongs to one batch: features mode runs the
     single-batch form (xi = xi_bar = xi_tilde, each at its own inner iterate of eta:
     ``Balancer.backward(losses, features=z)`` or a closure returning the same batch; fresh batches
@@ -91,8 +91,11 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
             ``torch.manual_seed`` fixes it).
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
-        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
-            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
+        jacobian: ``"parameters"`` (the paper's: per-task gradients w.r.t. the shared parameters, m
+            backward passes through the trunk) or ``"features"`` (w.r.t. the representation z: m
+            passes through the heads, one through the trunk; see "Feature space" above).  Its theta
+            step is the exact gradient of sum_i c_i L^i either way (only the weights are taken in z),
+            so its rates carry over.
 
     Defaults and presets.  The defaults are the paper's main Multi-MNIST setting (App. D.2, with
     lambda = 0.8 as App. F.1 says); ``DoubleLoopMGDA.preset(name)`` gives ``multimnist``,

@@ -116,7 +116,7 @@ class FAMO(JointBaseline):
     Presets: ``multimnist`` (defaults: lr 1e-4, pref_lr 2.5e-3, gamma 1e-2), ``celeba``
     (pref_lr 5e-6).  The paper gives no synthetic settings for FAMO.
 
-    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  FAMO's inputs are the
+    Feature space (``jacobian="features"``).  FAMO's inputs are the
     dual objectives' values, not gradients, and its step is already one backward pass: its weights c
     and its theta step are the same in both modes (the step's backward runs to z, then through the
     trunk).  Only the reported ``theta_grad_norm`` / ``balanced_grad_norm`` become z-space norms.
@@ -134,8 +134,11 @@ class FAMO(JointBaseline):
         divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
-        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
-            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
+        jacobian: ``"parameters"`` (the paper's: per-task gradients w.r.t. the shared parameters, m
+            backward passes through the trunk) or ``"features"`` (w.r.t. the representation z: m
+            passes through the heads, one through the trunk; see "Feature space" above).  Its theta
+            step is the exact gradient of sum_i c_i L^i either way (only the weights are taken in z),
+            so its rates carry over.
     """
 
     FORMS_JACOBIAN: ClassVar[bool] = False  # (the heads-as-shared check takes m backward passes, once)

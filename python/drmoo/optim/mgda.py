@@ -10,6 +10,7 @@ from torch import Tensor
 from drmoo_kernels.reference import clip_factor
 
 from ._base import Closure, ParamsT, configure_jacobian
+from ._features_rate import warn_unless_rate_chosen
 from ._hyperparameters import SOLVERS, check_flag, check_positive
 from ._joint import (
     JointBaseline,
@@ -279,7 +280,7 @@ class MGDA(JointBaseline):
     weighted mean loss.  It does not transfer to Double-Clip's clipped step (see
     :class:`~drmoo.optim.DoubleClipMGDA`).
 
-    Feature space (``jacobian="features"``, MGDA-UB; :mod:`drmoo.optim._features`).  J's rows are
+    Feature space (``jacobian="features"``, MGDA-UB).  J's rows are
     the gradients w.r.t. the representation z (m x B*d, m backward passes through the heads only),
     so the Gram K = J_z J_z^T + diag(z^2) -- and the weights of both solvers -- are taken in z's
     coordinates; theta moves along (dz/dtheta)^T J_z^T w_{t+1} = grad_theta sum_i w_i L^i (ONE
@@ -308,8 +309,14 @@ class MGDA(JointBaseline):
         clip_c2: see ``clip_c1``; give both or neither.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
-        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
-            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
+        jacobian: ``"parameters"`` (the paper's: per-task gradients w.r.t. the shared parameters, m
+            backward passes through the trunk) or ``"features"`` (w.r.t. the representation z: m
+            passes through the heads, one through the trunk; see "Feature space" above).
+            With ``clip_c1``/``clip_c2`` its clip alpha = min(clip_c1, clip_c2 / ||J^T w||) reads a norm
+            taken in z, so ``lr`` must be chosen for features mode: built in features mode it warns once
+            (:class:`~drmoo.optim.FeaturesRateWarning`) unless ``features_rate_chosen=True``.
+        features_rate_chosen: say that ``lr`` was chosen for ``jacobian="features"`` (silences the
+            warning).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -337,6 +344,7 @@ class MGDA(JointBaseline):
         capturable: bool = False,
         backend: str | None = None,
         jacobian: str = "parameters",
+        features_rate_chosen: bool = False,
     ) -> None:
         if solver not in SOLVERS:
             raise ValueError(f"solver must be one of {', '.join(SOLVERS)}; got {solver!r}")
@@ -354,6 +362,8 @@ class MGDA(JointBaseline):
         }
         super().__init__(params, num_tasks, defaults, backend)
         self.jacobian_engine = configure_jacobian(self, jacobian)
+        clip_reads_z = "its clip alpha = min(clip_c1, clip_c2 / ||J_z^T w||) reads a norm taken in z"
+        warn_unless_rate_chosen(self, jacobian, None if clip_c1 is None else clip_reads_z, features_rate_chosen)
 
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One MGDA iteration; calls ``closure`` once.  Nothing changes if a check fails.

@@ -56,7 +56,7 @@ class MoDo(JointBaseline):
     Presets: ``multimnist`` (defaults), ``celeba``, ``linear`` (App. E.1: lr = pref_lr = 1e-5,
     rho = 1e-5), ``wine`` (App. E.2: lr 1e-3, pref_lr 6e-4, rho = 1e-6).
 
-    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  Rows w.r.t. the
+    Feature space (``jacobian="features"``).  Rows w.r.t. the
     representation z are one batch's per-sample coordinates, so products of two independent batches'
     rows (G_1 G_2^T w) estimate nothing: features mode runs the single-batch form only (the three
     draws are one batch: ``Balancer.backward(losses, features=z)``, or a closure returning the same
@@ -77,8 +77,11 @@ class MoDo(JointBaseline):
         divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
-        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
-            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
+        jacobian: ``"parameters"`` (the paper's: per-task gradients w.r.t. the shared parameters, m
+            backward passes through the trunk) or ``"features"`` (w.r.t. the representation z: m
+            passes through the heads, one through the trunk; see "Feature space" above).  Its theta
+            step is the exact gradient of sum_i c_i L^i either way (only the weights are taken in z),
+            so its rates carry over.
     """
 
     DRAWS_SHARE_ONE_POINT: ClassVar[bool] = True  # its three batches are all taken at (theta_t, eta_t)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ._base import Closure, ParamsT, configure_jacobian
+from ._features_rate import warn_unless_rate_chosen
 from ._hyperparameters import check_flag, check_positive
 from ._joint import TINY, JointBaseline, check_count, common_defaults, joint_gram, joint_norm
 from ._state_dict import STATE_KEY
@@ -126,7 +127,7 @@ class NashMTL(JointBaseline):
     Presets: ``multimnist`` (defaults: lr 1e-4), ``celeba`` (lr 1e-4).  The paper gives no
     synthetic settings for Nash-MTL.
 
-    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  On weight-update steps
+    Feature space (``jacobian="features"``).  On weight-update steps
     J's rows are the gradients w.r.t. the representation z, so the bargaining system K alpha =
     1/alpha is solved for the z-space Gram K = J_z J_z^T + diag(z^2), and the clip min(1, max_norm /
     ||d||) reads the z-space norm (still sqrt(m) on update steps); on reuse steps ||d|| is the norm
@@ -150,8 +151,14 @@ class NashMTL(JointBaseline):
         divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
-        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
-            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
+        jacobian: ``"parameters"`` (the paper's: per-task gradients w.r.t. the shared parameters, m
+            backward passes through the trunk) or ``"features"`` (w.r.t. the representation z: m
+            passes through the heads, one through the trunk; see "Feature space" above).
+            Its weights (1/alpha ~ ||g_i||) and clip read norms taken in z, so ``lr`` must be chosen for
+            features mode: built in features mode it warns once
+            (:class:`~drmoo.optim.FeaturesRateWarning`) unless ``features_rate_chosen=True``.
+        features_rate_chosen: say that ``lr`` was chosen for ``jacobian="features"`` (silences the
+            warning).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -173,6 +180,7 @@ class NashMTL(JointBaseline):
         capturable: bool = False,
         backend: str | None = None,
         jacobian: str = "parameters",
+        features_rate_chosen: bool = False,
     ) -> None:
         defaults = {
             **common_defaults(lam, divergence, lr=lr),
@@ -183,6 +191,8 @@ class NashMTL(JointBaseline):
         }
         super().__init__(params, num_tasks, defaults, backend)
         self.jacobian_engine = configure_jacobian(self, jacobian)
+        warn_unless_rate_chosen(self, jacobian, "its weights scale as 1/||g_i|| of the gradients w.r.t. z and "
+                                "its clip reads their norm", features_rate_chosen)
 
     def extra_state(self) -> dict[str, Any]:
         return {"alpha": torch.ones(self.num_tasks, device=self.device, dtype=torch.float64)}

@@ -85,7 +85,7 @@ class SDMGrad(JointBaseline):
     ``linear`` (App. E.1: S = 10, lr 1e-4, pref_lr 5e-4, rho 1e-5), ``wine`` (App. E.2: S = 15,
     lr 1e-3, pref_lr 5e-4, rho 1e-4).
 
-    Feature space (``jacobian="features"``; :mod:`drmoo.optim._features`).  As for MoDo: rows
+    Feature space (``jacobian="features"``).  As for MoDo: rows
     w.r.t. the representation z belong to one batch, so A = J_xi J_xi'^T needs xi = xi' (the
     single-batch form: ``Balancer.backward(losses, features=z)`` or a closure returning the same
     batch; fresh batches are refused at the second draw).  A, its normalisation s and the inner
@@ -109,8 +109,11 @@ class SDMGrad(JointBaseline):
         divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
-        jacobian: ``"parameters"`` (the paper's) or ``"features"`` (per-task gradients w.r.t. the
-            representation z; see "Feature space" above and :mod:`drmoo.optim._features`).
+        jacobian: ``"parameters"`` (the paper's: per-task gradients w.r.t. the shared parameters, m
+            backward passes through the trunk) or ``"features"`` (w.r.t. the representation z: m
+            passes through the heads, one through the trunk; see "Feature space" above).  Its theta
+            step is the exact gradient of sum_i c_i L^i either way (only the weights are taken in z),
+            so its rates carry over.
     """
 
     DRAWS_SHARE_ONE_POINT: ClassVar[bool] = True  # its three batches are all taken at (theta_t, eta_t)
