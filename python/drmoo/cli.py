@@ -429,7 +429,8 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
                         "(gloo on CPU, nccl on GPUs); the batch size is the global one (default: one process)")
     parser.add_argument("--config", metavar="FILE", type=_path,
                         help="the run's settings from a .toml or .json file with the keys of a run's config.json "
-                        "(a run's own config.json replays it); options on the command line override the file")
+                        "(a run's own config.json replays it); options on the command line override the file "
+                        "(default: none)")
     parser.set_defaults(handler=_run_train)
 
 
