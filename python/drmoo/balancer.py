@@ -110,7 +110,10 @@ MethodName = Literal["double-clip", "double-loop", "mgda", "modo", "moco", "sdmg
 """The methods' registry names (:func:`drmoo.optim.available`), the ``method`` of :class:`Balancer`.  A
 name held in a ``str`` (a config file's) becomes one through :func:`method_name`."""
 JacobianMode = Literal["parameters", "features"]
+"""The ``jacobian`` of :class:`Balancer`: the per-task gradients w.r.t. the shared parameters (the paper's)
+or w.r.t. the representation z every head reads (see the ``jacobian`` argument)."""
 SolverName = Literal["one_step", "min_norm"]
+"""MGDA's ``solver``: one projected step of w per iteration (the paper's baseline) or the exact min-norm weights."""
 
 # Methods whose single-batch form runs several backward passes over the one graph of the losses
 # (one per batch of the multi-batch algorithm): the graph is kept for all but the last.
