@@ -15,7 +15,7 @@ same numbers on any CPU or GPU (they count what is asked of the device, not how 
 Grid: plain training (``losses.mean(0).sum().backward()``, SGD), then every method x
 {``jacobian="parameters"``, ``"features"``} (MoCo has no features mode) x {the ``drmoo.Balancer``
 (``backward(losses[, features=z])`` then SGD on every parameter), the optimizer's ``step(closure)`` (SGD on
-the heads)} x ``jacobian_strategy`` {loop, batched} x m, on two head layouts: m separate ``Linear(d, 1)``
+the heads)} x ``jacobian_strategy`` {auto, loop, batched} x m, on two head layouts: m separate ``Linear(d, 1)``
 heads joined by ``torch.cat``, and one shared ``Linear(d, m)`` head; per-sample logistic losses [B, m].
 
 The ``step(closure)`` closure draws the method's batches as its multi-batch form does (a fresh batch per
@@ -51,7 +51,8 @@ METHODS = ("mgda", "double-clip", "double-loop", "famo", "modo", "moco", "nashmt
 NO_FEATURES = ("moco",)
 MODES = ("parameters", "features")
 APIS = ("balancer", "step")
-STRATEGIES = ("loop", "batched")
+STRATEGIES = ("auto", "loop", "batched")
+DEFAULT_STRATEGY = "auto"  # what a new optimizer picks (drmoo.jacobian.resolve_strategy)
 LAYOUTS = ("separate", "shared")
 TASKS = (2, 8, 40, 100)
 TRUNKS = ("small", "resnet18")
@@ -83,12 +84,6 @@ def variants(trunk: str) -> Iterator[Variant]:
             continue  # m backward passes through ResNet18 per row: MGDA's Balancer rows only
         yield Variant(method, mode, api, strategy)
 
-
-def default_strategy(mode: str, num_tasks: int) -> str:
-    """What a new optimizer picks (parameters: loop; features: batched above BATCHED_ABOVE_TASKS)."""
-    from drmoo.optim._features import BATCHED_ABOVE_TASKS
-
-    return "batched" if mode == "features" and num_tasks > BATCHED_ABOVE_TASKS else "loop"
 
 
 def build(trunk: str, layout: str, num_tasks: int, seed: int = 0) -> tuple[Any, Any, Callable[[Any], Any], int]:
@@ -209,8 +204,7 @@ def count(variant: Variant, trunk: str, layout: str, num_tasks: int) -> dict[str
         step()
     return {"trunk": trunk, "layout": layout, "m": num_tasks, "method": variant.method, "mode": variant.mode,
             "api": variant.api, "strategy": variant.strategy,
-            "default_strategy": bool(variant.strategy)
-            and variant.strategy == default_strategy(variant.mode, num_tasks),
+            "default_strategy": variant.strategy == DEFAULT_STRATEGY,
             "ops": counter.ops_total, "views": counter.views, "syncs": len(counter.syncs),
             "sync_origins": dict(counter.sync_origins()), "top_ops": dict(counter.ops.most_common(8))}
 
@@ -241,9 +235,10 @@ def table(data: dict[str, Any]) -> str:
         "",
         "Rows: method, `jacobian=` mode, API (`balancer`: `drmoo.Balancer(...).backward` then SGD; `step`: the "
         "optimizer's `step(closure)`, which in parameters mode draws a fresh batch per closure call, the method's "
-        "multi-batch form), `jacobian_strategy` (`loop`: one backward per task; `batched`: one vmapped backward). "
-        "A `*` marks the strategy a new optimizer picks at that m (parameters: loop; features: batched above 4 "
-        "tasks).",
+        "multi-batch form), `jacobian_strategy` (`loop`: one backward per task; `batched`: one vmapped backward; "
+        "`auto`, the default, marked `*`: on this CPU run, parameters mode's `loop`, and in features mode the "
+        "rows of separate heads from one pass, else `batched` above 4 tasks; on a GPU `auto` takes `batched` "
+        "where it does not split).",
         "",
     ]
     for trunk in data["trunks"]:

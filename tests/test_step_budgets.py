@@ -99,8 +99,8 @@ def test_plain_training_issues_no_sync_and_its_ops_are_the_floor() -> None:
 @pytest.mark.parametrize("key", sorted(BUDGETS), ids=lambda key: "-".join(key))
 def test_a_step_stays_within_its_ops_and_syncs_budget(key: tuple[str, str, str]) -> None:
     method, mode, api = key
-    strategy = launches.default_strategy(mode, NUM_TASKS)
-    record = launches.count(launches.Variant(method, mode, api, strategy), "small", "separate", NUM_TASKS)
+    record = launches.count(launches.Variant(method, mode, api, launches.DEFAULT_STRATEGY), "small", "separate",
+                            NUM_TASKS)
     ops, syncs = BUDGETS[key]
     assert record["syncs"] <= syncs, f"{key}: {record['syncs']} host syncs (budget {syncs}): {record['sync_origins']}"
     assert record["ops"] <= _ops_budget(ops), f"{key}: {record['ops']} ops (budget {_ops_budget(ops)})"

@@ -112,6 +112,9 @@ name held in a ``str`` (a config file's) becomes one through :func:`method_name`
 JacobianMode = Literal["parameters", "features"]
 """The ``jacobian`` of :class:`Balancer`: the per-task gradients w.r.t. the shared parameters (the paper's)
 or w.r.t. the representation z every head reads (see the ``jacobian`` argument)."""
+JacobianStrategy = Literal["auto", "loop", "batched"]
+"""The ``jacobian_strategy`` of :class:`Balancer` (:data:`drmoo.jacobian.STRATEGIES`): how the per-task gradients
+are computed."""
 SolverName = Literal["one_step", "min_norm"]
 """MGDA's ``solver``: one projected step of w per iteration (the paper's baseline) or the exact min-norm weights."""
 
@@ -178,6 +181,11 @@ class Balancer:
             norm taken in z in theta's step length, so their ``lr`` must be chosen for features
             mode -- they warn once (:class:`drmoo.optim.FeaturesRateWarning`) unless built with
             ``features_rate_chosen=True``.  MoCo refuses it.
+        jacobian_strategy: how the per-task gradients are computed (:mod:`drmoo.jacobian`):
+            ``"auto"`` (the fewest kernel launches on a GPU, the least memory traffic on the CPU, and
+            in features mode the rows of separate heads from one pass), ``"loop"`` (one backward
+            per task) or ``"batched"`` (one vmapped backward); the algorithm's
+            ``jacobian_strategy`` attribute, which may also be set later.
         **hparams: the method's hyperparameters, as its optimizer class takes them (``lam``,
             ``divergence``, ``lr`` -- eta's step size here --, ``capturable``, ``backend``, ...);
             typed per method for type checkers.
@@ -190,7 +198,7 @@ class Balancer:
     @overload
     def __init__(self, method: Literal["double-clip"], shared_params: SharedParams, num_tasks: int, *,
                  optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
-                 jacobian: JacobianMode = "parameters",
+                 jacobian: JacobianMode = "parameters", jacobian_strategy: JacobianStrategy = "auto",
                  lr: float = ..., pref_lr: float = ..., rho: float = ..., c1: float = ..., c2: float = ...,
                  f1: float = ..., f2: float = ..., lam: float = ..., divergence: str = ..., dual_scale: float = ...,
                  resample: bool = ...,
@@ -199,14 +207,14 @@ class Balancer:
     @overload
     def __init__(self, method: Literal["double-loop"], shared_params: SharedParams, num_tasks: int, *,
                  optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
-                 jacobian: JacobianMode = "parameters",
+                 jacobian: JacobianMode = "parameters", jacobian_strategy: JacobianStrategy = "auto",
                  lr: float = ..., dual_lr: float = ..., pref_lr: float = ..., rho: float = ...,
                  inner_steps: int = ..., lam: float = ..., divergence: str = ..., seed: int | None = ...,
                  capturable: bool = False, backend: str | None = None) -> None: ...
     @overload
     def __init__(self, method: Literal["mgda"], shared_params: SharedParams, num_tasks: int, *,
                  optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
-                 jacobian: JacobianMode = "parameters",
+                 jacobian: JacobianMode = "parameters", jacobian_strategy: JacobianStrategy = "auto",
                  lr: float = ..., pref_lr: float = ..., rho: float = ..., lam: float = ..., divergence: str = ...,
                  solver: SolverName = ..., max_iter: int = ..., tol: float = ...,
                  clip_c1: float | None = ..., clip_c2: float | None = ...,
@@ -215,20 +223,20 @@ class Balancer:
     @overload
     def __init__(self, method: Literal["modo"], shared_params: SharedParams, num_tasks: int, *,
                  optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
-                 jacobian: JacobianMode = "parameters",
+                 jacobian: JacobianMode = "parameters", jacobian_strategy: JacobianStrategy = "auto",
                  lr: float = ..., pref_lr: float = ..., rho: float = ..., lam: float = ..., divergence: str = ...,
                  capturable: bool = False, backend: str | None = None) -> None: ...
     @overload
     def __init__(self, method: Literal["moco"], shared_params: SharedParams, num_tasks: int, *,
                  optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
-                 jacobian: JacobianMode = "parameters",
+                 jacobian: JacobianMode = "parameters", jacobian_strategy: JacobianStrategy = "auto",
                  lr: float = ..., pref_lr: float = ..., rho: float = ..., ema: float = ..., lam: float = ...,
                  divergence: str = ...,
                  capturable: bool = False, backend: str | None = None) -> None: ...
     @overload
     def __init__(self, method: Literal["sdmgrad"], shared_params: SharedParams, num_tasks: int, *,
                  optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
-                 jacobian: JacobianMode = "parameters",
+                 jacobian: JacobianMode = "parameters", jacobian_strategy: JacobianStrategy = "auto",
                  lr: float = ..., pref_lr: float = ..., rho: float = ..., sdm_lambda: float = ...,
                  inner_steps: int = ..., momentum: float = ..., normalize: bool = ..., lam: float = ...,
                  divergence: str = ...,
@@ -236,7 +244,7 @@ class Balancer:
     @overload
     def __init__(self, method: Literal["nashmtl"], shared_params: SharedParams, num_tasks: int, *,
                  optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
-                 jacobian: JacobianMode = "parameters",
+                 jacobian: JacobianMode = "parameters", jacobian_strategy: JacobianStrategy = "auto",
                  lr: float = ..., max_norm: float = ..., update_every: int = ..., solver_iters: int = ...,
                  lam: float = ..., divergence: str = ...,
                  features_rate_chosen: bool = ...,
@@ -244,14 +252,14 @@ class Balancer:
     @overload
     def __init__(self, method: Literal["famo"], shared_params: SharedParams, num_tasks: int, *,
                  optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
-                 jacobian: JacobianMode = "parameters",
+                 jacobian: JacobianMode = "parameters", jacobian_strategy: JacobianStrategy = "auto",
                  lr: float = ..., pref_lr: float = ..., logit_decay: float = ...,
                  loss_floor: float | Sequence[float] = ..., famo_eps: float = ..., lam: float = ...,
                  divergence: str = ...,
                  capturable: bool = False, backend: str | None = None) -> None: ...
     def __init__(self, method: str, shared_params: SharedParams, num_tasks: int, *,
                  optimizer: torch.optim.Optimizer | None = None, allow_partial_shared: bool = False,
-                 jacobian: str = "parameters", **hparams: Any) -> None:
+                 jacobian: str = "parameters", jacobian_strategy: str = "auto", **hparams: Any) -> None:
         if method not in available():
             raise ValueError(f"unknown method {method!r}; valid choices: {', '.join(available())}")
         if jacobian != "parameters":
@@ -269,6 +277,7 @@ class Balancer:
         self._algorithm = create(method, shared_params, num_tasks, **hparams)
         self._algorithm.direction_mode = True
         self._algorithm.allow_partial_shared = check_flag("allow_partial_shared", allow_partial_shared)
+        self._algorithm.jacobian_strategy = jacobian_strategy  # (a ValueError naming the choices otherwise)
         self._optimizer = optimizer
         self._dual_lr_start: tuple[float, float] | None = None  # Double-Loop: (dual_lr, the lr it goes with)
         if optimizer is not None:

@@ -302,7 +302,10 @@ def test_a_features_step_takes_2m_plus_1_passes_above_z(toy, monkeypatch, strate
     def counting(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         ids = {id(t) for t in ([inputs] if isinstance(inputs, Tensor) else inputs)}
         kind = "trunk" if id(problem.A) in ids else "z" if ids & z_ids else "heads" if ids == {id(problem.H)} else "?"
-        calls.append((kind, bool(kwargs.get("is_grads_batched", False))))
+        cotangents = kwargs.get("grad_outputs")
+        cotangents = [cotangents] if isinstance(cotangents, Tensor) else list(cotangents or [])
+        vmapped = any(isinstance(t, Tensor) and torch._C._functorch.is_batchedtensor(t) for t in cotangents)
+        calls.append((kind, vmapped or bool(kwargs.get("is_grads_batched", False))))
         return grad(outputs, inputs, *args, **kwargs)
 
     m = FEATURES_TASKS

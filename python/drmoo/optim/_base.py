@@ -67,7 +67,7 @@ from drmoo_kernels._checks import trusted_arguments, untrusted_arguments
 
 from ._agreement import agree_on_losses, all_ranks_finite, check_same_problem
 from ._engine import JacobianEngine
-from ._features import BATCHED_ABOVE_TASKS, FeaturesJacobian
+from ._features import FeaturesJacobian
 from ._guards import NonFiniteStepError, StepGuard
 from ._head_grads import HeadGradients
 from ._hyperparameters import (
@@ -115,13 +115,8 @@ def configure_jacobian(optimizer: MultiObjectiveOptimizer, jacobian: str) -> Jac
     refusal = getattr(type(optimizer), "FEATURES_REFUSAL", None)
     if refusal:
         raise ValueError(f"{type(optimizer).__name__} cannot use jacobian='features': {refusal}")
-    # The rows above z: a per-task pass walks every head (the cotangent is zero on the other tasks'
-    # columns, but autograd still runs their heads' backward), m^2 small head backwards in all; one
-    # vmapped pass ("batched") does them at once but costs a fixed setup.  Measured on ResNet18's
-    # z (B = 32, d = 512) with m Linear(512, 1) heads, one CPU thread: loop 0.7 / 13.5 / ~460 ms at
-    # m = 2 / 8 / 40, batched 8.9 / 5.4 / 38 ms.  Set ``optimizer.jacobian_strategy`` afterwards to
-    # override (e.g. "loop" for heads whose ops vmap cannot batch).
-    optimizer.jacobian_strategy = "batched" if optimizer.num_tasks > BATCHED_ABOVE_TASKS else "loop"
+    # How its rows above z are taken follows ``optimizer.jacobian_strategy`` ("auto" by default:
+    # drmoo.jacobian.resolve_strategy and FeaturesJacobian.task_jacobian).
     return FeaturesJacobian(type(optimizer).__name__)
 
 
@@ -261,7 +256,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # gradients are divided back before use.  The heads' .grad stay scaled: divide them before
         # stepping the heads (the trainer does).  An overflow surfaces as NonFiniteStepError.
         self.loss_scale: float = 1.0
-        self._jacobian_strategy = "loop"
+        self._jacobian_strategy = "auto"
         self.stats: dict[str, Tensor] = {}
         self.state[STATE_KEY] = initial_state(num_tasks, method=type(self).__name__, device=self.device,
                                               parameters_dtype=shared[0].dtype)
@@ -329,7 +324,10 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
 
     @property
     def jacobian_strategy(self) -> str:
-        """How per-task gradients are computed: ``"loop"`` (default) or ``"batched"``."""
+        """How per-task gradients are computed: ``"auto"`` (default), ``"loop"`` (one backward per task) or
+        ``"batched"`` (one vmapped backward): see :mod:`drmoo.jacobian`.  ``"auto"`` takes the fewest kernel
+        launches on a GPU and the least memory traffic on the CPU, and in features mode the rows of
+        separate heads from one ordinary pass."""
         return self._jacobian_strategy
 
     @jacobian_strategy.setter

@@ -51,13 +51,20 @@ import torch
 from torch import Tensor
 
 from drmoo import distributed
-from drmoo.jacobian import copy_into_row, heads_above_features, require_reached, task_jacobian
+from drmoo._head_split import TaskSplit, split_task_jacobian, task_split
+from drmoo.jacobian import (
+    accumulate_into_grad,
+    copy_into_row,
+    heads_above_features,
+    require_reached,
+    resolve_strategy,
+    task_jacobian,
+)
 
 from ._direction import write_direction
 from ._engine import EngineHost
 
 # Features mode computes the rows above z in one vmapped pass above this many tasks (see _base.configure_jacobian).
-BATCHED_ABOVE_TASKS = 4
 
 FeaturesInput = Tensor | tuple[Tensor, ...] | list[Tensor]  # z: one tensor, or the pieces the heads read
 
@@ -121,6 +128,7 @@ class FeaturesJacobian:
         """Forget the step's z and graph walk (called when a step returns or raises)."""
         self.features: tuple[Tensor, ...] | None = None
         self._checked: tuple[Tensor, list[Tensor]] | None = None  # (losses, heads above z)
+        self._split: tuple[Tensor, TaskSplit | None] | None = None  # (losses, their per-task heads, if any)
 
     # ------------------------------------------------------------------------------ the closure
     def unpack(self, result: Any, *, need_graph: bool) -> Any:
@@ -163,6 +171,14 @@ class FeaturesJacobian:
             self._checked = (losses, heads_above_features(losses, self.features, shared))
         return self._checked[1] if feed_heads else []
 
+    def task_split(self, losses: Tensor) -> TaskSplit | None:
+        """The per-task heads of ``losses``' graph above z (:func:`drmoo._head_split.task_split`), read once
+        per losses."""
+        assert self.features is not None
+        if self._split is None or self._split[0] is not losses:
+            self._split = (losses, task_split(losses, self.features))
+        return self._split[1]
+
     # ------------------------------------------------------------------------------ rows of J_z
     def _buffer(self, slot: str, rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         assert self.features is not None
@@ -186,8 +202,17 @@ class FeaturesJacobian:
         scale = host.loss_scale
         scaled = cotangent * scale if scale != 1.0 else cotangent
         out = self._buffer(slot, host.num_tasks, shared[0].dtype, shared[0].device)
-        jacobian = task_jacobian(losses, scaled, self.features, out, strategy=host.jacobian_strategy,
-                                 feed_heads=bool(heads), retain_graph=True, heads=heads)
+        strategy = host.jacobian_strategy
+        split = self.task_split(losses) if strategy == "auto" else None
+        if split is not None:  # separate heads: every row from one ordinary pass (drmoo._head_split)
+            head_grads = split_task_jacobian(losses, scaled, self.features, out, split, heads=heads,
+                                             retain_graph=True)
+            accumulate_into_grad(heads, head_grads)
+            jacobian = out
+        else:
+            strategy = resolve_strategy(strategy, out.device, host.num_tasks, features=True)
+            jacobian = task_jacobian(losses, scaled, self.features, out, strategy=strategy,
+                                     feed_heads=bool(heads), retain_graph=True, heads=heads)
         if scale != 1.0:
             jacobian.div_(scale)
         return jacobian
