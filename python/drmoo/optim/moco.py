@@ -82,11 +82,9 @@ class MoCo(JointBaseline):
         divergence: f.
         capturable: no host read in :meth:`step` (see :mod:`drmoo.optim`, "Capturable steps").
         backend: kernel backend (see :mod:`drmoo_kernels.dispatch`).
-        jacobian: ``"parameters"`` (the paper's: per-task gradients w.r.t. the shared parameters, m
-            backward passes through the trunk) or ``"features"`` (w.r.t. the representation z: m
-            passes through the heads, one through the trunk; see "Feature space" above).  Its theta
-            step is the exact gradient of sum_i c_i L^i either way (only the weights are taken in z),
-            so its rates carry over.
+        jacobian: ``"parameters"`` only (per-task gradients w.r.t. the shared parameters);
+            ``"features"`` (w.r.t. the representation z) is refused: MoCo's tracked Jacobian averages
+            rows across steps, i.e. across batches, whose z coordinates differ.
     """
 
     # jacobian="features" (drmoo.optim._features) is refused at construction, for this reason:
