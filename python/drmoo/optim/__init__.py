@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._base import MultiObjectiveOptimizer, ParamsT
+from ._base import MultiObjectiveOptimizer
 from ._features_rate import FeaturesRateWarning
 from ._guards import NonFiniteStepError
 from .double_clip import DoubleClipMGDA
@@ -47,10 +47,12 @@ from .moco import MoCo
 from .modo import MoDo
 from .nashmtl import NashMTL
 from .sdmgrad import SDMGrad
+from .types import Closure, ParamsT
 
 __all__ = [
     "FAMO",
     "MGDA",
+    "Closure",
     "DoubleClipMGDA",
     "DoubleLoopMGDA",
     "FeaturesRateWarning",
@@ -59,6 +61,7 @@ __all__ = [
     "MultiObjectiveOptimizer",
     "NashMTL",
     "NonFiniteStepError",
+    "ParamsT",
     "SDMGrad",
     "available",
     "create",

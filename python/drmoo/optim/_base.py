@@ -83,13 +83,9 @@ from ._losses import check_losses
 from ._parameters import ParametersJacobian
 from ._shared_reach import SharedReach
 from ._state_dict import STATE_KEY, initial_state, owned_state, validate_state_dict
+from .types import Closure, ParamsT  # the closure protocol (above), the shared parameters
 
 __all__ = ["Closure", "MultiObjectiveOptimizer", "NonFiniteStepError", "ParamsT", "configure_jacobian"]
-
-# The closure protocol (above): per-sample losses, or (losses, sample_weight); in features mode
-# (losses, z) or (losses, z, sample_weight).
-Closure = Callable[[], Tensor | tuple[Tensor, ...]]
-ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
 # The ways of taking per-task gradients (``jacobian=``), see configure_jacobian.
 JACOBIANS: tuple[str, ...] = ("parameters", "features")

@@ -32,9 +32,10 @@ from drmoo import distributed
 from drmoo.jacobian import copy_into_row, head_leaves, require_reached
 from drmoo_kernels.reference import project_simplex
 
-from ._base import Closure, MultiObjectiveOptimizer
+from ._base import MultiObjectiveOptimizer
 from ._hyperparameters import check_count, check_fraction, check_positive
 from ._state_dict import STATE_KEY
+from .types import Closure
 
 __all__ = [
     "JointBaseline",

@@ -10,9 +10,10 @@ from torch import Tensor
 from drmoo import distributed
 from drmoo_kernels.reference import clip_factor, gram_step_small
 
-from ._base import Closure, MultiObjectiveOptimizer, ParamsT, configure_jacobian
+from ._base import MultiObjectiveOptimizer, configure_jacobian
 from ._features_rate import warn_unless_rate_chosen
 from ._hyperparameters import check_flag, check_positive
+from .types import Closure, ParamsT
 
 
 class DoubleClipMGDA(MultiObjectiveOptimizer):

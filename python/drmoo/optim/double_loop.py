@@ -11,9 +11,10 @@ from torch import Tensor
 
 from drmoo_kernels.reference import project_simplex
 
-from ._base import Closure, MultiObjectiveOptimizer, ParamsT, configure_jacobian
+from ._base import MultiObjectiveOptimizer, configure_jacobian
 from ._hyperparameters import check_flag, check_positive
 from ._state_dict import STATE_KEY
+from .types import Closure, ParamsT
 
 
 class DoubleLoopMGDA(MultiObjectiveOptimizer):

@@ -11,10 +11,11 @@ from torch import Tensor
 
 from drmoo.jacobian import column_views, copy_into_row
 
-from ._base import Closure, ParamsT, configure_jacobian
+from ._base import configure_jacobian
 from ._hyperparameters import HYPERPARAMETER_CHECKS, check_flag, check_positive
 from ._joint import JointBaseline, TaskGradients, common_defaults
 from ._state_dict import STATE_KEY
+from .types import Closure, ParamsT
 
 ReevaluateFn = Closure  # the same protocol: per-sample losses, or (losses, sample_weight)
 

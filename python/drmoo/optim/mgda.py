@@ -9,7 +9,7 @@ from torch import Tensor
 
 from drmoo_kernels.reference import clip_factor
 
-from ._base import Closure, ParamsT, configure_jacobian
+from ._base import configure_jacobian
 from ._features_rate import warn_unless_rate_chosen
 from ._hyperparameters import SOLVERS, check_flag, check_positive
 from ._joint import (
@@ -20,6 +20,7 @@ from ._joint import (
     joint_norm,
     simplex_step,
 )
+from .types import Closure, ParamsT
 
 # Exact enumeration of the faces of the simplex up to this many tasks (2^m - 1 tiny systems, one
 # batched solve); above it the active-set method (one small system per iteration).

@@ -7,10 +7,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import Closure, ParamsT, configure_jacobian
+from ._base import configure_jacobian
 from ._hyperparameters import check_flag
 from ._joint import JointBaseline, check_fraction, common_defaults, joint_gram, joint_norm, simplex_step
 from ._state_dict import STATE_KEY
+from .types import Closure, ParamsT
 
 
 class MoCo(JointBaseline):

@@ -7,9 +7,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import Closure, ParamsT, configure_jacobian
+from ._base import configure_jacobian
 from ._hyperparameters import check_flag
 from ._joint import JointBaseline, all_finite, common_defaults, joint_norm, simplex_step
+from .types import Closure, ParamsT
 
 
 class MoDo(JointBaseline):

@@ -7,11 +7,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import Closure, ParamsT, configure_jacobian
+from ._base import configure_jacobian
 from ._features_rate import warn_unless_rate_chosen
 from ._hyperparameters import check_flag, check_positive
 from ._joint import TINY, JointBaseline, check_count, common_defaults, joint_gram, joint_norm
 from ._state_dict import STATE_KEY
+from .types import Closure, ParamsT
 
 # Ridge on the unit-diagonal (Jacobi-scaled) Gram matrix.  When the joint gradients are linearly
 # dependent with conflicting signs (e.g. g_2 = -g_1), F below is unbounded and no alpha solves the

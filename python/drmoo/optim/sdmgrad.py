@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import Closure, ParamsT, configure_jacobian
+from ._base import configure_jacobian
 from ._hyperparameters import check_flag
 from ._joint import (
     TINY,
@@ -20,6 +20,7 @@ from ._joint import (
     simplex_step,
 )
 from ._state_dict import STATE_KEY
+from .types import Closure, ParamsT
 
 
 class SDMGrad(JointBaseline):
