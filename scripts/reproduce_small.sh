@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64]
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key]
 #   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
@@ -60,6 +60,15 @@
 # b64-sweep, b64-runoff, b64: a second training regime (batch 64, 1,200 iterations) for Double-Clip, MGDA,
 #        Nash-MTL and FAMO: the two-stage validation sweep, then 5 test seeds; results in
 #        results/multimnist2-small/batch64/.
+# attributes: Table 2's protocol on real digits (issue 36): --experiment mnist-attributes (8 imbalanced,
+#        co-occurring binary attributes of 2-digit composites, the paper's importance weights on the dual),
+#        SEEDS (default 0,1,2,3,4): the eight methods, Double-Clip and MGDA without DR (lam=100) and the plain
+#        reference (equal weights, lam=100: mgda[lam=100,pref_lr=0]); then Double-Clip, MGDA and the plain
+#        reference without the importance weights (mnist-attributes-unweighted); then the paired contrasts
+#        (scripts/attribute_contrasts.py).  Rates: the 2-digit Multi-MNIST small preset's, not swept here;
+#        results in results/mnist-attributes-small/{weighted,unweighted}/ and contrasts.{csv,md}.
+# attributes-key: attributes' rows that answer "does DR help" (Double-Clip, MGDA, their lam=100 rows, the
+#        plain reference, each with and without the weights), seed by seed, so an interrupted call has whole seeds.
 # Finished runs are reused, so an interrupted call continues where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -211,6 +220,29 @@ b64)
     # shellcheck disable=SC2086
     "$drmoo" compare --experiment multimnist2 --preset small $b64 --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "$spec" --reference "$reference" --device cpu --quiet --out results/multimnist2-small/batch64 ;;
+attributes|attributes-key)
+    seeds="${SEEDS:-0,1,2,3,4}"
+    plain="mgda[lam=100,pref_lr=0]"
+    attributes() {  # attributes EXPERIMENT SEEDS ROWS OUT
+        "$drmoo" compare --experiment "$1" --preset small --seeds "$2" --jobs "$jobs" --methods "$3" --device cpu \
+            --quiet --out "$4" > /dev/null
+    }
+    if [ "$what" = attributes-key ]; then
+        done_seeds=""
+        for seed in ${seeds//,/ }; do  # seed by seed: the comparisons reuse the seeds already run
+            done_seeds="$done_seeds${done_seeds:+,}$seed"
+            attributes mnist-attributes "$done_seeds" "double-clip,mgda,double-clip[lam=100],mgda[lam=100],$plain" \
+                results/mnist-attributes-small/weighted
+            attributes mnist-attributes-unweighted "$done_seeds" "double-clip,mgda,$plain" \
+                results/mnist-attributes-small/unweighted
+            "$python" scripts/attribute_contrasts.py results/mnist-attributes-small > /dev/null
+        done
+    else
+        attributes mnist-attributes "$seeds" "double-clip,mgda,double-clip[lam=100],mgda[lam=100],$plain,double-loop,modo,moco,sdmgrad,nashmtl,famo" \
+            results/mnist-attributes-small/weighted
+        attributes mnist-attributes-unweighted "$seeds" "double-clip,mgda,$plain" results/mnist-attributes-small/unweighted
+    fi
+    "$python" scripts/attribute_contrasts.py results/mnist-attributes-small ;;
 sweep)
     # The grid, and one more point beyond an end where the best rate sat at that end (see SMALL_LR).
     # MoCo with the paper's ema (the small preset's own ema came later, from moco-sweep).
@@ -245,7 +277,7 @@ moco-sweep)
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64]" >&2
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key]" >&2
     exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s, $jobs jobs on $(nproc --all) cores"

@@ -16,7 +16,7 @@ __all__ = ["main"]
 # that own them, so that building the parser (`drmoo --help`) imports no torch;
 # tests/test_cli_options.py checks each one against its owner.
 EXPERIMENTS = ("multimnist2", "multimnist3", "multimnist4", "multimnist9", "celeba",
-               "celeba40")  # drmoo.experiments.registry.experiments()
+               "celeba40", "mnist-attributes", "mnist-attributes-unweighted")  # drmoo.experiments.registry.experiments()
 PRESETS = ("quick", "small", "medium", "paper")  # every experiment's presets (small, medium: Multi-MNIST only)
 BENCH_EXPERIMENTS = ("multimnist2", "multimnist3")  # drmoo.experiments.multimnist.EXPERIMENTS
 SYNTHETIC_PROBLEMS = ("linear", "wine")  # drmoo.experiments.synthetic.PAPER_PRESETS

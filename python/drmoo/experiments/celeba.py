@@ -24,14 +24,14 @@ from drmoo.data.celeba import ALL_ATTRIBUTES, ATTRIBUTES, CelebA, find_celeba_ro
 from drmoo.metrics import task_metrics
 from drmoo.models import MultiTaskModel, MultiTaskResNet, resolve_weights
 from drmoo.optim import available
-from drmoo.store import make_directory, save_result, write_csv, write_text
+from drmoo.store import save_result
 
 from .evaluation import load_trained_run
 from .registry import Experiment, register
-from .robustness import check_distinct, ensure_trained, reusable_result, run_notes
+from .robustness import ensure_trained, prepare_comparison, reusable_result, write_comparison
 from .run_config import RunConfig
 from .summaries import mean_std, mean_std_text
-from .training import check_fresh_directory, check_run_names, read_diverged
+from .training import read_diverged
 from .variants import run_dir_name
 
 __all__ = ["ATTRIBUTE_SETS", "CELEBA", "CELEBA40", "PAPER_METHOD_HPARAMS", "PRESETS", "attributes_of", "build_celeba",
@@ -207,10 +207,7 @@ def check_celeba_data(config: RunConfig) -> None:
 def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | None = None,
                    progress: bool = True) -> str:
     """Train (reusing finished runs, resuming interrupted ones) and evaluate every config; write table.md/csv."""
-    check_distinct(configs)
-    check_run_names(out, [f"{config.method}-seed{config.seed}" for config in configs])
-    check_fresh_directory(out, "comparison directory", runs_below=True)
-    make_directory(out)
+    prepare_comparison(configs, out)
     reports, started = [], time.perf_counter()
     for config in tqdm(configs, desc="compare", disable=not progress):
         run_dir = out / run_dir_name(config.name, config.seed)  # a variant's label names its own directory
@@ -232,12 +229,7 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
         f"wall time {time.perf_counter() - started:.0f}s"
     )
     table, rows = table_two(reports, header)
-    note = run_notes(reports)
-    if note:
-        table += "\n" + note
-    write_text(out / "table.md", table)
-    write_csv(out / "table.csv", rows)
-    return table
+    return write_comparison(out, table, rows, reports)
 
 
 CELEBA, CELEBA40 = (

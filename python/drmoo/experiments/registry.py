@@ -24,8 +24,8 @@ if TYPE_CHECKING:  # annotations only
 __all__ = ["BUILTIN_MODULES", "Experiment", "experiments", "get_experiment", "register"]
 
 # The modules that register the experiments drmoo ships: Multi-MNIST's two (built by multimnist.py,
-# evaluated under FGSM and compared by robustness.py) and CelebA's.
-BUILTIN_MODULES = ("drmoo.experiments.robustness", "drmoo.experiments.celeba")
+# evaluated under FGSM and compared by robustness.py), CelebA's and MNIST attributes' (Table 2 on real digits).
+BUILTIN_MODULES = ("drmoo.experiments.robustness", "drmoo.experiments.celeba", "drmoo.experiments.mnist_attributes")
 
 _REGISTRY: dict[str, Experiment] = {}
 

@@ -42,7 +42,8 @@ from .training import DIVERGED, Build, check_fresh_directory, check_run_names, r
 from .variants import run_dir_name
 
 __all__ = ["MAX_JOBS", "balancing_table", "check_distinct", "compare", "ensure_trained", "eval_table",
-           "preference_trace", "robustness_figure", "robustness_table", "train_and_evaluate"]
+           "preference_trace", "prepare_comparison", "robustness_figure", "robustness_table", "train_and_evaluate",
+           "write_comparison"]
 
 
 MAX_JOBS = 256  # worker processes of one comparison (drmoo.cli.MAX_JOBS checks the option against it)
@@ -376,6 +377,28 @@ def check_distinct(configs: list[RunConfig]) -> None:
                              "two labels: give only one of them")
 
 
+def prepare_comparison(configs: list[RunConfig], out: Path) -> list[str]:
+    """Check a comparison before it trains (no run twice, run names that fit ``out``, ``out`` drmoo's own
+    or new), create ``out``, and return the run directories' names, in ``configs``' order."""
+    check_distinct(configs)
+    names = [run_dir_name(config.name, config.seed) for config in configs]
+    check_run_names(out, names)
+    check_fresh_directory(out, "comparison directory", runs_below=True)
+    make_directory(out)
+    return names
+
+
+def write_comparison(out: Path, table: str, rows: list[dict[str, Any]], reports: list[dict[str, Any]]) -> str:
+    """``table`` with :func:`run_notes` of ``reports`` appended, written as ``out/table.md``, and ``rows`` as
+    ``out/table.csv``; returns the written table."""
+    note = run_notes(reports)
+    if note:
+        table += "\n" + note
+    write_text(out / "table.md", table)
+    write_csv(out / "table.csv", rows)
+    return table
+
+
 def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progress: bool = True,
             eps_space: str = "pixel", reference: str = "double-clip", jobs: int = 1) -> str:
     """Train (skipping finished runs, resuming interrupted ones) and evaluate each config; write the tables.
@@ -389,11 +412,7 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= MAX_JOBS:
         raise UsageError(f"--jobs must be an integer in [1, {MAX_JOBS}], got {jobs!r}")
-    check_distinct(configs)
-    names = [run_dir_name(config.name, config.seed) for config in configs]
-    check_run_names(out, names)
-    check_fresh_directory(out, "comparison directory", runs_below=True)
-    make_directory(out)
+    names = prepare_comparison(configs, out)
     started = time.perf_counter()
     jobs_done = _run_all(configs, [out / name for name in names], list(eps_values), eps_space, jobs, progress)
     reports = [report for report, _ in jobs_done]
