@@ -15,8 +15,8 @@ __all__ = ["main"]
 # The fixed sets offered as argparse choices.  Written out here rather than imported from the modules
 # that own them, so that building the parser (`drmoo --help`) imports no torch;
 # tests/test_cli_options.py checks each one against its owner.
-EXPERIMENTS = ("multimnist2", "multimnist3", "multimnist4", "multimnist9", "celeba",
-               "celeba40", "mnist-attributes", "mnist-attributes-unweighted")  # drmoo.experiments.registry.experiments()
+EXPERIMENTS = ("multimnist2", "multimnist3", "multimnist4", "multimnist9", "celeba", "celeba40",
+               "mnist-attributes", "mnist-attributes-unweighted")  # drmoo.experiments.registry.experiments()
 PRESETS = ("quick", "small", "medium", "paper")  # every experiment's presets (small, medium: Multi-MNIST only)
 BENCH_EXPERIMENTS = ("multimnist2", "multimnist3")  # drmoo.experiments.multimnist.EXPERIMENTS
 SYNTHETIC_PROBLEMS = ("linear", "wine")  # drmoo.experiments.synthetic.PAPER_PRESETS
