@@ -9,7 +9,9 @@ Capturable steps.  Every optimizer takes ``capturable: bool = False``, with the 
 -- so the host never waits for the device, and the step can be captured in a CUDA graph.
 
 * Non-finite values.  Eagerly (the default) a NaN/Inf in the losses, the dual quantities or the
-  gradients raises :class:`NonFiniteStepError` before anything is written (one host read per check).
+  gradients raises :class:`NonFiniteStepError` before anything is written, naming what was not
+  finite.  The checks are not read one by one: a step reads them all at once, with ONE host read, at
+  its first write of theta or of its state (or at its end); only a failing step reads which one failed.
   Capturable, the same checks are OR-ed into a 0-d bool on the device ("found_inf", as in
   ``torch.amp.GradScaler``), and every write of the step -- theta, eta, w, the method's state --
   is masked by it: a non-finite step is skipped on the device and writes nothing.  The heads' grads

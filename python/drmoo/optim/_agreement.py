@@ -9,11 +9,27 @@ gloo abort or a hang), so that is checked once, with one fixed-size collective.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from drmoo import distributed
+
+
+def global_dual_forward(ops: ModuleType, losses: Tensor, eta: Tensor, lam: float, scale: float, divergence: Any,
+                        weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The backend's ``dual_forward`` op over all ranks: the per-task objective, z and the loss cotangents.
+
+    Under torch.distributed the objective and z are averaged over ranks and the cotangents divided by the
+    world size, so that they are those of the global batch (see :mod:`drmoo.distributed`).
+    """
+    objective, z, cotangent = ops.dual_forward(losses, eta, lam, scale, divergence, weights)
+    if distributed.is_distributed():
+        distributed.all_reduce_mean(objective, z)
+        cotangent = cotangent / distributed.world_size()
+    return objective, z, cotangent
 
 
 def all_ranks_finite(finite: Tensor) -> Tensor:
@@ -32,19 +48,27 @@ def check_same_problem(losses: Tensor, shared: Sequence[Tensor], num_tasks: int)
     }, device=losses.device)
 
 
-def agree_on_losses(losses: Tensor, finite: Tensor, *, read_rows: bool) -> Tensor:
-    """The losses' per-task finite flags agreed on by every rank, in one collective that also carries B.
+def agree_on_losses(losses: Tensor, finite: Tensor) -> tuple[Tensor, Tensor]:
+    """The losses' per-task finite flags agreed on by every rank, in one collective that also carries B:
+    ``(flags, rows)``, ``rows`` = [the most rows of a rank, minus the fewest], on the device.
 
     The global statistics are means of the ranks' means, which is the global batch's only for equal
-    shards: with ``read_rows`` (eager steps, which read the flags right after anyway) unequal shard
-    sizes raise ValueError on every rank.
+    shards: eager steps check :func:`equal_shards` with their other guards (every rank sees the same
+    values, so every rank raises :func:`unequal_shards_error`, or none).
     """
     rows = losses.shape[0]
     flags = torch.cat([(~finite).to(torch.int64),
                        torch.tensor([rows, -rows], dtype=torch.int64, device=finite.device)])
     flags = distributed.all_reduce_max(flags)
-    if read_rows:  # (a host read)
-        most, fewest = flags[-2:].tolist()
-        if most != -fewest:
-            raise ValueError(distributed.unequal_shards_message(-fewest, most))
-    return flags[:-2] == 0
+    return flags[:-2] == 0, flags[-2:]
+
+
+def equal_shards(rows: Tensor) -> Tensor:
+    """[1] bool: every rank's losses have as many rows (``rows`` from :func:`agree_on_losses`)."""
+    return (rows[0] == -rows[1]).reshape(1)
+
+
+def unequal_shards_error(rows: Tensor) -> ValueError:
+    """The error of unequal shards, naming the fewest and the most rows (a host read: on failure only)."""
+    most, negative_fewest = rows.tolist()
+    return ValueError(distributed.unequal_shards_message(-negative_fewest, most))

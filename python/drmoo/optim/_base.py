@@ -55,6 +55,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -65,11 +66,11 @@ from drmoo.jacobian import STRATEGIES, feed_head_grads
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
 from drmoo_kernels._checks import trusted_arguments, untrusted_arguments
 
-from ._agreement import agree_on_losses, all_ranks_finite, check_same_problem
+from ._agreement import agree_on_losses, check_same_problem, equal_shards, global_dual_forward, unequal_shards_error
 from ._engine import JacobianEngine
 from ._features import FeaturesJacobian
 from ._guards import NonFiniteStepError, StepGuard
-from ._head_grads import HeadGradients
+from ._head_grads import HeadGradients, fed_grads_finite
 from ._hyperparameters import (
     check_group_hyperparameters,
     check_groups_agree,
@@ -120,8 +121,10 @@ def _all_or_nothing(step: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a ``step``: the heads' gradients it feeds are kept aside and committed only if it returns.
 
     A step that raises (a NaN, a bad closure) leaves every ``.grad`` of the heads as it found it,
-    as it leaves theta, eta and w.  Nested calls (a subclass's step calling its parent's) share the
-    outermost call's bookkeeping.
+    as it leaves theta, eta and w (and the step count and stats).  Its NaN/Inf guards still unread at
+    its end are read then (drmoo.optim._guards); a step that fails otherwise while a guard it met
+    before has failed raises that guard's error, as if each guard had been read at once.  Nested calls
+    (a subclass's step calling its parent's) share the outermost call's bookkeeping.
     """
 
     @functools.wraps(step)
@@ -130,14 +133,21 @@ def _all_or_nothing(step: Callable[..., Any]) -> Callable[..., Any]:
             return step(self, *args, **kwargs)
         self.check_hyperparameters_now()
         head_grads = self._head_grads = HeadGradients()
-        guard = self._guard = StepGuard(self.capturable, self.device)
+        state = self.state[STATE_KEY]
+        steps_before, stats_before = state["step"], self.stats
+        guard = self._guard = StepGuard(self.capturable, self.device, steps_before)
         try:
             # The step hands the ops only what it checked itself (weights, parameters): the ops'
             # own value checks would cost a host read per call and break capturable steps.
             with trusted_arguments():
                 result = step(self, *args, **kwargs)
-        except BaseException:
+            guard.settle()  # eager: the guards met after the step's last write to theta or its state
+        except BaseException as error:
             head_grads.roll_back()
+            state["step"], self.stats = steps_before, stats_before
+            failure = _first_failure(guard) if isinstance(error, Exception) else None
+            if failure is not None:  # a guard met before the error failed: the step stopped there
+                raise failure from None
             raise
         else:
             # Direction mode under torch.distributed: the step's head gradients summed over ranks first
@@ -151,6 +161,15 @@ def _all_or_nothing(step: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return all_or_nothing_step
+
+
+def _first_failure(guard: StepGuard) -> BaseException | None:
+    """The error of the first failing guard the step has not read yet, if any (one host read)."""
+    try:
+        guard.settle()
+    except Exception as failure:  # the guard's error, returned to be raised in place of the step's
+        return failure
+    return None
 
 
 class MultiObjectiveOptimizer(torch.optim.Optimizer):
@@ -222,10 +241,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # (MoDo, SDMGrad, Double-Loop), whose Jacobians must then keep the graph for the next one.
         self.graph_reuses = 0
         # For a DRAWS_SHARE_ONE_POINT method while graph_reuses > 0 (the Balancer's single-batch form):
-        # the first draw's (losses, cotangent, Jacobian).  A later draw over the same graph with the same
-        # cotangent is the same matrix, so it is handed out again instead of running m more backward
+        # the first draw's (losses, the point its cotangent was taken at, Jacobian).  A later draw over the
+        # same graph at the same point (eta and the sample weights unchanged: the same cotangent, with no
+        # value read) is the same matrix, so it is handed out again instead of running m more backward
         # passes (MoDo, SDMGrad: m backward passes instead of 3m).  Cleared by the Balancer after its step.
-        self.jacobian_memo: tuple[Tensor, Tensor, Tensor] | None = None
+        self.jacobian_memo: tuple[Tensor, tuple[int, ...], Tensor] | None = None
         # A "shared" parameter that only some tasks reach is a head passed by mistake (its gradient
         # would be scaled by w_i): refused at the first Jacobian unless allowed (see
         # _refuse_partly_shared_params).  True keeps such parameters in the multi-objective update.
@@ -359,7 +379,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
     def failing_iteration(self) -> str:
         """How a failing step's messages name it: the iteration being run, counted from 1 (the
         completed steps plus one), e.g. "iteration 1199 (counted from 1; 1198 completed before it)"."""
-        done = self.steps_taken
+        done = self._guard.steps_before if self._guard is not None else self.steps_taken
         return f"iteration {done + 1} (counted from 1; {done} completed before it)"
 
     def hyper(self, key: str) -> Any:
@@ -376,13 +396,9 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         return {key: own[key] for key in ("w", "eta", "step")}
 
     def validate_state_dict(self, state_dict: Any) -> None:
-        """Raise ValueError naming the problem unless ``state_dict`` is this method's, for this problem.
-
-        Checks that it is a drmoo optimizer state of the same method (its hyperparameter names and
-        its ``method`` entry), the same number of tasks and shared parameters (every state tensor's
-        shape), with valid hyperparameters, every state entry present, w on the simplex and the
-        dual variables finite -- before anything is loaded.
-        """
+        """Raise ValueError naming the problem unless ``state_dict`` is this method's, for this problem:
+        its hyperparameters and ``method`` entry, the number of tasks and shared parameters (every state
+        tensor's shape), every state entry present, w on the simplex, eta finite (``drmoo.optim._state_dict``)."""
         shared_entries = sum(p.numel() for p in self._shared_params())
         validate_state_dict(state_dict, method=type(self).__name__, hyperparameters=set(self.defaults) - {"capturable"},
                             entries=self.state_entries(),
@@ -424,14 +440,16 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             self._step_guard().invalid((torch.isfinite(weights) & (weights >= 0)).all(),
                                        f"{origin} sample weights that are negative, NaN or Inf")
         self.batch_weight = weights
-        # Eager: one host sync per closure call, a NaN must stop the step before anything is
-        # updated (on every rank: the flags are agreed on, so no rank waits forever in a collective).
+        # A NaN must stop the step before anything is updated (read with the step's other guards), on
+        # every rank: the flags are agreed on, so no rank waits forever in a collective.
         finite = torch.isfinite(losses.detach()).all(dim=0)
         if distributed.is_distributed():
             if not getattr(self, "_ranks_checked", False):  # once per optimizer (drmoo.optim._agreement)
                 check_same_problem(losses, self._shared_params(), self.num_tasks)
                 self._ranks_checked = True
-            finite = agree_on_losses(losses, finite, read_rows=not self.capturable)
+            finite, rows = agree_on_losses(losses, finite)
+            if not self.capturable:  # equal shards, checked with the guards (a capturable step trusts them)
+                self._step_guard().check(equal_shards(rows), lambda _: unequal_shards_error(rows))
         self.require_finite(finite, lambda bad: (
             f"non-finite (NaN or Inf) per-sample losses for task(s) {bad} in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))
@@ -439,18 +457,31 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------- checks and writes
     def _step_guard(self) -> StepGuard:
-        """The running step's guards (outside a step, e.g. a method's helper called directly: eager ones)."""
-        return self._guard if self._guard is not None else StepGuard(False, self.device)
+        """The running step's guards (outside a step, e.g. a method's helper called directly: read at once)."""
+        return self._guard if self._guard is not None else StepGuard(False, self.device, self.steps_taken, True)
 
     def require_finite(self, flags: Tensor, describe: Callable[[list[int]], str]) -> None:
-        """Stop the step unless every flag is True (bool tensor: "this part is finite").
-
-        Eager (``capturable=False``): one host read; a False flag raises
-        :class:`NonFiniteStepError` with ``describe(indices of the False flags)`` before anything
-        is written.  Capturable: no host read; the flags are OR-ed, negated, into the step's
-        device-side ``found_inf`` and every later write is masked by it (:meth:`commit_`).
-        """
+        """Stop the step unless every flag (bool: "this part is finite") is True: eagerly a
+        :class:`NonFiniteStepError` with ``describe(indices of the False flags)`` before anything is written
+        (one host read for all the step's guards, :meth:`settle_guards`); capturable, no host read: the
+        step's ``found_inf``, which masks every later write (:meth:`commit_`)."""
         self._step_guard().require(flags, describe)
+
+    def settle_guards(self) -> None:
+        """Eager: before a write that cannot be undone, read the step's pending guards (one host read)
+        and raise the first failing one's error; capturable (or nothing pending): nothing to do."""
+        if self._guard is not None:
+            self._guard.settle_before_write()
+
+    def deferred_writes(self) -> AbstractContextManager[None]:
+        """Eager: the writes in this block, which the caller undoes itself if the step fails, read no guard."""
+        return self._step_guard().deferred_writes()
+
+    @property
+    def failure_so_far(self) -> Tensor | None:
+        """A 0-d bool on the device: the step is abandoned for what its guards found so far; None when
+        there is nothing to tell (:attr:`~drmoo.optim._guards.StepGuard.failure_so_far`)."""
+        return None if self._guard is None else self._guard.failure_so_far
 
     @property
     def found_inf(self) -> Tensor | None:
@@ -463,33 +494,19 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------ heads
     def set_aside_head_grads(self, heads: Iterable[Tensor]) -> None:
-        """Before a backward feeds ``heads``: keep their current ``.grad`` aside and start from None.
-
-        The step's head gradients then accumulate from zero; the kept gradients are added back once
-        the step succeeds, restored if it fails (:class:`~drmoo.optim._head_grads.HeadGradients`).
-        Outside a step (no bookkeeping) this does nothing.
-        """
+        """Before a backward feeds ``heads``: keep their ``.grad`` aside (added back once the step succeeds,
+        restored if it fails: :class:`~drmoo.optim._head_grads.HeadGradients`); outside a step, nothing."""
         if self._head_grads is not None:
             self._head_grads.set_aside(heads)
 
     def check_head_grads(self, heads: Sequence[Tensor]) -> None:
-        """The heads' gradients this step fed must be finite before anything is written.
-
-        The shared parameters' Jacobian is checked through its Gram matrix, but the heads' ``.grad``
-        come from their own backward: an Inf there (a GradScaler's overflow in the heads only) must
-        abandon the step too, or the balancer would advance eta, w and its count while the scaler
-        skips the optimizer's step.  The heads' ``.grad`` hold this step's gradients only (set aside
-        by :meth:`set_aside_head_grads`).
-        """
-        fed = [head.grad for head in heads if head.grad is not None]
-        if not fed:
-            return
-        finite = torch.stack([torch.isfinite(grad).all() for grad in fed])
-        if distributed.is_distributed():  # every rank abandons the step, or none
-            finite = all_ranks_finite(finite)
-        self.require_finite(finite, lambda bad: (
-            f"non-finite gradients of the task-specific parameters (the heads) in {self.failing_iteration}; "
-            "the step was abandoned and nothing was updated"))
+        """The heads' gradients this step fed must be finite before anything is written
+        (:func:`~drmoo.optim._head_grads.fed_grads_finite`; agreed on by every rank)."""
+        finite = fed_grads_finite(heads)
+        if finite is not None:
+            self.require_finite(finite, lambda bad: (
+                f"non-finite gradients of the task-specific parameters (the heads) in {self.failing_iteration}; "
+                "the step was abandoned and nothing was updated"))
 
     # --------------------------------------------------------------------------------- jacobian
     def task_jacobian(self, losses: Tensor, cotangent: Tensor, slot: str, *, feed_heads: bool) -> Tensor:
@@ -506,9 +523,9 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         engine = self.jacobian_engine
         heads = engine.heads(losses, shared, feed_heads=feed_heads)  # (features: checks the graph either way)
         self.set_aside_head_grads(heads)
-        memoize = self.DRAWS_SHARE_ONE_POINT and not self.capturable  # (the match test below reads the host)
-        memo = self.jacobian_memo
-        if memoize and memo is not None and memo[0] is losses and torch.equal(memo[1], cotangent):
+        memoize = self.DRAWS_SHARE_ONE_POINT and not self.capturable
+        memo, point = self.jacobian_memo, self._cotangent_point(cotangent)
+        if memoize and memo is not None and memo[0] is losses and memo[1] == point:
             # The first draw's buffer itself (already unscaled and summed over ranks): the methods
             # that memoize (MoDo, SDMGrad) only read their Jacobians, so no copy of [m, n] is made.
             # The heads still get this draw's gradient, from a pass above them only.
@@ -520,8 +537,15 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         jacobian = engine.task_jacobian(self, losses, cotangent, slot, heads=heads, feed_heads=feed_heads)
         self.check_head_grads(heads)
         self._refuse_partly_shared_params(jacobian)
-        self.jacobian_memo = (losses, cotangent.clone(), jacobian) if memoize and self.graph_reuses else None
+        self.jacobian_memo = (losses, point, jacobian) if memoize and self.graph_reuses else None
         return jacobian
+
+    def _cotangent_point(self, cotangent: Tensor) -> tuple[int, ...]:
+        """Where a DRAWS_SHARE_ONE_POINT method's cotangent was taken -- eta and the sample weights, by
+        storage and version (in-place writes bump it), and its shape -- as a key read on the host only."""
+        weight, eta = self.batch_weight, self.eta
+        return (eta.data_ptr(), eta._version, *cotangent.shape,
+                *(() if weight is None else (weight.data_ptr(), weight._version)))
 
     def task_gram(self, jacobian: Tensor) -> Tensor:
         """J J^T of per-task rows through the ``gram`` op, as the global batch's (features rows: summed over ranks)."""
@@ -530,7 +554,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
     def _pending_shared_reach(self) -> SharedReach | None:
         """The heads-as-shared check (:mod:`drmoo.optim._shared_reach`) while it still has to run: with two
         tasks or more, until every task has been seen, unless ``allow_partial_shared`` (a deliberately
-        partial sharing).  Its count of checks done is scratch: a copied optimizer checks again."""
+        partial sharing).  Its count of checks done is scratch: a copied optimizer checks again.  It reads
+        the host, and must not judge the gradients of a failing step: it reads the step's guards first."""
         reach = self._shared_reach
         return reach if reach.pending and not self.allow_partial_shared else None
 
@@ -538,25 +563,18 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         """Refuse a shared parameter that only some tasks reach (a head passed as shared), read off the
         Jacobian (no extra backward)."""
         if (reach := self._pending_shared_reach()) is not None:
-            reach.check_jacobian(self._shared_params(), jacobian)
+            reach.check_jacobian(self._shared_params(), jacobian, self.settle_guards)
 
     def _refuse_partly_shared_params_by_backward(self, losses: Tensor, cotangent: Tensor) -> None:
         """The same for a method that forms no Jacobian (FAMO): one backward per task while it is pending."""
         if (reach := self._pending_shared_reach()) is not None:
-            reach.check_by_backward(losses, cotangent, self._shared_params(), self.device)
+            reach.check_by_backward(losses, cotangent, self._shared_params(), self.device, self.settle_guards)
 
     def dual_forward(self, losses: Tensor, eta: Tensor, lam: float, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        """The ``dual_forward`` op on the latest batch (with its importance weights), over all ranks.
-
-        Returns the per-task objective, z and the loss cotangents.  Under torch.distributed the
-        objective and z are averaged over ranks and the cotangents divided by the world size, so
-        that they are those of the global batch (see :mod:`drmoo.distributed`).
-        """
-        objective, z, cotangent = self._ops.dual_forward(losses, eta, lam, scale, self.divergence, self.batch_weight)
-        if distributed.is_distributed():
-            distributed.all_reduce_mean(objective, z)
-            cotangent = cotangent / distributed.world_size()
-        return objective, z, cotangent
+        """The ``dual_forward`` op on the latest batch (with its importance weights), over all ranks: the
+        per-task objective, z and the loss cotangents of the global batch (:func:`~drmoo.optim._agreement.
+        global_dual_forward`)."""
+        return global_dual_forward(self._ops, losses, eta, lam, scale, self.divergence, self.batch_weight)
 
     def take_graph_reuse(self) -> bool:
         """Whether the backward about to run must keep the losses' graph (see ``graph_reuses``)."""

@@ -1,7 +1,9 @@
 """Applying a direction d = factor * J^T w given by rows w.r.t. the shared parameters: the one place where
 ``step`` (writes theta) and direction mode (``drmoo.Balancer``: adds d to ``.grad``) differ.
 
-In a capturable step the direction is formed first and zeroed if the step is skipped (0 * NaN would
+An eager step reads its NaN/Inf guards (once, all of them) before writing theta; direction mode
+writes only ``.grad``, which a failing step restores, so it reads nothing here.  In a capturable
+step the direction is formed first and zeroed if the step is skipped (0 * NaN would
 be NaN: scaling lr by 0 is not enough), then written by the same op.
 """
 
@@ -23,6 +25,7 @@ def write_direction(host: EngineHost, jacobian: Tensor, w: Tensor, factor: Tenso
         add_direction_to_grad(host, jacobian, w, factor)
         return
     lr = host.hyper("lr") if isinstance(factor, float) and factor == 1.0 else host.hyper("lr") * factor
+    host.settle_guards()  # eager: theta is written below, so the step's guards are read first (one host read)
     found_inf = host.found_inf
     with torch.no_grad():
         if found_inf is None:

@@ -67,6 +67,10 @@ class EngineHost(Protocol):
         """Stop the step (eager) or mark it skipped (capturable) unless every flag is True."""
         ...
 
+    def settle_guards(self) -> None:
+        """Eager: read the step's guards (one host read) before a write that cannot be undone."""
+        ...
+
 
 class JacobianEngine(Protocol):
     """One way of taking per-task gradients (see the module docstring)."""

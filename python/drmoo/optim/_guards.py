@@ -1,19 +1,31 @@
-"""The NaN/Inf guards of a step, and the writes they gate.
+"""The NaN/Inf guards of a step, and the writes they gate: one host read per eager step, at most.
 
-Eagerly (``capturable=False``) a guard whose flags are not all True raises
-:class:`NonFiniteStepError` before anything is written.  Capturable, a step holds a device-side
-``found_inf`` (a 0-d bool, as in ``torch.amp.GradScaler``): the guards OR into it instead of
-raising, and every write of the step is masked by it (:meth:`StepGuard.commit_`), so that a
-non-finite step is skipped on the device and writes nothing, with no host read.
+Each guard computes its flags on the device ("this part is finite", "these weights are valid").
+Eagerly (``capturable=False``) a step whose guards failed raises -- :class:`NonFiniteStepError` naming
+the first failing quantity, or the guard's own error -- before anything is written; but the guards
+are not read one by one: they are OR-ed into one device-side flag, read ONCE, at the step's first
+write that cannot be undone (:meth:`StepGuard.settle`: the theta write, a state write) or at its end.
+Only a failing step reads the guards' own flags, to name the first that failed (the one the step met
+first, as if each had been read at once).  A write the caller undoes itself on failure (FAMO steps
+theta before re-evaluating the batch) may run under :meth:`StepGuard.deferred_writes` without a read.
+
+Capturable, a step holds a device-side ``found_inf`` (a 0-d bool, as in ``torch.amp.GradScaler``): the
+guards OR into it instead of raising, and every write of the step is masked by it
+(:meth:`StepGuard.commit_`), so that a non-finite step is skipped on the device and writes nothing,
+with no host read at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor
+
+# A guard's error, from the indices of its False flags.
+ErrorOf = Callable[[list[int]], BaseException]
 
 
 class NonFiniteStepError(ValueError):
@@ -25,28 +37,85 @@ class NonFiniteStepError(ValueError):
 
 
 class StepGuard:
-    """The guards of one running step: eager (raise at once) or capturable (``found_inf``)."""
+    """The guards of one running step (see the module docstring).
 
-    def __init__(self, capturable: bool, device: torch.device) -> None:
+    Args:
+        capturable: the step reads nothing on the host: its guards OR into ``found_inf``.
+        device: the step's device (``found_inf``'s).
+        steps_before: the steps completed before this one (how a failing step's messages name it).
+        immediate: an eager guard that reads each check at once (outside a step: nothing would settle it).
+    """
+
+    def __init__(self, capturable: bool, device: torch.device, steps_before: int = 0, immediate: bool = False) -> None:
         # Capturable: "this step met a NaN/Inf" so far, on the device; None for an eager step.
         self.found_inf: Tensor | None = torch.zeros((), dtype=torch.bool, device=device) if capturable else None
+        self.steps_before = steps_before
+        self._immediate = immediate
+        self._pending: list[tuple[Tensor, ErrorOf]] = []  # eager: the guards not read yet, in order
+        self._failed: Tensor | None = None  # eager: OR of their failures (0-d bool), None when none is pending
+        self._undone_by_caller = 0  # > 0: inside deferred_writes
 
     def require(self, flags: Tensor, describe: Callable[[list[int]], str]) -> None:
-        """Stop the step unless every flag is True (see :func:`require_finite`)."""
-        require_finite(self.found_inf, flags, describe)
+        """Stop the step unless every flag is True: :class:`NonFiniteStepError` with ``describe(indices of
+        the False flags)`` (eager, at the next :meth:`settle`), or ``found_inf`` (capturable)."""
+        self.check(flags, lambda bad: NonFiniteStepError(describe(bad)))
 
     def invalid(self, valid: Tensor, message: str) -> None:
         """Stop the step unless the 0-d bool ``valid`` holds: eagerly a ValueError with ``message`` (bad input,
         not an overflow); capturable, the step is skipped."""
+        self.check(valid.reshape(1), lambda _: ValueError(message))
+
+    def check(self, flags: Tensor, error: ErrorOf) -> None:
+        """The general guard: unless every flag is True, eagerly raise ``error(indices of the False flags)``
+        at the next :meth:`settle` (at once for an ``immediate`` guard); capturable, skip the step."""
+        failed = ~flags.all()
         if self.found_inf is not None:
-            self.found_inf.logical_or_(~valid)
-        elif not bool(valid):
-            raise ValueError(message)
+            self.found_inf.logical_or_(failed)
+            return
+        self._pending.append((flags, error))
+        self._failed = failed if self._failed is None else self._failed | failed
+        if self._immediate:
+            self.settle()
+
+    @property
+    def failure_so_far(self) -> Tensor | None:
+        """A 0-d bool on the device, True when the step is abandoned for what its guards found so far:
+        capturable, ``found_inf``; eager, a guard not read yet failed (None when none is pending)."""
+        return self.found_inf if self.found_inf is not None else self._failed
+
+    def settle(self) -> None:
+        """Eager: read the pending guards -- ONE host read for all of them -- and raise the first failing
+        one's error.  Nothing to do when none is pending (or in a capturable step)."""
+        failed = self._failed
+        if failed is None:
+            return
+        pending, self._pending, self._failed = self._pending, [], None
+        if not bool(failed):
+            return
+        for flags, error in pending:  # a failing step only: which guard failed, to name it
+            values = flags.reshape(-1).tolist()
+            if not all(values):
+                raise error([index for index, ok in enumerate(values) if not ok])
+
+    def settle_before_write(self) -> None:
+        """Before a write that cannot be undone: :meth:`settle`, unless the caller undoes the writes itself."""
+        if not self._undone_by_caller:
+            self.settle()
+
+    @contextmanager
+    def deferred_writes(self) -> Iterator[None]:
+        """Writes in this block are undone by the caller if the step fails: they do not settle the guards."""
+        self._undone_by_caller += 1
+        try:
+            yield
+        finally:
+            self._undone_by_caller -= 1
 
     def commit_(self, target: Tensor, value: Tensor) -> None:
-        """``target <- value`` in place -- unless this capturable step is being skipped."""
+        """``target <- value`` in place -- eagerly once the guards pass, capturable unless the step is skipped."""
         with torch.no_grad():
             if self.found_inf is None:
+                self.settle_before_write()
                 target.copy_(value)
             else:
                 target.copy_(torch.where(self.found_inf, target, value.to(target.dtype)))
@@ -63,18 +132,3 @@ class StepGuard:
             stats["found_inf"] = (found_inf.float() if found_inf is not None
                                   else torch.zeros((), dtype=torch.float32, device=device))
             stats["skipped_steps"] = state["skipped_steps"].clone()
-
-
-def require_finite(found_inf: Tensor | None, flags: Tensor, describe: Callable[[list[int]], str]) -> None:
-    """Stop the step unless every flag is True (bool tensor: "this part is finite").
-
-    Eager (``found_inf`` None): one host read; a False flag raises :class:`NonFiniteStepError` with
-    ``describe(indices of the False flags)`` before anything is written.  Capturable: no host read; the
-    flags are OR-ed, negated, into ``found_inf`` and every later write is masked by it.
-    """
-    if found_inf is not None:
-        found_inf.logical_or_(~flags.all())
-        return
-    if not bool(flags.all()):
-        bad = [i for i, ok in enumerate(flags.reshape(-1).tolist()) if not ok]
-        raise NonFiniteStepError(describe(bad))

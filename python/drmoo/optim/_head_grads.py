@@ -15,6 +15,8 @@ from torch import Tensor
 
 from drmoo import distributed
 
+from ._agreement import all_ranks_finite
+
 
 class HeadGradients:
     """The ``.grad`` each leaf fed by the running step held before it (by the leaf's id)."""
@@ -59,6 +61,23 @@ class HeadGradients:
         """The step failed: every ``.grad`` as it was before the step."""
         for head, before in self._before.values():
             head.grad = before
+
+
+def fed_grads_finite(heads: Sequence[Tensor]) -> Tensor | None:
+    """[k] flags "head j's gradient is finite" of the heads fed (agreed on by every rank: one flag), None if none.
+
+    The shared parameters' Jacobian is checked through its Gram matrix, but the heads' ``.grad`` come
+    from their own backward: an Inf there (a GradScaler's overflow in the heads only) must abandon the
+    step too, or the balancer would advance eta, w and its count while the scaler skips the optimizer's
+    step.  The heads' ``.grad`` hold this step's gradients only (set aside by :meth:`HeadGradients.set_aside`).
+    """
+    fed = [head.grad for head in heads if head.grad is not None]
+    if not fed:
+        return None
+    finite = torch.stack([torch.isfinite(grad).all() for grad in fed])
+    if distributed.is_distributed():  # every rank abandons the step, or none
+        finite = all_ranks_finite(finite)
+    return finite
 
 
 def sum_head_grads_over_ranks(fed: Sequence[Tensor], shared: Sequence[Tensor]) -> None:

@@ -13,10 +13,10 @@ eta with the same learning rate along that joint direction (:meth:`JointBaseline
 by :class:`drmoo.Balancer`, the theta part goes into ``.grad`` and eta still takes the ``lr`` step).
 
 This module holds the joint algebra and the parts of a step every baseline needs: a batch turned
-into dual objectives, z and per-task gradients; one batched finiteness check (a single host sync)
-before anything is written; one combined backward pass for the methods that never need J
-(FAMO, NashMTL between weight updates); the stats every optimizer reports; named presets; and
-``state_dict`` validation for the methods' extra state.
+into dual objectives, z and per-task gradients; one batched finiteness check before anything is
+written (read with the step's other guards: one host read a step); one combined backward pass for the
+methods that never need J (FAMO, NashMTL between weight updates); the stats every optimizer reports;
+named presets; and ``state_dict`` validation for the methods' extra state.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ class JointBaseline(MultiObjectiveOptimizer):
 
     # ----------------------------------------------------------------------------------- checks
     def raise_unless_finite(self, checks: Sequence[tuple[str, Tensor]]) -> None:
-        """One host sync for all checks of a step (none if capturable): (role, [m] bool 'task i finite').
+        """One guard for all checks of a Jacobian (role, [m] bool 'task i finite'), read with the step's others.
 
         NaN/Inf in a Jacobian row propagates into that row of any product computed from it (also
         through a zero weight: 0 * Inf = NaN), so checking the small products covers the big buffers.

@@ -10,7 +10,7 @@ task has been seen.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -34,15 +34,20 @@ class SharedReach:
         """Whether the check still has to run (one task has nothing to compare; done once settled)."""
         return self.num_tasks >= 2 and self.checks_done < SHARED_REACH_CHECKS
 
-    def check_jacobian(self, shared: Sequence[Tensor], jacobian: Tensor) -> None:
-        """Judge the table read off ``jacobian`` (nothing when it is not w.r.t. the shared parameters)."""
+    def check_jacobian(self, shared: Sequence[Tensor], jacobian: Tensor, settle: Callable[[], None]) -> None:
+        """Judge the table read off ``jacobian`` (nothing when it is not w.r.t. the shared parameters).
+
+        ``settle`` reads the step's NaN/Inf guards first (raising if one failed): the gradients of a failing
+        step must not settle the check (a NaN row reaches every parameter)."""
         reached = reach_from_jacobian(shared, jacobian)
         if reached is not None:
+            settle()
             self.checks_done = judge_shared_reach(shared, reached, self.num_tasks, self.checks_done)
 
     def check_by_backward(self, losses: Tensor, cotangent: Tensor, shared: Sequence[Tensor],
-                          device: torch.device) -> None:
-        """Judge the table taken by one backward per task (:func:`reach_by_backward`)."""
+                          device: torch.device, settle: Callable[[], None]) -> None:
+        """Judge the table taken by one backward per task (:func:`reach_by_backward`; ``settle``: as above)."""
+        settle()
         reached = reach_by_backward(losses, cotangent, shared, self.num_tasks, device)
         self.checks_done = judge_shared_reach(shared, reached, self.num_tasks, self.checks_done)
 

@@ -197,11 +197,13 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
 
         # Steps 4-5 in one fused op: Gram, clipped theta step through the parameters, w update.
         # The op writes nothing when J is not finite, so raising afterwards leaves theta and w intact.
-        # A capturable step that is already skipped (a NaN in the losses or dual quantities) plants
-        # a NaN in J's first entry, so that the op's own guard skips its writes: no host read.
-        if self.found_inf is not None:
+        # A step that is already failing (a NaN in the losses or dual quantities: capturable, found_inf;
+        # eager, a guard not read yet) plants a NaN in J's first entry, so that the op's own guard skips
+        # its writes: no host read here (an eager step reads its guards once, at its next write).
+        failing = self.failure_so_far
+        if failing is not None:
             first = jacobian.view(-1)[:1]
-            first.copy_(torch.where(self.found_inf, torch.full_like(first, float("nan")), first))
+            first.copy_(torch.where(failing, torch.full_like(first, float("nan")), first))
         w_before = w.clone()
         if self.direction_mode or self.features_engine is not None:
             # drmoo.Balancer: the same Gram, alpha and w update (the m x m part every backend's

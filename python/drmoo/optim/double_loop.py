@@ -206,21 +206,21 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
             self.check_dual(*etas)
         rng_before = self._index_rng.getstate()
         indices = [self._index_rng.randrange(h["inner_steps"]) for _ in range(3)]  # host-side: no tensor read
-        try:
+        try:  # (an eager step reads its guards once, at its first write below)
             jac, cross, objective, z_main, gram = self._outer_gradients(closure, etas, indices)
+            w64 = w.double()
+            theta_norm = torch.sqrt(torch.clamp(w64 @ (gram.double() @ w64), min=0.0))
+
+            # Lines 12-13.  Y_bar (Y_tilde^T w) costs two passes and never forms an n x n or m x m product.
+            self.apply_direction(jac, w)
+            w_next = project_simplex(w64 - h["pref_lr"] * (cross + h["rho"] * w64)).to(w.dtype)
+
+            balanced = torch.sqrt(theta_norm**2 + torch.sum((z_main.double() * w64) ** 2))
+            self.commit_(self.eta, etas[-1])
+            self.commit_(w, w_next)
         except BaseException:
             self._index_rng.setstate(rng_before)  # a failed step leaves no trace, its draws included
             raise
-        w64 = w.double()
-        theta_norm = torch.sqrt(torch.clamp(w64 @ (gram.double() @ w64), min=0.0))
-
-        # Lines 12-13.  Y_bar (Y_tilde^T w) costs two passes and never forms an n x n or m x m product.
-        self.apply_direction(jac, w)
-        w_next = project_simplex(w64 - h["pref_lr"] * (cross + h["rho"] * w64)).to(w.dtype)
-
-        balanced = torch.sqrt(theta_norm**2 + torch.sum((z_main.double() * w64) ** 2))
-        self.commit_(self.eta, etas[-1])
-        self.commit_(w, w_next)
         self.state[STATE_KEY]["step"] += 1
         self.stats = self._common_stats(objective, balanced, theta_norm)
         self.stats["inner_indices"] = torch.tensor(indices)

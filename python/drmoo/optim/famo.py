@@ -296,8 +296,9 @@ class FAMO(JointBaseline):
         copy_into_row(shared, theta_before, [p.detach() for p in shared])
         backup = column_views(shared, theta_before)
         eta_backup = self.eta.clone()
-        self.apply_direction(combined[None, :], torch.ones(1, dtype=torch.float64, device=self.device))
-        self.step_eta(batch.z, weights, h["lr"])
+        with self.deferred_writes():  # restored below if the step fails: the guards are read after the re-evaluation
+            self.apply_direction(combined[None, :], torch.ones(1, dtype=torch.float64, device=self.device))
+            self.step_eta(batch.z, weights, h["lr"])
         try:
             with torch.no_grad():
                 after = self.draw_losses(reevaluate, need_graph=False)
@@ -307,6 +308,7 @@ class FAMO(JointBaseline):
                     f"{tuple(batch.losses.shape)}: closure(same_batch=True) / reevaluate() must recompute "
                     "the same batch"
                 )
+            self.settle_guards()  # eager: the step's one host read (its guards so far, the re-evaluation's too)
         except BaseException:
             with torch.no_grad():
                 for p, saved in zip(shared, backup):

@@ -159,6 +159,7 @@ class MoCo(JointBaseline):
         # Y <- beta Y + (1 - beta) J as one in-place lerp (one pass over the [m, n] state, no
         # temporaries); a skipped capturable step lerps towards Y itself, which leaves Y unchanged.
         tracking: Tensor = state["tracking"]
+        self.settle_guards()  # eager: the step's one host read, before the first write
         with torch.no_grad():
             target = batch.jacobian if self.found_inf is None else torch.where(self.found_inf, tracking, batch.jacobian)
             tracking.lerp_(target, 1.0 - h["ema"])

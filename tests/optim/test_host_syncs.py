@@ -1,0 +1,292 @@
+"""One host read per eager step, at most; none with ``capturable=True``.
+
+A host read (sync) makes the host wait for the device: on a GPU each one stalls the launch queue.  An
+eager step's NaN/Inf guards used to read one flag each (5 to 16 reads a step; Double-Loop 16); they now
+OR into one device-side flag that the step reads once, just before its first write that cannot be
+undone (or at its end), and only a failing step looks at which guard failed, to name it.
+
+The reads are counted without a GPU: the step runs inside a ``TorchDispatchMode`` that counts every
+operator handing a tensor's value to the host -- ``bool(t)``, ``t.item()``, ``float(t)``, ``int(t)`` and
+``if t:`` all dispatch ``aten._local_scalar_dense`` in torch 2.x -- with ``aten.is_nonzero``,
+``aten.item``, ``aten.equal``, ``aten.nonzero``, ``aten.masked_select`` and boolean-mask indexing, and with
+``Tensor.tolist`` / ``Tensor.numpy`` (which read a CPU tensor's memory below the dispatcher) wrapped to
+count too.  The step counted is the third: the first steps make one-time checks (the heads-as-shared check,
+the ranks' agreement on the problem).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import drmoo
+from drmoo.optim import NonFiniteStepError, available, create
+
+aten = torch.ops.aten
+
+METHODS = sorted(available())
+NO_FEATURES = {"moco"}  # its tracked Jacobian averages rows over batches: refused in features mode
+MODES = ("parameters", "features")
+APIS = ("step", "balancer")
+# Constructor arguments that make every method's step short and every code path a steady step takes.
+EXTRA: dict[str, dict[str, Any]] = {
+    "double-loop": {"inner_steps": 3, "seed": 3},
+    "nashmtl": {"update_every": 1, "solver_iters": 20},
+}
+CASES = [(method, mode, api) for method in METHODS for mode in MODES for api in APIS
+         if not (mode == "features" and method in NO_FEATURES)]
+WARMUP_STEPS = 2
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the operators that read a tensor's value on the host (the module docstring)."""
+
+    READS = frozenset({aten._local_scalar_dense, aten.is_nonzero, aten.item, aten.equal, aten.nonzero,
+                       aten.masked_select})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        packet = func.overloadpacket
+        if packet in self.READS or (packet is aten.index and any(
+                isinstance(i, Tensor) and i.dtype in (torch.bool, torch.uint8)
+                for i in (args[1] if len(args) > 1 else []))):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def counting_syncs(monkeypatch: pytest.MonkeyPatch) -> Iterator[SyncCounter]:
+    counter = SyncCounter()
+
+    def counted(name: str) -> Callable[..., Any]:
+        original = getattr(Tensor, name)
+
+        def read(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+            counter.reads.append(f"Tensor.{name}")
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Tensor, "tolist", counted("tolist"))
+        patch.setattr(Tensor, "numpy", counted("numpy"))
+        with counter:
+            yield counter
+
+
+class Driver:
+    """One method on the toy problem, driven through one API in one Jacobian mode."""
+
+    def __init__(self, problem: Any, method: str, mode: str, api: str, **hparams: Any) -> None:
+        self.problem, self.mode, self.api = problem, mode, api
+        self.draw = problem.batches(1)
+        self.poison: Callable[[Tensor], Tensor] | None = None
+        hparams = {"lr": 0.05, **EXTRA.get(method, {}), **hparams}
+        if api == "step":
+            self.optimizer = create(method, problem.shared, problem.num_tasks, jacobian=mode, **hparams)
+        else:
+            self.balancer = drmoo.Balancer(method, problem.shared, problem.num_tasks, jacobian=mode, **hparams)
+            self.optimizer = self.balancer.algorithm
+
+    def _batch(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        problem = self.problem
+        z = torch.tanh(problem.inputs[rows] @ problem.A + problem.c)
+        losses = (z @ problem.H - problem.targets[rows]) ** 2
+        return (losses if self.poison is None else self.poison(losses)), z
+
+    def step(self) -> None:
+        """One step: the optimizer's ``step(closure)``, or the Balancer's ``backward`` on one batch."""
+        if self.api == "balancer":
+            losses, z = self._batch(self.draw())
+            if self.mode == "features":
+                self.balancer.backward(losses, features=z)
+            else:
+                self.balancer.backward(losses)
+            return
+        if self.mode == "parameters":  # a fresh batch at every call, as the closure protocol asks
+            self.optimizer.step(lambda: self._batch(self.draw())[0])
+            return
+        rows = self.draw()
+        cached: list[tuple[Tensor, Tensor]] = []
+
+        def closure() -> tuple[Tensor, Tensor]:  # features mode: the step's one batch (one z) at every call
+            if cached and torch.is_grad_enabled():
+                return cached[0]
+            batch = self._batch(rows)
+            if torch.is_grad_enabled():
+                cached.append(batch)
+            return batch
+
+        self.optimizer.step(closure)
+
+
+def steady_step_reads(driver: Driver, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    for _ in range(WARMUP_STEPS):
+        driver.step()
+    with counting_syncs(monkeypatch) as counter:
+        driver.step()
+    return counter.reads
+
+
+def test_the_counter_counts_every_kind_of_host_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = torch.tensor([1.0, 2.0])
+    reads = [lambda: t[0].item(), lambda: bool(t[0]), lambda: float(t[0]), lambda: int(t[0]), lambda: t.tolist(),
+             lambda: torch.equal(t, t), lambda: t.nonzero(), lambda: t[t > 1], lambda: t.numpy(),
+             lambda: bool((t > 1).all())]
+    for read in reads:
+        with counting_syncs(monkeypatch) as counter:
+            read()
+        assert len(counter.reads) == 1, counter.reads
+    with counting_syncs(monkeypatch) as counter:  # and device-side work is not counted
+        torch.where(t > 1, t, 0.0).sum().sqrt()
+    assert counter.reads == []
+
+
+@pytest.mark.parametrize(("method", "mode", "api"), CASES)
+def test_an_eager_step_reads_the_host_once_at_most(toy, monkeypatch, method: str, mode: str, api: str) -> None:
+    reads = steady_step_reads(Driver(toy(), method, mode, api), monkeypatch)
+    assert len(reads) <= 1, f"{method} {mode} {api}: {len(reads)} host reads in one eager step: {reads}"
+
+
+@pytest.mark.parametrize(("method", "mode", "api"), CASES)
+def test_a_capturable_step_reads_nothing(toy, monkeypatch, method: str, mode: str, api: str) -> None:
+    driver = Driver(toy(), method, mode, api, capturable=True)
+    reads = steady_step_reads(driver, monkeypatch)
+    assert reads == [], f"{method} {mode} {api} (capturable): {reads}"
+    assert driver.optimizer.steps_taken == WARMUP_STEPS + 1
+
+
+@pytest.mark.parametrize(("method", "mode", "api"), CASES)
+def test_a_non_finite_eager_step_still_names_the_losses_and_changes_nothing(toy, monkeypatch, method: str,
+                                                                            mode: str, api: str) -> None:
+    """The one read stops a NaN step before anything is written, and the message names what was non-finite."""
+    problem = toy()
+    driver = Driver(problem, method, mode, api)
+    for _ in range(WARMUP_STEPS):
+        driver.step()
+    before = problem.snapshot()
+    state = {key: value.clone() if isinstance(value, Tensor) else value
+             for key, value in driver.optimizer.state["drmoo"].items()}
+    driver.poison = lambda losses: losses * torch.tensor([1.0, float("nan"), 1.0], dtype=losses.dtype)
+    with pytest.raises(NonFiniteStepError, match=r"non-finite \(NaN or Inf\) per-sample losses for task\(s\) \[1\]"):
+        driver.step()
+    assert all(torch.equal(got, want) for got, want in zip(problem.snapshot()[:2], before[:2])), "theta moved"
+    for key, want in state.items():
+        got = driver.optimizer.state["drmoo"][key]
+        assert torch.equal(got, want) if isinstance(want, Tensor) else got == want, f"{key} changed"
+
+
+# Other code paths a steady eager step can take (parameters mode, step(closure)).
+VARIANTS = [
+    ("mgda", {"solver": "min_norm"}),
+    ("double-clip", {"resample": False}),
+    ("double-loop", {"inner_steps": 5, "seed": 3}),  # Double-Loop's default inner loop: 15 reads a step before
+    ("nashmtl", {"update_every": 2, "solver_iters": 20}),  # the checked step (the third) reuses alpha
+]
+
+
+@pytest.mark.parametrize(("method", "extra"), VARIANTS, ids=[f"{m}-{e}" for m, e in VARIANTS])
+def test_other_code_paths_read_the_host_once_at_most(toy, monkeypatch, method: str, extra: dict) -> None:
+    problem = toy()
+    optimizer = create(method, problem.shared, problem.num_tasks, lr=0.05, **extra)
+    draw = problem.batches(1)
+    for _ in range(WARMUP_STEPS):
+        optimizer.step(lambda: problem.losses(draw()))
+    with counting_syncs(monkeypatch) as counter:
+        optimizer.step(lambda: problem.losses(draw()))
+    assert len(counter.reads) <= 1, counter.reads
+
+
+def test_sample_weights_and_famos_same_batch_form_read_once(toy, monkeypatch) -> None:
+    """The weights' validity is one more guard read with the others; FAMO's same-batch form steps theta
+    before re-evaluating the batch, and reads its guards (the re-evaluation's too) once, after it."""
+    problem = toy()
+    weighted = create("mgda", problem.shared, problem.num_tasks, lr=0.05)
+    draw = problem.batches(1)
+    closure = lambda: (problem.losses(draw()), torch.ones(problem.batch_size, problem.num_tasks,  # noqa: E731
+                                                           dtype=problem.A.dtype))
+    famo = create("famo", problem.shared, problem.num_tasks, lr=0.05)
+    last: list[Tensor] = []
+
+    def same_batch_closure(same_batch: bool = False) -> Tensor:
+        if not same_batch:
+            last[:] = [draw()]
+        return problem.losses(last[0])
+
+    for optimizer, drawing in ((weighted, closure), (famo, same_batch_closure)):
+        for _ in range(WARMUP_STEPS):
+            optimizer.step(drawing)
+        with counting_syncs(monkeypatch) as counter:
+            optimizer.step(drawing)
+        assert len(counter.reads) <= 1, (type(optimizer).__name__, counter.reads)
+
+
+def test_a_non_finite_re_evaluation_still_restores_theta_and_eta(toy) -> None:
+    """FAMO's same-batch form: theta and eta were stepped, then the re-evaluated losses are NaN: the one
+    read after the re-evaluation raises naming them, and theta and eta are as before the step."""
+    problem = toy()
+    famo = create("famo", problem.shared, problem.num_tasks, lr=0.05)
+    draw = problem.batches(1)
+    last: list[Tensor] = []
+
+    def closure(same_batch: bool = False) -> Tensor:
+        if not same_batch:
+            last[:] = [draw()]
+            return problem.losses(last[0])
+        return problem.losses(last[0]) * float("nan")
+
+    before, eta = problem.snapshot(), famo.eta.clone()
+    with pytest.raises(NonFiniteStepError, match=r"per-sample losses for task\(s\) \[0, 1, 2\] in iteration 1 "):
+        famo.step(closure)
+    assert all(torch.equal(got, want) for got, want in zip(problem.snapshot()[:2], before[:2]))
+    assert torch.equal(famo.eta, eta) and famo.steps_taken == 0
+
+
+@pytest.mark.parametrize("method", ["modo", "double-loop"])
+def test_a_failed_guard_wins_over_an_error_met_after_it(toy, method: str) -> None:
+    """The guards are read late, but a step still fails where it met its first NaN: a closure that breaks
+    on a later call (after a NaN batch) reports the NaN, as when each guard was read at once."""
+    problem = toy()
+    optimizer = create(method, problem.shared, problem.num_tasks, lr=0.05, **EXTRA.get(method, {}))
+    draw = problem.batches(1)
+    for _ in range(WARMUP_STEPS):  # past the first steps' one-time checks, which read the host at once
+        optimizer.step(lambda: problem.losses(draw()))
+    calls: list[int] = []
+
+    def closure() -> Tensor:
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("the data loader broke")
+        return problem.losses(draw()) * float("nan")
+
+    with pytest.raises(NonFiniteStepError, match="non-finite"):
+        optimizer.step(closure)
+    assert len(calls) == 2, "the case this test is about: the NaN guard was still unread at the second draw"
+
+
+def test_a_non_finite_first_step_does_not_settle_the_heads_as_shared_check(toy) -> None:
+    """The heads-as-shared check reads the first Jacobians; a step whose losses are NaN must not pass it
+    (a NaN row reaches every parameter): it reads the step's guards first, and the next step still refuses."""
+    problem = toy()
+    heads = [problem.H[:, task].detach().clone().requires_grad_() for task in range(problem.num_tasks)]
+    draw = problem.batches(1)
+
+    def losses() -> Tensor:
+        rows = draw()
+        z = torch.tanh(problem.inputs[rows] @ problem.A + problem.c)
+        return torch.stack([(z @ head - problem.targets[rows, task]) ** 2 for task, head in enumerate(heads)], 1)
+
+    optimizer = create("mgda", [problem.A, problem.c, *heads], problem.num_tasks, lr=0.05)
+    with pytest.raises(NonFiniteStepError):
+        optimizer.step(lambda: losses() * float("nan"))
+    with pytest.raises(ValueError, match="looks like a task-specific head"):
+        optimizer.step(losses)
