@@ -7,7 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
+import drmoo
 from drmoo.cli import main
 
 BENCH_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -63,7 +65,8 @@ def test_report_embeds_tables_and_links_images_relative_to_itself(results: Path,
     assert f"- **machine**: {bench_md.split(':', 1)[1].strip()}" in text
     manifest = json.loads((results / "nested" / "ablation" / "ablation-inner.json").read_text())
     assert f"- **machine**: {manifest['machine']}" in text and f"- **backend**: {manifest['backend']}" in text
-    assert "- **machine**: device cpu" in text  # compare records the device, not the machine model
+    # compare's runs record where each trained (environment.json): torch, threads, CPU and its vector ISA
+    assert f"- **environment**: drmoo {drmoo.__version__}, torch {torch.__version__}, " in text
     assert "hyperparameters of double-clip" in text and "lam=" in text
 
     # Every link resolves from the report's own directory, and every PNG written is shown.

@@ -9,12 +9,16 @@ import importlib.util
 import json
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
+from torch import Tensor
 
+import drmoo
 from drmoo import store
 from drmoo.data import celeba as celeba_data
 from drmoo.experiments.checkpoints import max_recorded_steps
@@ -205,3 +209,141 @@ def test_sw17_a_quoted_number_is_the_number(tmp_path: Path, tiny_args, capsys: p
                                       "--eps", "0", *tiny_args("--max-steps", "1")], capsys),
                             "mgda[lam=0.5] and mgda[lam='0.5'] are the same settings")
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------- SW-26
+
+
+def _resign(run: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit a run's checkpoint state and write it back with a matching header and hash (what anyone can)."""
+    path = run / "checkpoint.pt"
+    checkpoint = store.read_checkpoint_file(path)
+    edit(checkpoint.state)
+    store.write_checkpoint_file(path, checkpoint.state, {
+        k: v for k, v in checkpoint.header.items() if k not in ("format", "payload_bytes", "payload_sha256")})
+
+
+@pytest.mark.parametrize(("edit", "fragments"), [
+    (lambda s: s["optimizer"]["param_groups"][0].update(lr=1e30), ("optimizer", "lr", "1e+30")),
+    (lambda s: s["heads"]["param_groups"][0].update(lr=5.0), ("heads", "lr", "5.0")),
+    (lambda s: s["optimizer"]["param_groups"][0].update(rho=0.5), ("optimizer", "rho", "0.5")),
+    (lambda s: s["optimizer"]["state"]["drmoo"].update(extra=torch.zeros(3)), ("optimizer", "extra")),
+    (lambda s: s["optimizer"]["state"].update({7: {"momentum_buffer": torch.zeros(3)}}), ("optimizer", "7")),
+    (lambda s: s["heads"].update(extra=[1]), ("heads", "extra")),
+], ids=["lr 1e30", "heads' lr", "rho", "extra drmoo entry", "extra parameter state", "extra top-level entry"])
+def test_sw26_a_resigned_checkpoint_is_resumed_only_with_its_runs_settings(
+        edit: Callable[[dict[str, Any]], None], fragments: tuple[str, ...], trained_run: Path,
+        capsys: pytest.CaptureFixture) -> None:
+    """lr 1e30 written into the checkpoint's param group (and re-signed) was resumed and trained with
+    (dual objective 3.5e29 at step 2), then saved again; an extra optimizer-state entry was accepted.
+    The saved optimizers are now compared with the ones config.json's settings build: every
+    hyperparameter, every entry."""
+    _resign(trained_run, edit)
+    assert_one_line_refusal(*run_cli(["train", "--resume", str(trained_run), "--max-steps", "3", "--quiet"], capsys),
+                            "refused", *fragments)
+    assert store.read_checkpoint_file(trained_run / "checkpoint.pt").state["step"] == 1  # nothing trained on it
+
+
+# ------------------------------------------------------------------------------- environment
+
+
+def test_a_run_records_the_environment_of_each_training_session(trained_run: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """A retrain on another CPU diverged from the committed floats at step 9-20, and no file said where they
+    were made.  Each session (the run, then each resume) now records what decides the floats."""
+    [first] = json.loads((trained_run / "environment.json").read_text())["sessions"]
+    assert first["from_step"] == 0
+    assert first["torch"] == torch.__version__ and first["drmoo"] == drmoo.__version__
+    assert first["torch_threads"] == torch.get_num_threads() and first["world_size"] == 1
+    assert first["cpu_isa"] == torch.backends.cpu.get_cpu_capability() and first["cpu_model"]
+    assert first["kernel_backend"] in ("cpp", "reference") and first["device"] == "cpu" and first["gpu"] is None
+    assert run_cli(["train", "--resume", str(trained_run), "--max-steps", "2", "--quiet"], capsys)[0] == 0
+    sessions = json.loads((trained_run / "environment.json").read_text())["sessions"]
+    assert [s["from_step"] for s in sessions] == [0, 1]
+
+    out = trained_run.parent / "report.md"
+    assert run_cli(["report", "--runs", str(trained_run), "--out", str(out)], capsys)[0] == 0
+    [line] = [line for line in out.read_text().splitlines() if line.startswith("- **environment**")]
+    for fragment in (f"torch {torch.__version__}", f"{torch.get_num_threads()} threads", first["cpu_isa"],
+                     f"{first['kernel_backend']} kernels", "2 sessions"):
+        assert fragment in line, line
+
+
+# ------------------------------------------------------------------------------- SW-25, U-15 (z), U-11
+
+
+def _trunk_and_losses(tasks: int = 3) -> tuple[torch.nn.Linear, Tensor, Tensor]:
+    """A linear trunk, its output z (with its graph) and per-sample losses of ``tasks`` linear heads on z."""
+    torch.manual_seed(0)
+    trunk, heads = torch.nn.Linear(4, 5), torch.nn.Linear(5, tasks)
+    z = trunk(torch.randn(8, 4))
+    return trunk, z, (heads(z) - 1.0) ** 2
+
+
+@pytest.mark.parametrize("pieces", [lambda z: (z, z), lambda z: (z, z.view(8, 5)), lambda z: [z, z, z]],
+                         ids=["the same tensor twice", "a view of it", "three copies"])
+def test_sw25_a_feature_tensor_given_twice_is_refused(pieces: Callable[[Tensor], Any]) -> None:
+    """``features=(z, z)`` doubled the shared gradient (x3 for three copies, x1.69 for Nash-MTL): each piece
+    of z got the whole cotangent and autograd summed them.  A piece given twice, or overlapping another's
+    memory, is now refused by both APIs before anything is computed."""
+    trunk, z, losses = _trunk_and_losses()
+    balancer = drmoo.Balancer("mgda", trunk.parameters(), 3, jacobian="features", lr=1e-3)
+    with pytest.raises(ValueError, match=r"features\[1\] .*features\[0\]"):
+        balancer.backward(losses, features=pieces(z))
+    assert all(p.grad is None for p in trunk.parameters()) and balancer.steps_taken == 0
+    optimizer = create("mgda", trunk.parameters(), 3, jacobian="features", lr=1e-3)
+    before = [p.detach().clone() for p in trunk.parameters()]
+    with pytest.raises(ValueError, match=r"features\[1\] .*features\[0\]"):
+        optimizer.step(lambda: (losses, pieces(z)))
+    assert all(torch.equal(a, b) for a, b in zip(before, trunk.parameters()))
+
+
+def test_sw25_disjoint_pieces_of_z_still_count_once() -> None:
+    """Two tensors that share no memory are two pieces: the check refuses duplicates, not tuples."""
+    trunk, z, _ = _trunk_and_losses()
+    second = trunk(torch.randn(8, 4))
+    head_a, head_b = torch.nn.Linear(5, 1), torch.nn.Linear(5, 2)
+    losses = torch.cat([head_a(z), head_b(second)], dim=1) ** 2
+    drmoo.Balancer("mgda", trunk.parameters(), 3, jacobian="features", lr=1e-3).backward(losses, features=(z, second))
+    assert all(p.grad is not None for p in trunk.parameters())
+
+
+def test_u15_an_integer_z_is_named_for_its_dtype() -> None:
+    """An int64 z was called "needs no grad" (true, but because integers cannot have a gradient)."""
+    trunk, z, losses = _trunk_and_losses()
+    optimizer = create("mgda", trunk.parameters(), 3, jacobian="features", lr=1e-3)
+    with pytest.raises(TypeError, match=r"features\[0\] must be floating point, got torch.int64"):
+        optimizer.step(lambda: (losses, z.detach().long()))
+
+
+@pytest.mark.parametrize("entry", ["w", "eta"])
+def test_u11_a_meta_state_entry_is_named(entry: str) -> None:
+    """``load_state_dict`` with a meta ``w``/``eta`` failed with "Tensor.item() cannot be called on meta tensors"."""
+    optimizer = create("mgda", [torch.nn.Parameter(torch.zeros(4))], 2)
+    state = optimizer.state_dict()
+    state["state"]["drmoo"][entry] = torch.empty(2, device="meta")
+    with pytest.raises(ValueError, match=f"state_dict's {entry} is on the meta device"):
+        optimizer.load_state_dict(state)
+
+
+def test_u11_moco_after_add_param_group_tracks_the_new_group_from_zero() -> None:
+    """MoCo after ``add_param_group`` failed with "requires_grad was toggled".  The tracked Jacobian now grows by
+    the new group's columns, started at zero as every column was at construction, and the step trains both."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3))
+    x, x2 = torch.randn(8, 4), torch.randn(8, 3)
+
+    def closure() -> Tensor:
+        out = x @ first + x2 @ second
+        return torch.stack([out**2, (out - 1) ** 2], 1)
+
+    optimizer = create("moco", [first], 2, lr=0.1)
+    optimizer.step(closure)
+    tracked = optimizer.state["drmoo"]["tracking"].clone()
+    optimizer.add_param_group({"params": [second]})
+    before = second.detach().clone()
+    optimizer.step(closure)
+    assert optimizer.state["drmoo"]["tracking"].shape == (2, 7)
+    assert not torch.equal(second, before)
+    # the old columns went on from their estimate, the new ones from zero (one lerp: (1 - ema) of the gradient)
+    assert not torch.equal(optimizer.state["drmoo"]["tracking"][:, :4], tracked)

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from drmoo.store import (
@@ -32,8 +33,8 @@ from drmoo.store import (
 
 from .run_config import RunConfig, config_differences, read_run_config
 
-__all__ = ["CHECKPOINT", "checkpoint_provenance", "load_checkpoint", "max_recorded_steps", "payload_budget",
-           "read_checkpoint", "result_matches_checkpoint", "write_checkpoint"]
+__all__ = ["CHECKPOINT", "check_saved_optimizers", "checkpoint_provenance", "load_checkpoint", "max_recorded_steps",
+           "payload_budget", "read_checkpoint", "result_matches_checkpoint", "write_checkpoint"]
 
 CHECKPOINT = "checkpoint.pt"  # in the run directory
 # Everything a run's checkpoint holds (training._save): an entry beyond these is refused, never loaded.
@@ -112,6 +113,55 @@ def load_checkpoint(run_dir: Path, config: RunConfig | None = None,
         raise CheckpointError(f"{path}: refused: its state holds entries drmoo never writes "
                               f"({', '.join(unknown)[:200]})")
     return checkpoint
+
+
+# Parameter-group keys that describe how this process runs an optimizer, not the run: a resume may differ.
+PROCESS_KEYS = frozenset({"capturable"})
+
+
+def check_saved_optimizers(path: Path, state: dict[str, Any], live: dict[str, torch.optim.Optimizer]) -> None:
+    """Refuse a checkpoint whose saved optimizers are not the ones the run's settings build.
+
+    ``live`` maps each optimizer entry of ``state`` ("optimizer", "heads") to the optimizer the run
+    built from ``config.json`` (not yet loaded): the saved ``state_dict`` must have its structure --
+    the same top-level entries, parameter groups and state entries, none more -- and every
+    hyperparameter of every group equal to the built one's.  The header and config.json are checked
+    against each other before; this makes the payload agree with them too, so a re-signed checkpoint
+    cannot resume with an lr of 1e30 or carry entries drmoo never writes.
+    """
+    for name, optimizer in live.items():
+        saved, built = state.get(name), optimizer.state_dict()
+        problem = _optimizer_difference(saved, built)
+        if problem:
+            raise CheckpointError(f"{path}: refused: its {name} state does not match the run's settings in "
+                                  f"config.json ({problem[:300]})")
+
+
+def _optimizer_difference(saved: Any, built: dict[str, Any]) -> str:
+    """How a saved optimizer ``state_dict`` differs from ``built`` (a fresh one of the run's settings); ""."""
+    if not isinstance(saved, dict) or set(saved) != set(built):
+        keys = sorted(map(str, saved)) if isinstance(saved, dict) else type(saved).__name__
+        return f"entries {keys}, expected {sorted(built)}"
+    groups = saved["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(built["param_groups"]):
+        return f"{len(groups) if isinstance(groups, list) else groups!r} parameter groups, expected " \
+               f"{len(built['param_groups'])}"
+    for index, (group, expected) in enumerate(zip(groups, built["param_groups"])):
+        if not isinstance(group, dict) or set(group) != set(expected):
+            keys = sorted(map(str, group)) if isinstance(group, dict) else type(group).__name__
+            return f"parameter group {index} has the settings {keys}, expected {sorted(expected)}"
+        for key, value in expected.items():
+            if key not in PROCESS_KEYS and group[key] != value:
+                return f"{key} is {group[key]!r} in parameter group {index}, the run's settings give {value!r}"
+    entries = saved["state"]
+    if not isinstance(entries, dict) or set(entries) != set(built["state"]):
+        keys = sorted(map(str, entries)) if isinstance(entries, dict) else type(entries).__name__
+        return f"state entries {keys}, expected {sorted(map(str, built['state']))}"
+    for key, expected in built["state"].items():
+        if isinstance(expected, dict) and (not isinstance(entries[key], dict) or set(entries[key]) != set(expected)):
+            keys = sorted(map(str, entries[key])) if isinstance(entries[key], dict) else type(entries[key]).__name__
+            return f"state entry {key!r} holds {keys}, expected {sorted(map(str, expected))}"
+    return ""
 
 
 def read_checkpoint(run_dir: str | Path, config: RunConfig | None = None,

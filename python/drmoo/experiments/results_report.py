@@ -64,6 +64,7 @@ from drmoo.store import (
 )
 
 from .checkpoints import CHECKPOINT, result_matches_checkpoint
+from .environment import ENVIRONMENT, same_arithmetic
 
 __all__ = ["SCHEMAS", "Section", "collect", "render", "write_report"]
 
@@ -127,6 +128,9 @@ SCHEMAS: dict[str, Any] = {
                        "reference": SCALAR, "eps_space": SCALAR},
     "summary.json": {"problem": Required(str), "description": str, "steps": SCALAR, "batch_size": SCALAR,
                      "seeds": [SCALAR], "methods": MapOf({"hparams": MapOf(ANY_JSON)})},
+    "environment.json": {"sessions": Required([{
+        "from_step": Required(int), "drmoo": str, "torch": Required(str), "kernel_backend": str, "device": str,
+        "torch_threads": int, "world_size": int, "cpu_model": str, "cpu_isa": str, "gpu": str, "cuda": str}])},
     "ablation-*.json": {"kind": Required(str), "what": SCALAR, "experiment": SCALAR, "machine": SCALAR,
                         "backend": SCALAR, "device": SCALAR, "torch": SCALAR, "settings": MapOf(ANY_JSON),
                         "grid": (MapOf([NUMBER]), [NUMBER])},
@@ -310,22 +314,61 @@ def _synthetic(directory: Path) -> list[Section]:
     )]
 
 
-def _run_configs(directory: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """The valid config.json of ``directory``'s run sub-directories (no link followed) and the refused ones."""
-    configs, refused = [], []
+def _run_configs(directory: Path) -> tuple[list[dict[str, Any]], list[str], list[Path]]:
+    """The valid config.json of ``directory``'s run sub-directories (no link followed), the refused ones,
+    and the run directories read."""
+    configs, refused, runs = [], [], []
     for child in _subdirectories(directory)[0]:
         path = child / "config.json"
         if not _is_file(path):
             continue
         try:
             configs.append(_load(path, "config.json"))
+            runs.append(child)
         except (ValueError, OSError) as error:
             refused.append(f"{child.name}/config.json ({error})")
-    return configs, refused
+    return configs, refused, runs
 
 
-def _run_provenance(configs: list[dict[str, Any]]) -> dict[str, str]:
-    """Machine, backend and settings from the config.json of one or more training runs."""
+def _environment_text(session: dict[str, Any]) -> str:
+    """One training session's environment (environment.json), as a report line shows it."""
+    gpu = f"GPU {session['gpu']} (CUDA {session.get('cuda')})" if session.get("gpu") else "no GPU"
+    return (f"drmoo {session.get('drmoo', '?')}, torch {session['torch']}, {session.get('kernel_backend', '?')} "
+            f"kernels, {session.get('device', '?')}, {session.get('torch_threads', '?')} threads x "
+            f"{session.get('world_size', 1)} process(es), CPU {session.get('cpu_model', '?')} "
+            f"({session.get('cpu_isa', '?')}), {gpu}")
+
+
+def _environments(runs: list[Path]) -> str:
+    """Where the runs' training sessions ran (their environment.json), and whether a retrain is bitwise."""
+    sessions, unread = [], []
+    for run in runs:
+        if not _is_file(run / ENVIRONMENT):
+            unread.append(f"{run.name}: none (trained by an older drmoo)")
+            continue
+        try:
+            sessions += _load(run / ENVIRONMENT, "environment.json")["sessions"]
+        except (ValueError, OSError) as error:
+            unread.append(f"{run.name}: {error}")
+    distinct: list[dict[str, Any]] = []
+    for session in sessions:
+        if not any(same_arithmetic(session, known) for known in distinct):
+            distinct.append(session)
+    parts = [_environment_text(session) for session in distinct[:3]]
+    if len(distinct) > 3:
+        parts.append(f"and {len(distinct) - 3} more")
+    count = f"{len(sessions)} session{'s' if len(sessions) != 1 else ''}"
+    if len(distinct) == 1:
+        parts.append(f"{count}, all in this environment (a retrain here repeats the floats bit for bit)")
+    elif distinct:
+        parts.append(f"{count} in {len(distinct)} environments (a retrain agrees statistically, not bitwise)")
+    if unread:
+        parts.append("not recorded: " + "; ".join(unread[:5]) + ("; ..." if len(unread) > 5 else ""))
+    return _escape("; ".join(parts))
+
+
+def _run_provenance(configs: list[dict[str, Any]], runs: list[Path]) -> dict[str, str]:
+    """Machine, backend and settings from the config.json of one or more training runs, and where they ran."""
     if not configs:
         return {"settings": "no run config.json found"}
     first = configs[0]
@@ -333,7 +376,7 @@ def _run_provenance(configs: list[dict[str, Any]]) -> dict[str, str]:
     keys = ("experiment", "preset", "epochs", "max_steps", "batch_size", "input_size", "train_size", "test_size",
             "weights", "jacobian", "amp")
     provenance = {
-        "machine": f"device {_escape(first.get('device', '?'))} (machine model " + NOT_RECORDED + ")",
+        "environment": _environments(runs),
         "backend": _escape(", ".join(backends)),
         "settings": _compact({k: first[k] for k in keys if first.get(k) is not None}),
     }
@@ -401,8 +444,8 @@ def _paper_block(directory: Path, experiment: str | None) -> tuple[str | None, d
 def _robustness(directory: Path) -> list[Section]:
     if not (_is_file(directory / "table.md") and _is_file(directory / "table.csv")):
         return []
-    configs, refused = _run_configs(directory)
-    provenance = _run_provenance(configs)
+    configs, refused, runs = _run_configs(directory)
+    provenance = _run_provenance(configs, runs)
     if refused:
         provenance["run configs not read"] = _escape("; ".join(refused))
     tables = [_embedded(directory / "table.md")]
@@ -504,7 +547,7 @@ def _training_run(directory: Path) -> list[Section]:
         return []
     config = _load(directory / "config.json", "config.json")
     tables = [_csv_table(directory / "metrics.csv")]
-    provenance = _run_provenance([config])
+    provenance = _run_provenance([config], [directory])
     if _is_file(directory / "eval.json"):
         report = _load(directory / "eval.json", "eval.json")
         if not report["results"]:
@@ -521,7 +564,7 @@ def _training_run(directory: Path) -> list[Section]:
         title=_escape(f"Training run: {config.get('experiment')}, {config.get('method')}, seed {config.get('seed')}"),
         provenance=provenance, tables=[t for t in tables if t],
         images=_files(directory, "*.png"),
-        links=_existing(directory, "metrics.csv", "steps.csv", "eval.json", "config.json"),
+        links=_existing(directory, "metrics.csv", "steps.csv", "eval.json", "config.json", ENVIRONMENT),
     )]
 
 

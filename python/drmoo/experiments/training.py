@@ -7,6 +7,8 @@ A run directory holds:
   metrics so far; written atomically at the end of every epoch (before its evaluation), at
   ``--max-steps`` and on SIGINT/SIGTERM, so ``--resume RUN_DIR`` continues bit-identically;
 * ``steps.csv`` (per iteration) and ``metrics.csv`` / ``metrics.json`` (per epoch, strict JSON);
+* ``environment.json`` - where each training session ran (torch, threads, CPU and its vector ISA, GPU;
+  :mod:`~drmoo.experiments.environment`): a retrain is bitwise only in the same environment;
 * ``eval.json`` after ``drmoo eval`` (:mod:`~drmoo.experiments.evaluation`); ``done`` marks a finished run;
 * ``train.lock`` - held (``flock``) by the one process training in the directory.
 
@@ -53,8 +55,16 @@ from drmoo.store import (
     write_json,
 )
 
-from .checkpoints import CHECKPOINT, max_recorded_steps, payload_budget, read_checkpoint, write_checkpoint
+from .checkpoints import (
+    CHECKPOINT,
+    check_saved_optimizers,
+    max_recorded_steps,
+    payload_budget,
+    read_checkpoint,
+    write_checkpoint,
+)
 from .devices import agreed, check_backend, setup_distributed
+from .environment import record_environment
 from .evaluation import Build as Build  # re-exported: the experiments' modules take it from here
 from .evaluation import accuracy
 from .jobs import progress_bar
@@ -328,6 +338,8 @@ def _train_locked(run: _Run, resume: bool, progress: bool, sample_weight: Callab
         for marker in ("done", DIVERGED, "eval.json"):
             remove_file(run.run_dir / marker)
         atomic_write(run.run_dir / "config.json", [run.config.to_json().encode()])
+        # where this session's floats are made: a retrain is bitwise only on the same CPU type, threads, torch
+        record_environment(run.run_dir, run.step, run.device, run.optimizer.backend)
     run.started = time.perf_counter()
     if run.pending_epoch is not None:  # the last run saved an epoch, then its evaluation failed: evaluate it now
         _evaluate_epoch(run, run.pending_epoch)
@@ -366,6 +378,8 @@ def _check_state(state: dict[str, Any], config: RunConfig, steps_per_epoch: int)
 
 def _restore(run: _Run, state: dict[str, Any]) -> None:
     """Put a verified checkpoint's state into ``run``; refuse one that does not fit it or cannot extend it."""
+    # the optimizers the settings built, before anything is loaded into them
+    check_saved_optimizers(run.checkpoint_path, state, {"optimizer": run.optimizer, "heads": run.heads})
     try:
         _check_state(state, run.config, run.steps_per_epoch)
         run.model.load_state_dict(state["model"])

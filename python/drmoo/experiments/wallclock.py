@@ -33,7 +33,6 @@ ratio count batches drawn rather than the work of the algorithm.
 from __future__ import annotations
 
 import itertools
-import platform
 import re
 import statistics
 import time
@@ -50,8 +49,9 @@ from tqdm.auto import tqdm
 from drmoo.balancer import Balancer
 from drmoo.models import MultiTaskResNet
 from drmoo.optim import create
-from drmoo.store import make_directory, read_text, write_csv, write_figure, write_text
+from drmoo.store import make_directory, write_csv, write_figure, write_text
 
+from .environment import cpu_model
 from .multimnist import EXPERIMENTS, method_hparams
 
 __all__ = ["APIS", "CLOCKS", "ModelCall", "PassCounter", "describe_passes", "machine_name", "measure_iterations",
@@ -150,15 +150,7 @@ def replay_passes(passes: Passes, num_tasks: int, draw: Callable[[], Tensor], sh
 def machine_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        for line in read_text(Path("/proc/cpuinfo"), what="CPU description").splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except (OSError, ValueError):  # no /proc (not Linux) or refused by the store: keep platform's name
-        pass
-    return f"{model}, {torch.get_num_threads()} threads"
+    return f"{cpu_model()}, {torch.get_num_threads()} threads"
 
 
 def output_stem(device: torch.device, batch_size: int) -> str:
