@@ -70,14 +70,53 @@ FeaturesInput = Tensor | tuple[Tensor, ...] | list[Tensor]  # z: one tensor, or 
 
 
 def as_pieces(features: Any) -> tuple[Tensor, ...]:
-    """z as a tuple of tensors (a tensor, or a tuple/list of them); TypeError otherwise."""
+    """z as a tuple of tensors (a tensor, or a tuple/list of them, each given once); TypeError otherwise.
+
+    A piece given twice, or overlapping another's memory (a view of it), is refused (ValueError): each
+    piece gets its own cotangent in the lift, and autograd sums them, so ``features=(z, z)`` would
+    count z's gradient twice (a doubled step; x1.69 for Nash-MTL, x3 for three copies).
+    """
     pieces = (features,) if isinstance(features, Tensor) else features
     if not isinstance(pieces, (tuple, list)) or not pieces or not all(isinstance(p, Tensor) for p in pieces):
         raise TypeError(
             "features z must be a Tensor (the trunk's output that every head reads) or a non-empty tuple of "
             f"Tensors; got {type(features).__name__}"
         )
+    for index, piece in enumerate(pieces):
+        for earlier in range(index):
+            if _overlap(piece, pieces[earlier]):
+                raise ValueError(
+                    f"features[{index}] (shape {tuple(piece.shape)}) is features[{earlier}] again, or shares its "
+                    "memory: each piece of z must be given once (its gradient would be counted once per copy); "
+                    "pass z itself, or the distinct tensors the heads read"
+                )
     return tuple(pieces)
+
+
+def _overlap(first: Tensor, second: Tensor) -> bool:
+    """Whether two tensors share an element: the same object, or views whose elements meet in one storage.
+
+    Different storages (the usual case) are told apart at once; views of one storage (``z[:, :3]`` and
+    ``z[:, 3:]`` interleave in memory without sharing an element) are compared element by element,
+    once per step, on the host (``torch._C._overlaps`` calls such slices overlapping).
+    """
+    if first is second:
+        return True
+    if first.numel() == 0 or second.numel() == 0 or first.device != second.device or first.is_meta:
+        return False
+    if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
+        return False
+
+    def elements(tensor: Tensor) -> Tensor:  # the byte offset of every element in the storage
+        offsets = torch.zeros((), dtype=torch.int64)
+        for size, stride in zip(tensor.shape, tensor.stride()):
+            offsets = offsets[..., None] + torch.arange(size, dtype=torch.int64) * stride
+        return (offsets.reshape(-1) * tensor.element_size() + tensor.storage_offset() * tensor.element_size())
+
+    a, b = elements(first), elements(second)
+    width = torch.arange(max(first.element_size(), second.element_size()), dtype=torch.int64)
+    return bool(torch.isin((a[:, None] + width[: first.element_size()]).reshape(-1),
+                           (b[:, None] + width[: second.element_size()]).reshape(-1)).any())
 
 
 def with_features(losses: Any, features: FeaturesInput | None, features_mode: bool) -> Any:
@@ -143,6 +182,8 @@ class FeaturesJacobian:
         pieces = as_pieces(result[1])
         if need_graph:
             for index, piece in enumerate(pieces):
+                if not piece.is_floating_point():  # first: an integer z cannot have a graph at all
+                    raise TypeError(f"features[{index}] must be floating point, got {piece.dtype}")
                 if not piece.requires_grad:
                     raise ValueError(
                         f"features[{index}] (shape {tuple(piece.shape)}) needs no grad (computed under "

@@ -66,6 +66,9 @@ def validate_state_dict(state_dict: Any, *, method: str, hyperparameters: set[st
         if isinstance(current, Tensor):
             if not isinstance(value, Tensor):
                 raise ValueError(f"state_dict's {key} must be a tensor, got {type(value).__name__}")
+            if value.is_meta:  # its checks below would fail reading values it does not have
+                raise ValueError(f"state_dict's {key} is on the meta device: it holds no values (a state built "
+                                 "without data); load one saved from an optimizer that stepped or was constructed")
             if tuple(value.shape) != tuple(current.shape):
                 raise ValueError(f"state_dict's {key} has shape {tuple(value.shape)}, but this {method} ({problem}) "
                                  f"expects {tuple(current.shape)}")

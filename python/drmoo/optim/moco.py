@@ -131,6 +131,16 @@ class MoCo(JointBaseline):
             "tracking_eta": torch.zeros(self.num_tasks, device=self.device, dtype=torch.float64),
         }
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (see the base class); the tracked Jacobian grows by the new shared parameters'
+        columns, started at zero as every column was at construction."""
+        tracking = self.state[STATE_KEY].get("tracking") if STATE_KEY in self.state else None
+        before = self.num_shared if tracking is not None else 0
+        super().add_param_group(param_group)
+        if tracking is not None and self.num_shared > before:  # (at construction there is no tracking yet)
+            grown = tracking.new_zeros(tracking.shape[0], self.num_shared - before)
+            self.state[STATE_KEY]["tracking"] = torch.cat([tracking, grown], dim=1)
+
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One MoCo iteration; calls ``closure`` once.  Nothing changes if a check fails.
 
