@@ -190,8 +190,6 @@ class FeaturesJacobian:
                         "torch.no_grad(), detached, or from parameters that do not require grad): z must be the "
                         "trunk's output with its graph"
                     )
-                if not piece.is_floating_point():
-                    raise TypeError(f"features[{index}] must be floating point, got {piece.dtype}")
             if self.features is None:
                 self.features = pieces
             elif len(pieces) != len(self.features) or any(a is not b for a, b in zip(pieces, self.features)):
