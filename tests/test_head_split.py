@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import drmoo
+import drmoo.jacobian
 from drmoo._head_split import split_task_jacobian, task_split
 from drmoo.jacobian import resolve_strategy, task_jacobian
 
@@ -233,3 +234,17 @@ def test_every_strategy_writes_the_same_grads_and_auto_splits_separate_heads(
     for strategy in ("batched", "auto"):
         for a, b in zip(written["loop"], written[strategy]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_the_cli_names_the_strategy_apart_from_the_jacobians_coordinates() -> None:
+    """``drmoo train --jacobian-strategy auto|loop|batched`` (``--jacobian``, its former name, still parses);
+    ``--hp jacobian=features`` stays the coordinates' setting."""
+    from drmoo import cli
+
+    parser = cli.build_parser()
+    assert parser.parse_args(["train", "--jacobian-strategy", "auto"]).jacobian == "auto"
+    assert parser.parse_args(["train", "--jacobian", "batched"]).jacobian == "batched"
+    assert parser.parse_args(["train"]).jacobian == "loop"
+    assert set(cli.JACOBIAN_STRATEGIES) == set(drmoo.jacobian.STRATEGIES)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--jacobian-strategy", "features"])

@@ -23,7 +23,7 @@ SYNTHETIC_PROBLEMS = ("linear", "wine")  # drmoo.experiments.synthetic.PAPER_PRE
 ABLATIONS = ("lambda", "lr", "batch", "inner")  # drmoo.experiments.ablations.WHATS
 ABLATION_EXPERIMENTS = ("linear", "wine", "multimnist2")  # drmoo.experiments.ablations.EXPERIMENTS
 BACKENDS = ("reference", "cpp", "cuda", "triton")  # drmoo_kernels.BACKENDS
-JACOBIAN_STRATEGIES = ("loop", "batched")  # drmoo.jacobian.STRATEGIES
+JACOBIAN_STRATEGIES = ("auto", "loop", "batched")  # drmoo.jacobian.STRATEGIES
 AMP_MODES = ("none", "bf16", "fp16")  # = drmoo.experiments.run_config.AMP_MODES (a test checks it)
 ATTACKS = ("fgsm",)
 EPS_SPACES = ("pixel", "normalized")  # drmoo.attacks.EPS_SPACES
@@ -345,8 +345,13 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         "celeba: decoded images are cached only when this is given (~10 GB at 128 px)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
     parser.add_argument("--backend", choices=BACKENDS, help="kernel backend (default: automatic, by device)")
-    parser.add_argument("--jacobian", default="loop", choices=JACOBIAN_STRATEGIES,
-                        help="per-task gradients: loop (m backward passes) | batched (default: %(default)s)")
+    # --jacobian-strategy: how the per-task gradients are computed; not the Jacobian's coordinates, which a
+    # method variant sets (--hp jacobian=features).  --jacobian is its former name, still accepted.
+    parser.add_argument("--jacobian-strategy", "--jacobian", dest="jacobian", default="loop",
+                        choices=JACOBIAN_STRATEGIES,
+                        help="how the per-task gradients are computed: loop (m backward passes) | batched (one "
+                        "vmapped pass) | auto (batched on a GPU, loop on the CPU; in features mode separate heads "
+                        "in one pass) (default: %(default)s; not --hp jacobian=features, the coordinates)")
     parser.add_argument("--amp", default="none", choices=AMP_MODES,
                         help="autocast the model's forward (default: %(default)s)")
     parser.add_argument("--max-steps", type=_count, help="stop after this many optimizer steps in total "

@@ -25,7 +25,7 @@ MAX_CONFIG_BYTES = 1 << 20  # a config.json is ~1 KB
 MAX_COUNTS = {"epochs": 100_000, "batch_size": 1 << 20, "input_size": 4096, "train_size": 1 << 31,
               "test_size": 1 << 31, "max_steps": 1 << 40}
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
-JACOBIANS = ("loop", "batched")
+JACOBIANS = ("auto", "loop", "batched")  # drmoo.jacobian.STRATEGIES
 # The settings a resume may change: how far the run goes, and where it runs (a GPU run may be continued
 # on a CPU; the continuation is then not bit-identical to one on the GPU).  Every other field defines the run.
 RESUMABLE_FIELDS = ("epochs", "max_steps", "device")
@@ -104,7 +104,7 @@ class RunConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"--seed must be an integer >= 0 and <= {MAX_SEED}, got {self.seed!r}")
         if self.jacobian not in JACOBIANS:
-            raise UsageError(f"unknown --jacobian {self.jacobian!r}; valid choices: {', '.join(JACOBIANS)}")
+            raise UsageError(f"unknown --jacobian-strategy {self.jacobian!r}; valid choices: {', '.join(JACOBIANS)}")
         if isinstance(self.head_lr, bool) or not isinstance(self.head_lr, (int, float)) or not (
                 math.isfinite(self.head_lr) and self.head_lr > 0):
             raise UsageError(f"--head-lr must be a finite number > 0, got {self.head_lr!r}")
