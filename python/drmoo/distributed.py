@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -120,17 +121,18 @@ def fingerprint(value: object) -> int:
     return zlib.crc32(repr(value).encode())
 
 
-def check_same_on_every_rank(quantities: dict[str, int], *, device: torch.device | str = "cpu") -> None:
-    """Raise ValueError on every rank, naming each quantity that differs between ranks, unless every
-    quantity is the same on all of them.
+def check_same_on_every_rank(quantities: dict[str, object], *, device: torch.device | str = "cpu") -> None:
+    """Raise ValueError on every rank, naming each quantity that differs between ranks and every rank's
+    value of it, unless every quantity is the same on all of them.
 
-    One fixed-size collective (a MAX all-reduce of [q, -q] per quantity): the ranks must call it with
-    the same keys, in the same order -- which is why it compares sizes that later collectives
-    depend on *before* those run.  Does nothing in a single process.
+    One fixed-size collective (a MAX all-reduce of [q, -q] per quantity; a value that is not an int is
+    compared by its :func:`fingerprint`): the ranks must call it with the same keys, in the same order --
+    which is why it compares what later collectives depend on *before* those run.  Only when something
+    differs are the differing values gathered (one object all-gather), so the message shows them, not
+    their fingerprints; a dict value shows only its differing keys.  Does nothing in a single process.
 
     Args:
-        quantities: name -> integer value on this rank (e.g. ``num_tasks``, the batch size, a
-            :func:`fingerprint` of the shared parameters' shapes).
+        quantities: name -> this rank's value (``num_tasks``, the batch size, the method's name, ...).
         device: where the collective's tensor lives (the process group's device: CUDA for NCCL).
 
     Raises:
@@ -138,20 +140,36 @@ def check_same_on_every_rank(quantities: dict[str, int], *, device: torch.device
     """
     if not is_distributed():
         return
-    values = torch.tensor([int(v) for v in quantities.values()], dtype=torch.int64, device=device)
+    numbers = [v if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**62 else fingerprint(v)
+               for v in quantities.values()]
+    values = torch.tensor(numbers, dtype=torch.int64, device=device)
     extremes = all_reduce_max(torch.cat([values, -values])).tolist()
     count = len(quantities)
-    differing = [
-        f"{name} (from {-extremes[count + index]} to {extremes[index]}; {value} on rank {rank()})"
-        for index, (name, value) in enumerate(quantities.items())
-        if extremes[index] != -extremes[count + index]
-    ]
-    if differing:
-        raise ValueError(
-            f"the {world_size()} processes disagree on {'; '.join(differing)}: every rank must build the "
-            "balancer / optimizer with the same shared parameters and num_tasks, and pass an equal shard of "
-            "the global batch (drmoo.distributed.shard)"
-        )
+    differing = [name for index, name in enumerate(quantities) if extremes[index] != -extremes[count + index]]
+    if not differing:
+        return
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, {name: quantities[name] for name in differing})
+    described = [_by_rank(name, [ranks[name] for ranks in gathered]) for name in differing]
+    raise ValueError(
+        f"the {world_size()} processes disagree on {'; '.join(described)}: every rank must build the balancer / "
+        "optimizer with the same method, Jacobian mode, hyperparameters, shared parameters and num_tasks, and pass "
+        "an equal shard of the global batch (drmoo.distributed.shard)"
+    )
+
+
+def _by_rank(name: str, values: list[Any]) -> str:
+    """``name (V on rank 0, W on ranks 1, 2)``; for dicts, each differing key so (``lam: 0.8 on rank 0, ...``)."""
+    if all(isinstance(v, dict) for v in values):
+        keys = [key for key in dict.fromkeys(k for v in values for k in v)
+                if any(v.get(key) != values[0].get(key) for v in values)]
+        return "; ".join(_by_rank(f"{name} {key}", [v.get(key) for v in values]) for key in keys)
+    groups: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(repr(value)[:120], []).append(rank)
+    shown = [f"{text} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:8]))}"
+             + (", ..." if len(ranks) > 8 else "") for text, ranks in groups.items()]
+    return f"{name} ({', '.join(shown[:6])}{', ...' if len(shown) > 6 else ''})"
 
 
 def unequal_shards_message(fewest: int, most: int) -> str:

@@ -122,7 +122,7 @@ def test_a_non_finite_head_gradient_without_a_scaler_is_refused_and_changes_noth
 RANK_CASES = {
     "different shared sets": "the number of shared parameters",
     "different m": "the number of tasks m",
-    "unequal shards": "the number of rows B of the losses (the shard size) (from 2 to 6",
+    "unequal shards": "the number of rows B of the losses (the shard size) (2 on rank 0, 6 on rank 1",
     "unequal shards later": "unequal shards",
 }
 

@@ -347,3 +347,4 @@ def test_u11_moco_after_add_param_group_tracks_the_new_group_from_zero() -> None
     assert not torch.equal(second, before)
     # the old columns went on from their estimate, the new ones from zero (one lerp: (1 - ema) of the gradient)
     assert not torch.equal(optimizer.state["drmoo"]["tracking"][:, :4], tracked)
+

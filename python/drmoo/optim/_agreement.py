@@ -37,9 +37,12 @@ def all_ranks_finite(finite: Tensor) -> Tensor:
     return distributed.all_reduce_max((~finite.all()).to(torch.int32).reshape(1)) == 0
 
 
-def check_same_problem(losses: Tensor, shared: Sequence[Tensor], num_tasks: int) -> None:
-    """Raise ValueError on every rank unless all run m tasks on B rows with the same shared parameters."""
+def check_same_problem(losses: Tensor, shared: Sequence[Tensor], num_tasks: int, settings: dict[str, Any]) -> None:
+    """Raise ValueError on every rank unless all run the same optimizer (``settings``: method, Jacobian mode,
+    hyperparameters -- what decides which collectives a step makes, and their sizes) on m tasks and B rows
+    with the same shared parameters.  Called before the step's first collective."""
     distributed.check_same_on_every_rank({
+        **settings,
         "the number of tasks m": num_tasks,
         "the number of rows B of the losses (the shard size)": losses.shape[0],
         "the number of shared parameters": len(shared),

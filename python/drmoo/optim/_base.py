@@ -72,6 +72,7 @@ from ._features import FeaturesJacobian
 from ._guards import NonFiniteStepError, StepGuard
 from ._head_grads import HeadGradients, fed_grads_finite
 from ._hyperparameters import (
+    BOOKKEEPING_KEYS,
     check_group_hyperparameters,
     check_groups_agree,
     check_hyperparameter,
@@ -445,7 +446,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         finite = torch.isfinite(losses.detach()).all(dim=0)
         if distributed.is_distributed():
             if not getattr(self, "_ranks_checked", False):  # once per optimizer (drmoo.optim._agreement)
-                check_same_problem(losses, self._shared_params(), self.num_tasks)
+                check_same_problem(losses, self._shared_params(), self.num_tasks, self._collective_settings())
                 self._ranks_checked = True
             finite, rows = agree_on_losses(losses, finite)
             if not self.capturable:  # equal shards, checked with the guards (a capturable step trusts them)
@@ -454,6 +455,15 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             f"non-finite (NaN or Inf) per-sample losses for task(s) {bad} in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))
         return losses
+
+    def _collective_settings(self) -> dict[str, Any]:
+        """What every rank must agree on before a step's collectives: the method, the Jacobian mode and the
+        hyperparameters (they decide which collectives run, how many and of what size -- inner steps,
+        resampling, features products -- and the replicas' updates)."""
+        hyperparameters = {key: value for key, value in self.param_groups[0].items()
+                           if key not in BOOKKEEPING_KEYS and key != "capturable" and not isinstance(value, Tensor)}
+        mode = "features" if isinstance(self.jacobian_engine, FeaturesJacobian) else "parameters"
+        return {"the method": type(self).__name__, "the Jacobian mode": mode, "the hyperparameters": hyperparameters}
 
     # ------------------------------------------------------------------------- checks and writes
     def _step_guard(self) -> StepGuard:
