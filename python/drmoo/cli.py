@@ -678,10 +678,10 @@ def _run_compare(args: argparse.Namespace) -> int:
     options = _eps_space_option(args, experiment.compare, experiment.name)
     accepted = inspect.signature(experiment.compare).parameters
     if "reference" in accepted:
-        rows = [v.name for v in variants]
-        if args.reference is not None and args.reference not in rows:
+        row_names = [v.name for v in variants]
+        if args.reference is not None and args.reference not in row_names:
             raise UsageError(f"--reference {args.reference}: no row of the comparison is called that; the rows are "
-                             f"{', '.join(rows)}")
+                             f"{', '.join(row_names)}")
         options["reference"] = args.reference or "double-clip"
     elif args.reference is not None:
         raise UsageError(f"--reference: the {experiment.name} comparison has no paired differences")
