@@ -133,7 +133,12 @@ class MoCo(JointBaseline):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (see the base class); the tracked Jacobian grows by the new shared parameters'
-        columns, started at zero as every column was at construction."""
+        columns, started at zero as every column was at construction.
+
+        Args:
+            param_group: the new group, as for :meth:`torch.optim.Optimizer.add_param_group`: its
+                ``"params"`` and any hyperparameters that differ from the defaults.
+        """
         tracking = self.state[STATE_KEY].get("tracking") if STATE_KEY in self.state else None
         before = self.num_shared if tracking is not None else 0
         super().add_param_group(param_group)
