@@ -67,8 +67,9 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
     Cost of a features step: Y and Y_bar take m backward passes above z each, and Y_tilde is never
     formed: Y_tilde^T w_t = d (sum_b,i w_i c~[b, i] L[b, i]) / dz (c~ the cotangents at
     eta_{t,d_tilde}) is ONE pass above z -- 2m + 1 passes above z (was 3m), plus the one through
-    the trunk.  (With ``jacobian_strategy = "batched"``, the default above 4 tasks, each Jacobian is
-    one vmapped pass: 2 vmapped passes + 1 plain pass + 1 pass feeding the heads, was 3 + 1.)  The
+    the trunk.  (With ``jacobian_strategy = "batched"``, each Jacobian is one vmapped pass: 2 vmapped
+    passes + 1 plain pass + 1 pass feeding the heads, was 3 + 1; with ``"auto"`` and separate heads,
+    each is one ordinary pass that also feeds the heads.)  The
     same is not done in parameters mode, where it would save m - 1 passes through the trunk: the
     sum over tasks would then be autograd's, not the matrix product's, and change the paper's
     reference results in their last bits.  A NaN/Inf that Y_tilde's rows would hold still stops the
