@@ -37,8 +37,9 @@ from torch import Tensor
 if TYPE_CHECKING:
     from torch.autograd.graph import Node
 
-__all__ = ["STRATEGIES", "accumulate_into_grad", "column_views", "copy_into_row", "feed_head_grads", "graph_leaves",
-           "head_leaves", "heads_above_features", "require_reached", "resolve_strategy", "task_jacobian"]
+__all__ = ["STRATEGIES", "accumulate_into_grad", "check_strategy", "column_views", "copy_into_row", "feed_head_grads",
+           "graph_leaves", "head_leaves", "heads_above_features", "require_reached", "resolve_strategy",
+           "task_jacobian"]
 
 STRATEGIES: tuple[str, ...] = ("auto", "loop", "batched")
 # Features mode on the CPU: the rows above z by one vmapped pass above this many tasks, else per-task passes
@@ -47,11 +48,16 @@ STRATEGIES: tuple[str, ...] = ("auto", "loop", "batched")
 BATCHED_ABOVE_TASKS = 4
 
 
-def resolve_strategy(strategy: str, device: torch.device, num_tasks: int, *, features: bool) -> str:
-    """``"loop"`` or ``"batched"`` for ``strategy`` (``"auto"``: see the module docstring; the others as given)."""
+def check_strategy(strategy: str) -> str:
+    """``strategy`` itself if it is one of :data:`STRATEGIES`; otherwise a ValueError naming the choices."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown Jacobian strategy {strategy!r}; valid choices: {', '.join(STRATEGIES)}")
-    if strategy != "auto":
+    return strategy
+
+
+def resolve_strategy(strategy: str, device: torch.device, num_tasks: int, *, features: bool) -> str:
+    """``"loop"`` or ``"batched"`` for ``strategy`` (``"auto"``: see the module docstring; the others as given)."""
+    if check_strategy(strategy) != "auto":
         return strategy
     if device.type != "cpu":  # launches dominate: the fewest
         return "batched"

@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 
 from drmoo import distributed
-from drmoo.jacobian import STRATEGIES, feed_head_grads
+from drmoo.jacobian import check_strategy, feed_head_grads
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
 from drmoo_kernels._checks import trusted_arguments, untrusted_arguments
 
@@ -171,6 +171,13 @@ def _first_failure(guard: StepGuard) -> BaseException | None:
     except Exception as failure:  # the guard's error, returned to be raised in place of the step's
         return failure
     return None
+
+
+def overflow_hint(divergence: Divergence) -> str:
+    """The likely cause of non-finite dual weights, for the error message (KL's exp overflows first)."""
+    if divergence.name == "kl":
+        return " (kl weights exp((loss - eta)/lam) overflow for large losses: raise lam or use cvar_smooth)"
+    return ""
 
 
 class MultiObjectiveOptimizer(torch.optim.Optimizer):
@@ -349,15 +356,12 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
 
     @jacobian_strategy.setter
     def jacobian_strategy(self, value: str) -> None:
-        if value not in STRATEGIES:
-            raise ValueError(f"unknown Jacobian strategy {value!r}; valid choices: {', '.join(STRATEGIES)}")
-        self._jacobian_strategy = value
+        self._jacobian_strategy = check_strategy(value)
 
     @property
     def features_engine(self) -> FeaturesJacobian | None:
         """The features-mode engine (``jacobian="features"``), or None in parameters mode."""
-        engine = self.jacobian_engine
-        return engine if isinstance(engine, FeaturesJacobian) else None
+        return self.jacobian_engine if isinstance(self.jacobian_engine, FeaturesJacobian) else None
 
     # ------------------------------------------------------------------------------------ state
     @property
@@ -603,23 +607,20 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         """
         self.jacobian_engine.apply(self, jacobian, w, factor)
 
-    def _overflow_hint(self) -> str:
-        if self.divergence.name == "kl":
-            return " (kl weights exp((loss - eta)/lam) overflow for large losses: raise lam or use cvar_smooth)"
-        return ""
-
     def check_dual(self, *dual_quantities: Tensor) -> None:
         """The dual step's outputs (z, weights' means) must be finite before anything is written."""
         finite = torch.stack([torch.isfinite(q).all() for q in dual_quantities])
         self.require_finite(finite, lambda bad: (
             f"non-finite dual quantities (the worst-case weights f*'((loss - eta)/lam) overflowed) in "
-            f"{self.failing_iteration}; the step was abandoned and nothing was updated{self._overflow_hint()}"))
+            f"{self.failing_iteration}; the step was abandoned and nothing was "
+            f"updated{overflow_hint(self.divergence)}"))
 
     def check_jacobian(self, gram: Tensor, role: str) -> None:
         """A non-finite Gram diagonal means a non-finite gradient entry (NaN/Inf propagate into it)."""
         self.require_finite(torch.isfinite(torch.diagonal(gram)), lambda bad: (
             f"non-finite gradients of the shared parameters for task(s) {bad} ({role}) in "
-            f"{self.failing_iteration}; the step was abandoned and nothing was updated{self._overflow_hint()}"))
+            f"{self.failing_iteration}; the step was abandoned and nothing was "
+            f"updated{overflow_hint(self.divergence)}"))
 
     def _common_stats(self, objective: Tensor, balanced: Tensor, theta_norm: Tensor) -> dict[str, Tensor]:
         return {
