@@ -78,7 +78,8 @@ def test_every_builtin_experiment_is_registered_in_a_fresh_interpreter() -> None
     code = ("from drmoo.experiments.registry import experiments; "
             "print(','.join(sorted(experiments())))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "celeba,celeba40,multimnist2,multimnist3,multimnist4,multimnist9"
+    assert out.strip() == ("celeba,celeba40,mnist-attributes,mnist-attributes-unweighted,"
+                           "multimnist2,multimnist3,multimnist4,multimnist9")
 
 
 def test_unknown_experiment_and_a_second_registration_are_refused() -> None:
