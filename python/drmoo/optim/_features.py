@@ -64,8 +64,6 @@ from drmoo.jacobian import (
 from ._direction import write_direction
 from ._engine import EngineHost
 
-# Features mode computes the rows above z in one vmapped pass above this many tasks (see _base.configure_jacobian).
-
 FeaturesInput = Tensor | tuple[Tensor, ...] | list[Tensor]  # z: one tensor, or the pieces the heads read
 
 
