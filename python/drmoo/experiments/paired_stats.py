@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["paired_differences", "paired_markdown", "t_quantile"]
+__all__ = ["holm_adjusted", "paired_differences", "paired_markdown", "paired_p_value", "t_quantile"]
 
 
 def t_quantile(probability: float, dof: int) -> float:
@@ -85,3 +85,37 @@ def paired_markdown(rows: Sequence[Mapping[str, Any]], labels: Mapping[Any, str]
             cells.append(f"{row['mean']:+.2f}{interval} {row['wins']}/{row['seeds']}{ties}")
         lines.append(f"| {other} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def paired_p_value(row: Mapping[str, Any]) -> float:
+    """The two-sided p-value of the paired t-test behind one :func:`paired_differences` row.
+
+    The interval is mean ± t_{0.975, n-1} · se, so se and the t statistic are recovered from it exactly
+    (no per-seed values needed): p = 2 · P(T_{n-1} > |mean| / se).  NaN without an interval (n < 2); with
+    se = 0 (every seed gave the same difference), 0 for a non-zero mean and 1 for a zero one.
+    """
+    n, mean, high = int(row["seeds"]), float(row["mean"]), float(row["ci_high"])
+    if n < 2 or math.isnan(high):
+        return math.nan
+    standard_error = (high - mean) / t_quantile(0.975, n - 1)
+    if standard_error <= 0:
+        return 0.0 if mean != 0 else 1.0
+    from scipy import stats
+
+    return float(2 * stats.t.sf(abs(mean) / standard_error, n - 1))
+
+
+def holm_adjusted(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (family-wise error control under any dependence).
+
+    Sorted ascending, the k-th smallest (k from 0) of m gets max over j <= k of min(1, (m - j) p_(j));
+    a hypothesis is rejected at family-wise level alpha when its adjusted p is <= alpha.  NaN entries
+    (no interval) are not members of the family and stay NaN.
+    """
+    members = sorted((p, i) for i, p in enumerate(p_values) if not math.isnan(p))
+    adjusted = [math.nan] * len(p_values)
+    running = 0.0
+    for rank, (p, index) in enumerate(members):
+        running = max(running, min(1.0, (len(members) - rank) * p))
+        adjusted[index] = running
+    return adjusted

@@ -1,0 +1,79 @@
+"""Multiple comparisons: what Holm's correction leaves standing of a results folder's paired intervals.
+
+    python scripts/multiple_comparisons.py results/multimnist2-small [results/multimnist3-small ...]
+
+Every verdict folder reports many 95 % paired t intervals computed from the same trained models (for
+2-digit Multi-MNIST: Double-Clip minus 13 rows at 8 ε, the ablations' rows and contrasts at 8 ε).  Read
+one at a time, each interval that excludes 0 has a 5 % chance of doing so by luck; read as a family, the
+chance that at least one does is far higher.  This script takes a folder's family (``FAMILIES``: every
+paired CSV its README's verdict draws from), recovers each interval's two-sided paired-t p-value from the
+interval itself (:func:`drmoo.experiments.paired_stats.paired_p_value`), applies Holm's step-down
+correction over the whole family (:func:`~drmoo.experiments.paired_stats.holm_adjusted`: family-wise
+error rate 5 %, valid under any dependence between the comparisons), and writes
+``<folder>/multiple-comparisons.csv``: one row per interval with its p, its Holm-adjusted p, whether the
+interval excludes 0 and whether it survives the correction.  No training, no network.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from drmoo.experiments.paired_stats import holm_adjusted, paired_p_value
+
+ALPHA = 0.05
+# Each folder's family: the paired CSVs (reference minus other, per column) its README's verdict reads.
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "multimnist2-small": ("paired.csv", "ablations/paired.csv", "ablations/contrasts.csv"),
+    "multimnist3-small": ("paired.csv",),
+    "mnist-attributes-small": ("weighted/paired.csv", "unweighted/paired.csv", "contrasts.csv"),
+}
+FIELDS = ("source", "reference", "other", "column", "mean", "ci_low", "ci_high", "seeds", "p", "p_holm",
+          "excludes_0", "survives_holm")
+
+
+def family_rows(folder: Path) -> list[dict[str, Any]]:
+    """The family's intervals, each with its p-value, Holm-adjusted p and verdicts."""
+    if folder.name not in FAMILIES:
+        raise SystemExit(f"{folder}: no family is defined for this folder (known: {', '.join(FAMILIES)})")
+    rows: list[dict[str, Any]] = []
+    for source in FAMILIES[folder.name]:
+        path = folder / source
+        if not path.is_file():
+            raise SystemExit(f"{path}: missing (run the folder's reproduce_small.sh target first)")
+        with path.open(newline="") as handle:
+            for row in csv.DictReader(handle):
+                rows.append({"source": source, **row})
+    p_values = [paired_p_value(row) for row in rows]
+    for row, p, p_holm in zip(rows, p_values, holm_adjusted(p_values), strict=True):
+        low, high = float(row["ci_low"]), float(row["ci_high"])
+        row["p"], row["p_holm"] = p, p_holm
+        row["excludes_0"] = not math.isnan(low) and (low > 0 or high < 0)
+        row["survives_holm"] = not math.isnan(p_holm) and p_holm <= ALPHA
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        return 2
+    for name in argv[1:]:
+        folder = Path(name)
+        rows = family_rows(folder)
+        with (folder / "multiple-comparisons.csv").open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=FIELDS, lineterminator="\n")
+            writer.writeheader()
+            writer.writerows({field: row[field] for field in FIELDS} for row in rows)
+        members = sum(not math.isnan(row["p"]) for row in rows)
+        excluding = sum(row["excludes_0"] for row in rows)
+        surviving = sum(row["survives_holm"] for row in rows)
+        print(f"{folder}: {members} intervals in the family, {excluding} exclude 0 one at a time, "
+              f"{surviving} survive Holm at family-wise {ALPHA:.0%} -> {folder / 'multiple-comparisons.csv'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,82 @@
+"""The paired p-values and Holm's correction behind scripts/multiple_comparisons.py."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import random
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+from drmoo.experiments.paired_stats import holm_adjusted, paired_differences, paired_p_value
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("multiple_comparisons", ROOT / "scripts" / "multiple_comparisons.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_p_value_from_the_interval_is_the_paired_t_tests(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(2, 9)
+    mine = {s: rng.gauss(0.3, 1.0) for s in range(n)}
+    theirs = {s: rng.gauss(0.0, 1.0) for s in range(n)}
+    (row,) = paired_differences({"a": {0: mine}, "b": {0: theirs}}, "a", [0])
+    expected = stats.ttest_1samp([mine[s] - theirs[s] for s in range(n)], 0.0).pvalue
+    # Both sides are the same t statistic through two different scipy routes (ppf then sf): they agree to
+    # the quantile's inversion accuracy, far below any decision threshold.
+    assert paired_p_value(row) == pytest.approx(expected, rel=1e-6, abs=1e-12)
+
+
+def test_p_value_edge_cases() -> None:
+    assert math.isnan(paired_p_value({"seeds": 1, "mean": 2.0, "ci_low": math.nan, "ci_high": math.nan}))
+    assert paired_p_value({"seeds": 5, "mean": 2.0, "ci_low": 2.0, "ci_high": 2.0}) == 0.0
+    assert paired_p_value({"seeds": 5, "mean": 0.0, "ci_low": 0.0, "ci_high": 0.0}) == 1.0
+    # An interval whose end touches 0 is a p of exactly 5 %.
+    assert paired_p_value({"seeds": 5, "mean": 1.0, "ci_low": 0.0, "ci_high": 2.0}) == pytest.approx(0.05)
+
+
+def test_holm_by_hand() -> None:
+    # Sorted: 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> monotone: 0.06.
+    assert holm_adjusted([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    adjusted = holm_adjusted([0.5, math.nan, 0.9])  # NaN is no member: m = 2
+    assert adjusted[0] == pytest.approx(1.0) and math.isnan(adjusted[1]) and adjusted[2] == pytest.approx(1.0)
+    assert holm_adjusted([]) == []
+
+
+def test_script_writes_the_family_and_refuses_unknown_folders(tmp_path: Path) -> None:
+    module = _script()
+    folder = tmp_path / "multimnist3-small"
+    folder.mkdir()
+    fields = ["reference", "other", "column", "mean", "ci_low", "ci_high", "wins", "ties", "seeds"]
+    rows = [["dc", "x", "0.0", "5.0", "4.0", "6.0", "5", "0", "5"],   # tiny p: survives
+            ["dc", "x", "0.1", "1.0", "0.01", "1.99", "4", "0", "5"],  # excludes 0 alone, not after Holm
+            ["dc", "y", "0.0", "0.5", "-1.0", "2.0", "3", "0", "5"]]
+    with (folder / "paired.csv").open("w", newline="") as handle:
+        csv.writer(handle).writerows([fields, *rows])
+    assert module.main(["x", str(folder)]) == 0
+    with (folder / "multiple-comparisons.csv").open() as handle:
+        written = list(csv.DictReader(handle))
+    assert [(r["excludes_0"], r["survives_holm"]) for r in written] == [
+        ("True", "True"), ("True", "False"), ("False", "False")]
+    with pytest.raises(SystemExit, match="no family"):
+        module.family_rows(tmp_path)
+
+
+@pytest.mark.parametrize("folder", ["multimnist2-small", "multimnist3-small"])
+def test_committed_tables_are_current(folder: str) -> None:
+    module = _script()
+    rows = module.family_rows(ROOT / "results" / folder)
+    with (ROOT / "results" / folder / "multiple-comparisons.csv").open() as handle:
+        committed = list(csv.DictReader(handle))
+    assert [(r["other"], r["column"], r["survives_holm"]) for r in committed] == [
+        (r["other"], r["column"], str(r["survives_holm"])) for r in rows]
