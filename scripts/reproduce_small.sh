@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key]
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key]
 #   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
@@ -25,8 +25,12 @@
 # ablations: the mechanism controls of issue 27, 5 seeds, paired against Double-Clip (retrained here: the
 #        committed runs keep no checkpoint, so a comparison cannot reuse them): Double-Clip without its
 #        preference update (pref_lr=0), also without DR (lam=100), MGDA at Double-Clip's step length (its lr
-#        1.0 and theta clip c1 = 1.0, c2 = 0.5) and MGDA without DR (lam=100); results in
+#        1.0 and theta clip c1 = 1.0, c2 = 0.5), MGDA at that rate without the clip (lr 1.0: the missing arm
+#        that parts the rate from the clip) and MGDA without DR (lam=100); results in
 #        results/multimnist2-small/ablations/.
+# ablations-replication: the step-length rows of ablations (Double-Clip, MGDA, MGDA with Double-Clip's lr and
+#        clip, MGDA at lr 1.0 alone) on five further seeds, 5-9, that no verdict was written from (issue 36
+#        item 6); results in results/multimnist2-small/ablations/replication/.
 # features: issue 26's accuracy check of jacobian="features": Double-Clip, MGDA, FAMO and Nash-MTL in
 #        features mode, 5 seeds, at their comparison rates; paired against the same methods' committed
 #        parameters-mode runs by scripts/small_controls.py (features/vs-parameters.{csv,md});
@@ -128,8 +132,12 @@ case "$what" in
         --methods "all,moco[ema=0.95,lr=0.3]" --device cpu --quiet --out results/multimnist3-small ;;
 ablations)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
-        --methods "double-clip,double-clip[pref_lr=0],double-clip[lam=100,pref_lr=0],mgda[lr=1.0,clip_c1=1.0,clip_c2=0.5],mgda[lam=100]" \
+        --methods "double-clip,double-clip[pref_lr=0],double-clip[lam=100,pref_lr=0],mgda[lr=1.0,clip_c1=1.0,clip_c2=0.5],mgda[lr=1.0],mgda[lam=100]" \
         --device cpu --quiet --out results/multimnist2-small/ablations ;;
+ablations-replication)
+    "$drmoo" compare --experiment multimnist2 --preset small --seeds 5,6,7,8,9 --eps "$eps" --jobs "$jobs" \
+        --methods "double-clip,mgda,mgda[lr=1.0,clip_c1=1.0,clip_c2=0.5],mgda[lr=1.0]" \
+        --device cpu --quiet --out results/multimnist2-small/ablations/replication ;;
 features)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "double-clip[jacobian=features],mgda[jacobian=features],famo[jacobian=features],nashmtl[jacobian=features]" \
@@ -277,7 +285,7 @@ moco-sweep)
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key]" >&2
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key]" >&2
     exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s, $jobs jobs on $(nproc --all) cores"
