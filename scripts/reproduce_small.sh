@@ -60,7 +60,9 @@
 # common-rate: Double-Clip at the common trunk rate 0.3 (the other rows of the rate-sensitivity table have
 #        committed runs at 0.3: MoCo's at its first choice, ema 0.9); results in results/multimnist2-small/common-rate/.
 # controls: tabulates rate-sensitivity.{csv,md} and ablations/contrasts.csv from the committed runs
-#        (scripts/small_controls.py; no training).
+#        (scripts/small_controls.py), Holm's correction over each verdict's intervals
+#        (multiple-comparisons.csv, scripts/multiple_comparisons.py) and the stopped or collapsed runs of
+#        every row (results/divergences.csv, scripts/divergences.py); no training.
 # b64-sweep, b64-runoff, b64: a second training regime (batch 64, 1,200 iterations) for Double-Clip, MGDA,
 #        Nash-MTL and FAMO: the two-stage validation sweep, then 5 test seeds; results in
 #        results/multimnist2-small/batch64/.
@@ -209,7 +211,9 @@ common-rate)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "double-clip[lr=0.3]" --device cpu --quiet --out results/multimnist2-small/common-rate ;;
 controls)
-    "$python" scripts/small_controls.py results/multimnist2-small ;;
+    "$python" scripts/small_controls.py results/multimnist2-small
+    "$python" scripts/multiple_comparisons.py results/multimnist2-small results/multimnist3-small
+    "$python" scripts/divergences.py results ;;
 b64-sweep)
     # The 2-digit grid, extended by the rule while a method's best rate sits at an end of it.
     spec=""

@@ -16,8 +16,8 @@ from drmoo.experiments.paired_stats import holm_adjusted, paired_differences, pa
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("multiple_comparisons", ROOT / "scripts" / "multiple_comparisons.py")
+def _script(name: str = "multiple_comparisons"):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -80,3 +80,28 @@ def test_committed_tables_are_current(folder: str) -> None:
         committed = list(csv.DictReader(handle))
     assert [(r["other"], r["column"], r["survives_holm"]) for r in committed] == [
         (r["other"], r["column"], str(r["survives_holm"])) for r in rows]
+
+
+def _fake_run(folder: Path, seed: int, epochs: list[float], clean: float, stopped: bool = False) -> None:
+    import json
+
+    run = folder / f"mgda-seed{seed}"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"eval_split": "test", "label": "mgda", "method": "mgda",
+                                                  "seed": seed}))
+    (run / "metrics.csv").write_text("epoch,test_acc\n" + "".join(f"{i},{a}\n" for i, a in enumerate(epochs)))
+    (run / "eval.json").write_text(json.dumps({"results": [{"eps": 0.0, "mean_acc": clean}]}))
+    if stopped:
+        (run / "diverged").write_text("")
+
+
+def test_divergences_counts_stopped_and_collapsed_runs(tmp_path: Path) -> None:
+    module = _script("divergences")
+    _fake_run(tmp_path / "a", 0, [0.5, 0.9, 0.91], 0.91)
+    _fake_run(tmp_path / "a", 1, [0.5, 0.91, 0.44], 0.44)  # the 91 % -> 44 % collapse
+    _fake_run(tmp_path / "a", 2, [0.5, 0.9], 0.85, stopped=True)
+    _fake_run(tmp_path / "a", 3, [0.5, 0.9], 0.805)  # 9.5 points: under the threshold
+    (row,) = module.divergence_rows(tmp_path)
+    assert (row["folder"], row["runs"], row["stopped"], row["collapsed"]) == ("a", 4, 1, 1)
+    assert row["max_drop"] == pytest.approx(47.0) and row["seeds"] == "1 2"
+    assert module.main(["x", str(tmp_path)]) == 0 and (tmp_path / "divergences.csv").is_file()
