@@ -11,7 +11,8 @@ interval itself (:func:`drmoo.experiments.paired_stats.paired_p_value`), applies
 correction over the whole family (:func:`~drmoo.experiments.paired_stats.holm_adjusted`: family-wise
 error rate 5 %, valid under any dependence between the comparisons), and writes
 ``<folder>/multiple-comparisons.csv``: one row per interval with its p, its Holm-adjusted p, whether the
-interval excludes 0 and whether it survives the correction.  No training, no network.
+interval excludes 0 and whether it survives the correction, and ``<folder>/multiple-comparisons-summary.csv``:
+the family's size and those two counts.  No training, no network.
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def main(argv: list[str]) -> int:
         members = sum(not math.isnan(row["p"]) for row in rows)
         excluding = sum(row["excludes_0"] for row in rows)
         surviving = sum(row["survives_holm"] for row in rows)
+        with (folder / "multiple-comparisons-summary.csv").open("w", newline="") as handle:
+            writer = csv.writer(handle, lineterminator="\n")
+            writer.writerows([("family", "intervals", "exclude_0", "survive_holm"),
+                              ("+".join(FAMILIES[folder.name]), members, excluding, surviving)])
         print(f"{folder}: {members} intervals in the family, {excluding} exclude 0 one at a time, "
               f"{surviving} survive Holm at family-wise {ALPHA:.0%} -> {folder / 'multiple-comparisons.csv'}")
     return 0
