@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key]
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff]
 #   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
@@ -73,6 +73,10 @@
 #        reference without the importance weights (mnist-attributes-unweighted); then the paired contrasts
 #        (scripts/attribute_contrasts.py).  Rates: the 2-digit Multi-MNIST small preset's, not swept here;
 #        results in results/mnist-attributes-small/{weighted,unweighted}/ and contrasts.{csv,md}.
+# attributes-sweep, attributes-runoff: the two-stage validation rule (scripts/sweep_rule.py; ranked by the
+#        prevalence set's mean balanced accuracy) for the rows that answer "does DR help": Double-Clip, MGDA
+#        and the plain reference, grid 0.1-3 extended while a best rate sits at an end; results in
+#        results/mnist-attributes-small/lr-sweep/ (runoff/: stage 2), the winners printed at the end.
 # attributes-key: attributes' rows that answer "does DR help" (Double-Clip, MGDA, their lam=100 rows, the
 #        plain reference, each with and without the weights), seed by seed, so an interrupted call has whole seeds.
 # Finished runs are reused, so an interrupted call continues where it stopped.
@@ -87,7 +91,9 @@ start=$(date +%s)
 # A validation-split sweep: sweep EXPERIMENT SEEDS OUT SPEC [COMPARE OPTIONS...] (every stage of every
 # sweep runs through it).
 sweep() {
-    "$drmoo" compare --experiment "$1" --preset small --eval-split validation --seeds "$2" --eps 0 \
+    local clean=(--eps 0)
+    case "$1" in mnist-attributes*) clean=() ;; esac  # a clean evaluation already: no FGSM to switch off
+    "$drmoo" compare --experiment "$1" --preset small --eval-split validation --seeds "$2" "${clean[@]}" \
         --jobs "$jobs" --methods "$4" --device cpu --quiet --out "$3" \
         ${DRMOO_SWEEP_CACHE:+--cache-dir "$DRMOO_SWEEP_CACHE"} "${@:5}"
 }
@@ -232,6 +238,18 @@ b64)
     # shellcheck disable=SC2086
     "$drmoo" compare --experiment multimnist2 --preset small $b64 --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "$spec" --reference "$reference" --device cpu --quiet --out results/multimnist2-small/batch64 ;;
+attributes-sweep)
+    spec=""
+    for row in double-clip mgda "mgda[lam=100,pref_lr=0"; do
+        for lr in 0.1 0.3 1.0 3.0; do
+            case "$row" in *"["*) spec="$spec${spec:+,}$row,lr=$lr]" ;; *) spec="$spec${spec:+,}$row[lr=$lr]" ;; esac
+        done
+    done
+    grown_sweep mnist-attributes results/mnist-attributes-small/lr-sweep "$spec" ;;
+attributes-runoff)
+    spec=$("$python" scripts/sweep_rule.py finalists results/mnist-attributes-small/lr-sweep)
+    sweep mnist-attributes 1,2 results/mnist-attributes-small/lr-sweep/runoff "$spec"
+    echo "winners: $("$python" scripts/sweep_rule.py winners results/mnist-attributes-small/lr-sweep)" ;;
 attributes|attributes-key)
     seeds="${SEEDS:-0,1,2,3,4}"
     plain="mgda[lam=100,pref_lr=0]"
@@ -289,7 +307,7 @@ moco-sweep)
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key]" >&2
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff]" >&2
     exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s, $jobs jobs on $(nproc --all) cores"

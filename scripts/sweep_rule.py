@@ -11,9 +11,12 @@ end while the best rate sits at that end; stage 2 (``SWEEP/runoff/table.csv``, s
 each method's two best stage-1 rates (ties to the smaller); the winner has the highest clean
 validation accuracy averaged over seeds 0-2 (ties to the smaller rate).
 
-A row may also set ``jacobian`` (issue 26's features-mode sweep): the rule then runs per method and
-mode, e.g. ``double-clip[jacobian=features]`` is swept apart from ``double-clip``, and the specs it
-prints keep the mode.  Rows that vary any other setting are not this rule's.
+The same rule reads a label-imbalance comparison's table (``--experiment mnist-attributes``: columns
+``set``, ``metric``), ranking by the prevalence set's mean balanced accuracy instead of clean accuracy.
+
+A row may also set ``jacobian`` (issue 26's features-mode sweep), ``lam`` or ``pref_lr`` (the label-imbalance
+controls): the rule then runs per method and setting, e.g. ``double-clip[jacobian=features]`` is swept apart
+from ``double-clip``, and the specs it prints keep the setting.  Rows that vary any other setting are not this rule's.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from drmoo.experiments.variants import parse_variants
 LADDER = (1e-4, 3e-4, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 
 
-# Settings a swept row may carry besides lr: each value is swept on its own (its own key).
-MODE_SETTINGS = ("jacobian",)
+# Settings a swept row may carry besides lr: each value is swept on its own (its own key).  ``lam`` and
+# ``pref_lr`` key mnist-attributes' control rows (MGDA without DR, the plain reference
+# ``mgda[lam=100,pref_lr=0]``), which are swept apart from the method they ablate.
+MODE_SETTINGS = ("jacobian", "lam", "pref_lr")
 
 
 def clean_by_rate(table: Path) -> dict[str, dict[float, float]]:
@@ -39,7 +44,7 @@ def clean_by_rate(table: Path) -> dict[str, dict[float, float]]:
     out: dict[str, dict[float, float]] = {}
     with table.open() as handle:
         for row in csv.DictReader(handle):
-            if float(row["eps"]) != 0.0:
+            if not _is_criterion(row):
                 continue
             (variant,) = parse_variants(row["method"])
             others = {k: v for k, v in variant.hparams.items() if k != "lr"}
@@ -47,8 +52,20 @@ def clean_by_rate(table: Path) -> dict[str, dict[float, float]]:
                 continue  # another setting varies too (the 2-digit sweep's MoCo rows): not this rule's
             mode = ",".join(f"{k}={v}" for k, v in sorted(others.items()))
             key = f"{variant.method}[{mode}]" if mode else variant.method
-            out.setdefault(key, {})[float(variant.hparams["lr"])] = float(row["mean_acc"])
+            out.setdefault(key, {})[float(variant.hparams["lr"])] = float(row["mean_acc" if "eps" in row else "mean"])
     return out
+
+
+def _is_criterion(row: dict[str, str]) -> bool:
+    """The row the rule ranks by: clean accuracy in an FGSM comparison's table (column ``eps``); in a
+    label-imbalance table (columns ``set``, ``metric``: ``mnist-attributes``) the mean balanced accuracy on
+    the prevalence set, Table 2's imbalance-aware headline (plain accuracy there rewards predicting the
+    majority label)."""
+    if "eps" in row:
+        return float(row["eps"]) == 0.0
+    if "metric" in row:
+        return row["set"] == "prevalence" and row["metric"] == "mean_balanced_accuracy"
+    raise ValueError(f"a table row with neither an eps nor a set/metric column: {sorted(row)}")
 
 
 def _best(rates: dict[float, float], count: int) -> list[float]:

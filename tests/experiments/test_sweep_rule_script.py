@@ -45,3 +45,25 @@ def test_features_rows_are_swept_apart_from_parameters_rows(tmp_path: Path, load
     # the features row's best rate sits at the low end: the next rate down, in its own mode
     assert rule.extension(tmp_path) == ["double-clip[lr=3.0]", "double-clip[jacobian=features,lr=0.03]"]
     assert rule.with_rate("double-clip[jacobian=features]", 0.003) == "double-clip[jacobian=features,lr=0.003]"
+
+
+def test_label_imbalance_tables_rank_by_balanced_accuracy(tmp_path: Path, load_script: Any) -> None:
+    """mnist-attributes' table (set, metric, mean): the rule reads the prevalence set's mean balanced
+    accuracy, never plain accuracy (which would pick the rate that predicts the majority label)."""
+    rule = load_script("sweep_rule")
+    balanced, plain = "mean_balanced_accuracy", "mean_accuracy"
+    rows = [("mgda[lr=0.1]", "prevalence", plain, 95.0), ("mgda[lr=0.1]", "prevalence", balanced, 60.0),
+            ("mgda[lr=1.0]", "prevalence", plain, 90.0), ("mgda[lr=1.0]", "prevalence", balanced, 85.0),
+            ("mgda[lr=1.0]", "balanced", balanced, 10.0), ("mgda[lr=0.3]", "prevalence", balanced, 70.0),
+            ("mgda[lam=100,pref_lr=0,lr=0.3]", "prevalence", balanced, 75.0)]
+    with (tmp_path / "table.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["method", "set", "metric", "mean", "std", "seeds"])
+        writer.writerows([name, where, metric, value, 0.0, 1] for name, where, metric, value in rows)
+    assert rule.clean_by_rate(tmp_path / "table.csv") == {
+        "mgda": {0.1: 60.0, 1.0: 85.0, 0.3: 70.0}, "mgda[lam=100,pref_lr=0]": {0.3: 75.0}}
+    # mgda's best rate, 1.0, is the grid's top end; the plain reference's one rate is both ends: one below
+    assert rule.extension(tmp_path) == ["mgda[lr=3.0]", "mgda[lam=100,pref_lr=0,lr=0.1]"]
+    (tmp_path / "bad.csv").write_text("method,score\nmgda[lr=0.1],1\n")
+    with pytest.raises(ValueError, match="neither an eps nor a set/metric"):
+        rule.clean_by_rate(tmp_path / "bad.csv")
