@@ -274,10 +274,10 @@ class Balancer:
                 "included) or lr= (a fixed step size for eta), not both"
             )
         self.method = method
-        self._algorithm = create(method, shared_params, num_tasks, **hparams)
+        # (a bad jacobian_strategy: a ValueError naming the choices, from the constructor)
+        self._algorithm = create(method, shared_params, num_tasks, jacobian_strategy=jacobian_strategy, **hparams)
         self._algorithm.direction_mode = True
         self._algorithm.allow_partial_shared = check_flag("allow_partial_shared", allow_partial_shared)
-        self._algorithm.jacobian_strategy = jacobian_strategy  # (a ValueError naming the choices otherwise)
         self._optimizer = optimizer
         self._dual_lr_start: tuple[float, float] | None = None  # Double-Loop: (dual_lr, the lr it goes with)
         if optimizer is not None:

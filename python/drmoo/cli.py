@@ -302,9 +302,12 @@ def _check_hparams(method: str, hparams: dict[str, Any]) -> None:
     parameters = inspect.signature(available()[method].__init__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
-    accepted = sorted(set(parameters) - {"self", "params", "num_tasks", "backend"})
+    accepted = sorted(set(parameters) - {"self", "params", "num_tasks", "backend", "jacobian_strategy"})
     if "backend" in hparams:
         raise UsageError("the kernel backend is not a hyperparameter: use --backend instead of --hp backend=...")
+    if "jacobian_strategy" in hparams:  # one place to set it: the run's config records --jacobian-strategy
+        raise UsageError("the Jacobian strategy is not a hyperparameter: use --jacobian-strategy instead of "
+                         "--hp jacobian_strategy=...")
     unknown = sorted(set(hparams) - set(accepted))
     if unknown:
         raise UsageError(f"unknown hyperparameter(s) {', '.join(unknown)} for {method}; valid: {', '.join(accepted)}")

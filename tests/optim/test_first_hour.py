@@ -136,7 +136,7 @@ def test_the_api_pages_table_lists_each_methods_own_hyperparameters() -> None:
     import re
     from pathlib import Path
 
-    common = {"lr", "lam", "divergence", "capturable", "backend", "jacobian"}
+    common = {"lr", "lam", "divergence", "capturable", "backend", "jacobian", "jacobian_strategy"}
     page = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
     rows = dict(re.findall(r'^\| `"([a-z-]+)"` \| \[`\w+`\]\(#[\w.]+\) \| (.*) \|$', page, re.M))
     assert set(rows) == set(available())

@@ -298,9 +298,9 @@ def _build_run(config: RunConfig, run_dir: Path, build: Build, device: torch.dev
     model, data = build(config)
     model.to(device)
     optimizer = create(config.method, model.shared_parameters(), data.num_tasks, backend=config.backend,
+                       jacobian_strategy=config.jacobian,  # --jacobian-strategy (--hp refuses it)
                        # fp16 scaling needs the eager step's raise on a non-finite step
                        **{"capturable": device.type == "cuda" and config.amp != "fp16", **config.hparams})
-    optimizer.jacobian_strategy = config.jacobian
     heads = torch.optim.SGD(model.task_parameters(), lr=config.head_lr)
     stream = IndexStream(data.train_labels.shape[0], config.batch_size, seed=config.seed)
     if stream.batch_size // distributed.world_size() < 2 and any(

@@ -93,7 +93,9 @@ def create(name: str, params: ParamsT, num_tasks: int, **overrides: Any) -> Mult
         name: a registry name, e.g. ``"double-clip"``.
         params: the shared parameters (or parameter groups), as for the class itself.
         num_tasks: the number of tasks m.
-        overrides: hyperparameters of that class's constructor, e.g. ``lr=1e-3``.
+        overrides: keyword arguments of that class's constructor: hyperparameters, e.g. ``lr=1e-3``, and
+            ``capturable``, ``backend``, ``jacobian``, ``jacobian_strategy``
+            (``"auto"`` | ``"loop"`` | ``"batched"``, see :mod:`drmoo.jacobian`).
     """
     try:
         cls = _REGISTRY[name]

@@ -99,13 +99,19 @@ _SCRATCH_ATTRIBUTES = ("_head_grads", "_guard", "_ops", "batch_weight", "_hyperp
                        "_shared_reach", "_ranks_checked")
 
 
-def configure_jacobian(optimizer: MultiObjectiveOptimizer, jacobian: str) -> JacobianEngine:
-    """The engine for ``jacobian`` ("parameters": the paper's J_theta; "features": J_z), for a method's
-    constructor: ``self.jacobian_engine = configure_jacobian(self, jacobian)``.
+def configure_jacobian(optimizer: MultiObjectiveOptimizer, jacobian: str, strategy: str) -> JacobianEngine:
+    """The engine for ``jacobian`` ("parameters": the paper's J_theta; "features": J_z), whose per-task
+    gradients are taken by ``strategy`` (the constructor's ``jacobian_strategy``), for a method's
+    constructor: ``self.jacobian_engine = configure_jacobian(self, jacobian, jacobian_strategy)``.
 
     A method that cannot be written in feature space says why in its class attribute
     ``FEATURES_REFUSAL`` and is refused here, at construction (never a silent fallback).
     """
+    # Checked by the property (drmoo.jacobian.check_strategy: a ValueError naming the value and the choices).
+    # It is kept as an attribute, like the property set later, not as a hyperparameter: outside param_groups
+    # and state_dict, so a resumed run may take another strategy (another device's) -- the strategies compute
+    # the same gradients, up to rounding, so the choice is how this process runs, not the training state.
+    optimizer.jacobian_strategy = strategy
     if jacobian not in JACOBIANS:
         raise ValueError(f"jacobian must be one of {', '.join(JACOBIANS)}; got {jacobian!r}")
     if jacobian == "parameters":

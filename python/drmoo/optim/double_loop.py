@@ -98,6 +98,10 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
             passes through the heads, one through the trunk; see "Feature space" above).  Its theta
             step is the exact gradient of sum_i c_i L^i either way (only the weights are taken in z),
             so its rates carry over.
+        jacobian_strategy: how the per-task gradients are computed (:mod:`drmoo.jacobian`): ``"auto"``
+            (default: the fewest kernel launches on a GPU, the least memory traffic on the CPU),
+            ``"loop"`` (one backward per task) or ``"batched"`` (one vmapped backward); the same gradients
+            up to rounding.  Also the ``jacobian_strategy`` attribute, which may be set later.
 
     Defaults and presets.  The defaults are the paper's main Multi-MNIST setting (App. D.2, with
     lambda = 0.8 as App. F.1 says); ``DoubleLoopMGDA.preset(name)`` gives ``multimnist``,
@@ -131,6 +135,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         capturable: bool = False,
         backend: str | None = None,
         jacobian: str = "parameters",
+        jacobian_strategy: str = "auto",
     ) -> None:
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be an int >= 1, got {inner_steps!r}")
@@ -145,7 +150,7 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
-        self.jacobian_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian, jacobian_strategy)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         if isinstance(seed, bool) or not isinstance(seed, int):

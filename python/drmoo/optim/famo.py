@@ -140,6 +140,10 @@ class FAMO(JointBaseline):
             passes through the heads, one through the trunk; see "Feature space" above).  Its theta
             step is the exact gradient of sum_i c_i L^i either way (only the weights are taken in z),
             so its rates carry over.
+        jacobian_strategy: how the per-task gradients are computed (:mod:`drmoo.jacobian`): ``"auto"``
+            (default: the fewest kernel launches on a GPU, the least memory traffic on the CPU),
+            ``"loop"`` (one backward per task) or ``"batched"`` (one vmapped backward); the same gradients
+            up to rounding.  Also the ``jacobian_strategy`` attribute, which may be set later.
     """
 
     FORMS_JACOBIAN: ClassVar[bool] = False  # (the heads-as-shared check takes m backward passes, once)
@@ -165,6 +169,7 @@ class FAMO(JointBaseline):
         capturable: bool = False,
         backend: str | None = None,
         jacobian: str = "parameters",
+        jacobian_strategy: str = "auto",
     ) -> None:
         # One number is broadcast to every task (stored as a 1-tuple); otherwise one per task.
         floors = HYPERPARAMETER_CHECKS["loss_floor"]("loss_floor", loss_floor)
@@ -175,7 +180,7 @@ class FAMO(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
-        self.jacobian_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian, jacobian_strategy)
         if len(floors) not in (1, num_tasks):
             raise ValueError(f"loss_floor has {len(floors)} values, but num_tasks={num_tasks}")
         self._floor_cache: tuple[tuple[float, ...], Tensor] | None = None

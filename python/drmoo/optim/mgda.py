@@ -316,6 +316,10 @@ class MGDA(JointBaseline):
             With ``clip_c1``/``clip_c2`` its clip alpha = min(clip_c1, clip_c2 / ||J^T w||) reads a norm
             taken in z, so ``lr`` must be chosen for features mode: built in features mode it warns once
             (:class:`~drmoo.optim.FeaturesRateWarning`) unless ``features_rate_chosen=True``.
+        jacobian_strategy: how the per-task gradients are computed (:mod:`drmoo.jacobian`): ``"auto"``
+            (default: the fewest kernel launches on a GPU, the least memory traffic on the CPU),
+            ``"loop"`` (one backward per task) or ``"batched"`` (one vmapped backward); the same gradients
+            up to rounding.  Also the ``jacobian_strategy`` attribute, which may be set later.
         features_rate_chosen: say that ``lr`` was chosen for ``jacobian="features"`` (silences the
             warning).
     """
@@ -345,6 +349,7 @@ class MGDA(JointBaseline):
         capturable: bool = False,
         backend: str | None = None,
         jacobian: str = "parameters",
+        jacobian_strategy: str = "auto",
         features_rate_chosen: bool = False,
     ) -> None:
         if solver not in SOLVERS:
@@ -362,7 +367,7 @@ class MGDA(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
-        self.jacobian_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian, jacobian_strategy)
         clip_reads_z = "its clip alpha = min(clip_c1, clip_c2 / ||J_z^T w||) reads a norm taken in z"
         warn_unless_rate_chosen(self, jacobian, None if clip_c1 is None else clip_reads_z, features_rate_chosen)
 

@@ -86,6 +86,10 @@ class MoCo(JointBaseline):
         jacobian: ``"parameters"`` only (per-task gradients w.r.t. the shared parameters);
             ``"features"`` (w.r.t. the representation z) is refused: MoCo's tracked Jacobian averages
             rows across steps, i.e. across batches, whose z coordinates differ.
+        jacobian_strategy: how the per-task gradients are computed (:mod:`drmoo.jacobian`): ``"auto"``
+            (default: the fewest kernel launches on a GPU, the least memory traffic on the CPU),
+            ``"loop"`` (one backward per task) or ``"batched"`` (one vmapped backward); the same gradients
+            up to rounding.  Also the ``jacobian_strategy`` attribute, which may be set later.
     """
 
     # jacobian="features" (drmoo.optim._features) is refused at construction, for this reason:
@@ -115,6 +119,7 @@ class MoCo(JointBaseline):
         capturable: bool = False,
         backend: str | None = None,
         jacobian: str = "parameters",
+        jacobian_strategy: str = "auto",
     ) -> None:
         defaults = {
             **common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, rho=rho),
@@ -122,7 +127,7 @@ class MoCo(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
-        self.jacobian_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian, jacobian_strategy)
 
     def extra_state(self) -> dict[str, Any]:
         dtype = self._shared_params()[0].dtype

@@ -158,6 +158,10 @@ class NashMTL(JointBaseline):
             Its weights (1/alpha ~ ||g_i||) and clip read norms taken in z, so ``lr`` must be chosen for
             features mode: built in features mode it warns once
             (:class:`~drmoo.optim.FeaturesRateWarning`) unless ``features_rate_chosen=True``.
+        jacobian_strategy: how the per-task gradients are computed (:mod:`drmoo.jacobian`): ``"auto"``
+            (default: the fewest kernel launches on a GPU, the least memory traffic on the CPU),
+            ``"loop"`` (one backward per task) or ``"batched"`` (one vmapped backward); the same gradients
+            up to rounding.  Also the ``jacobian_strategy`` attribute, which may be set later.
         features_rate_chosen: say that ``lr`` was chosen for ``jacobian="features"`` (silences the
             warning).
     """
@@ -181,6 +185,7 @@ class NashMTL(JointBaseline):
         capturable: bool = False,
         backend: str | None = None,
         jacobian: str = "parameters",
+        jacobian_strategy: str = "auto",
         features_rate_chosen: bool = False,
     ) -> None:
         defaults = {
@@ -191,7 +196,7 @@ class NashMTL(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
-        self.jacobian_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian, jacobian_strategy)
         warn_unless_rate_chosen(self, jacobian, "its weights scale as 1/||g_i|| of the gradients w.r.t. z and "
                                 "its clip reads their norm", features_rate_chosen)
 

@@ -115,6 +115,10 @@ class SDMGrad(JointBaseline):
             passes through the heads, one through the trunk; see "Feature space" above).  Its theta
             step is the exact gradient of sum_i c_i L^i either way (only the weights are taken in z),
             so its rates carry over.
+        jacobian_strategy: how the per-task gradients are computed (:mod:`drmoo.jacobian`): ``"auto"``
+            (default: the fewest kernel launches on a GPU, the least memory traffic on the CPU),
+            ``"loop"`` (one backward per task) or ``"batched"`` (one vmapped backward); the same gradients
+            up to rounding.  Also the ``jacobian_strategy`` attribute, which may be set later.
     """
 
     DRAWS_SHARE_ONE_POINT: ClassVar[bool] = True  # its three batches are all taken at (theta_t, eta_t)
@@ -142,6 +146,7 @@ class SDMGrad(JointBaseline):
         capturable: bool = False,
         backend: str | None = None,
         jacobian: str = "parameters",
+        jacobian_strategy: str = "auto",
     ) -> None:
         defaults = {
             **common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, rho=rho, sdm_lambda=sdm_lambda),
@@ -151,7 +156,7 @@ class SDMGrad(JointBaseline):
             "capturable": check_flag("capturable", capturable),
         }
         super().__init__(params, num_tasks, defaults, backend)
-        self.jacobian_engine = configure_jacobian(self, jacobian)
+        self.jacobian_engine = configure_jacobian(self, jacobian, jacobian_strategy)
 
     def extra_state(self) -> dict[str, Any]:
         return {"momentum_buffer": torch.zeros(self.num_tasks, device=self.device, dtype=torch.float64)}
