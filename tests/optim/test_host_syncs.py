@@ -290,3 +290,37 @@ def test_a_non_finite_first_step_does_not_settle_the_heads_as_shared_check(toy) 
         optimizer.step(lambda: losses() * float("nan"))
     with pytest.raises(ValueError, match="looks like a task-specific head"):
         optimizer.step(losses)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_pieces_of_z_that_are_disjoint_views_of_one_tensor_read_the_host_once(toy, monkeypatch, api: str) -> None:
+    """``features=(z[:, :2], z[:, 2:])``: the duplicate-features check (SW-25) compared such views element by
+    element on the host at every step, a second read; overlap is a property of the views' layouts, decided
+    without reading a value."""
+    problem = toy()
+    draw = problem.batches(1)
+
+    def batch() -> tuple[Tensor, tuple[Tensor, ...]]:
+        rows = draw()
+        z = torch.tanh(problem.inputs[rows] @ problem.A + problem.c)
+        pieces = (z[:, :2], z[:, 2:])  # interleaved in z's memory, sharing no element
+        return (pieces[0] @ problem.H[:2] + pieces[1] @ problem.H[2:] - problem.targets[rows]) ** 2, pieces
+
+    balancer = drmoo.Balancer("mgda", problem.shared, problem.num_tasks, jacobian="features", lr=0.05)
+    optimizer = create("mgda", problem.shared, problem.num_tasks, jacobian="features", lr=0.05)
+
+    def step() -> None:
+        losses, pieces = batch()
+        if api == "balancer":
+            balancer.backward(losses, features=pieces)
+        else:
+            def closure() -> Any:  # the step's one batch (one z) at every call; z as its pieces
+                return losses, pieces
+
+            optimizer.step(closure)
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    with counting_syncs(monkeypatch) as counter:
+        step()
+    assert len(counter.reads) == 1, counter.reads

@@ -63,6 +63,7 @@ from drmoo.jacobian import (
 
 from ._direction import write_direction
 from ._engine import EngineHost
+from ._overlap import views_overlap
 
 FeaturesInput = Tensor | tuple[Tensor, ...] | list[Tensor]  # z: one tensor, or the pieces the heads read
 
@@ -82,39 +83,13 @@ def as_pieces(features: Any) -> tuple[Tensor, ...]:
         )
     for index, piece in enumerate(pieces):
         for earlier in range(index):
-            if _overlap(piece, pieces[earlier]):
+            if views_overlap(piece, pieces[earlier]):  # from the layouts: no host read
                 raise ValueError(
                     f"features[{index}] (shape {tuple(piece.shape)}) is features[{earlier}] again, or shares its "
                     "memory: each piece of z must be given once (its gradient would be counted once per copy); "
                     "pass z itself, or the distinct tensors the heads read"
                 )
     return tuple(pieces)
-
-
-def _overlap(first: Tensor, second: Tensor) -> bool:
-    """Whether two tensors share an element: the same object, or views whose elements meet in one storage.
-
-    Different storages (the usual case) are told apart at once; views of one storage (``z[:, :3]`` and
-    ``z[:, 3:]`` interleave in memory without sharing an element) are compared element by element,
-    once per step, on the host (``torch._C._overlaps`` calls such slices overlapping).
-    """
-    if first is second:
-        return True
-    if first.numel() == 0 or second.numel() == 0 or first.device != second.device or first.is_meta:
-        return False
-    if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
-        return False
-
-    def elements(tensor: Tensor) -> Tensor:  # the byte offset of every element in the storage
-        offsets = torch.zeros((), dtype=torch.int64)
-        for size, stride in zip(tensor.shape, tensor.stride()):
-            offsets = offsets[..., None] + torch.arange(size, dtype=torch.int64) * stride
-        return (offsets.reshape(-1) * tensor.element_size() + tensor.storage_offset() * tensor.element_size())
-
-    a, b = elements(first), elements(second)
-    width = torch.arange(max(first.element_size(), second.element_size()), dtype=torch.int64)
-    return bool(torch.isin((a[:, None] + width[: first.element_size()]).reshape(-1),
-                           (b[:, None] + width[: second.element_size()]).reshape(-1)).any())
 
 
 def with_features(losses: Any, features: FeaturesInput | None, features_mode: bool) -> Any:
