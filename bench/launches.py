@@ -231,7 +231,8 @@ def table(data: dict[str, Any]) -> str:
         "`TorchDispatchMode` (`bench/op_count.py`): *ops* = non-view aten ops (each a kernel launch on a GPU), "
         "*syncs* = host syncs (`_local_scalar_dense` from `bool()`/`float()`/`.item()`, `equal`, `nonzero`, "
         "`tolist()`, ...). Cells: `ops / syncs`; the plain row's ops are the floor, and `(+x.xx)` is a row's ops "
-        "above plain as a multiple of plain's.",
+        "above plain as a multiple of plain's (`(-x.xx)`: below it; the `step` rows update the trunk with one "
+        "`combine` op where plain's SGD takes one op per parameter).",
         "",
         "Rows: method, `jacobian=` mode, API (`balancer`: `drmoo.Balancer(...).backward` then SGD; `step`: the "
         "optimizer's `step(closure)`, which in parameters mode draws a fresh batch per closure call, the method's "
@@ -268,7 +269,7 @@ def table(data: dict[str, Any]) -> str:
                         continue
                     text = f"{record['ops']:,} / {record['syncs']}"
                     if method != "plain" and m in plain:
-                        text += f" (+{(record['ops'] - plain[m]) / plain[m]:.2f})"
+                        text += f" ({(record['ops'] - plain[m]) / plain[m]:+.2f})"
                     texts.append(text + ("\\*" if record["default_strategy"] else ""))
                 lines.append(f"| {method} | {mode} | {api} | {strategy} | " + " | ".join(texts) + " |")
             lines.append("")
@@ -315,6 +316,9 @@ def main() -> None:
     arguments = [f"--{name} {' '.join(map(str, value))}" for name, value, default in (
         ("trunks", args.trunks, list(TRUNKS)), ("tasks", args.tasks, list(TASKS)),
         ("layouts", args.layouts, list(LAYOUTS)), ("methods", args.methods, None)) if value != default]
+    if args.out.resolve() != (RESULTS / "launches").resolve():
+        out = args.out.resolve()
+        arguments.append(f"--out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     data: dict[str, Any] = {"command": " ".join(["python bench/launches.py", *arguments]), "torch": torch.__version__,
                             "trunks": args.trunks, "layouts": args.layouts, "records": []}
     for trunk in args.trunks:

@@ -69,7 +69,7 @@ from drmoo_kernels._checks import trusted_arguments, untrusted_arguments
 from ._agreement import agree_on_losses, check_same_problem, equal_shards, global_dual_forward, unequal_shards_error
 from ._engine import JacobianEngine
 from ._features import FeaturesJacobian
-from ._guards import NonFiniteStepError, StepGuard
+from ._guards import FiniteValues, NonFiniteStepError, StepGuard, finite_columns, finite_each, finite_entries
 from ._head_grads import HeadGradients, fed_grads_finite
 from ._hyperparameters import (
     BOOKKEEPING_KEYS,
@@ -453,12 +453,12 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         self.batch_weight = weights
         # A NaN must stop the step before anything is updated (read with the step's other guards), on
         # every rank: the flags are agreed on, so no rank waits forever in a collective.
-        finite = torch.isfinite(losses.detach()).all(dim=0)
+        finite: Tensor | FiniteValues = finite_columns(losses)  # tested with the others, at the read
         if distributed.is_distributed():
             if not getattr(self, "_ranks_checked", False):  # once per optimizer (drmoo.optim._agreement)
                 check_same_problem(losses, self._shared_params(), self.num_tasks, self._collective_settings())
                 self._ranks_checked = True
-            finite, rows = agree_on_losses(losses, finite)
+            finite, rows = agree_on_losses(losses, finite_columns(losses).flags())
             if not self.capturable:  # equal shards, checked with the guards (a capturable step trusts them)
                 self._step_guard().check(equal_shards(rows), lambda _: unequal_shards_error(rows))
         self.require_finite(finite, lambda bad: (
@@ -480,11 +480,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         """The running step's guards (outside a step, e.g. a method's helper called directly: read at once)."""
         return self._guard if self._guard is not None else StepGuard(False, self.device, self.steps_taken, True)
 
-    def require_finite(self, flags: Tensor, describe: Callable[[list[int]], str]) -> None:
-        """Stop the step unless every flag (bool: "this part is finite") is True: eagerly a
-        :class:`NonFiniteStepError` with ``describe(indices of the False flags)`` before anything is written
-        (one host read for all the step's guards, :meth:`settle_guards`); capturable, no host read: the
-        step's ``found_inf``, which masks every later write (:meth:`commit_`)."""
+    def require_finite(self, flags: Tensor | FiniteValues, describe: Callable[[list[int]], str]) -> None:
+        """Stop the step unless every flag (bool: "this part is finite") is True, or every value (FiniteValues)
+        finite: eagerly a :class:`NonFiniteStepError` with ``describe(indices of the False flags)`` before
+        anything is written (one host read for all the step's guards, :meth:`settle_guards`); capturable, no
+        host read: the step's ``found_inf``, which masks every later write (:meth:`commit_`)."""
         self._step_guard().require(flags, describe)
 
     def settle_guards(self) -> None:
@@ -615,15 +615,14 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
 
     def check_dual(self, *dual_quantities: Tensor) -> None:
         """The dual step's outputs (z, weights' means) must be finite before anything is written."""
-        finite = torch.stack([torch.isfinite(q).all() for q in dual_quantities])
-        self.require_finite(finite, lambda bad: (
+        self.require_finite(finite_each(*dual_quantities), lambda bad: (
             f"non-finite dual quantities (the worst-case weights f*'((loss - eta)/lam) overflowed) in "
             f"{self.failing_iteration}; the step was abandoned and nothing was "
             f"updated{overflow_hint(self.divergence)}"))
 
     def check_jacobian(self, gram: Tensor, role: str) -> None:
         """A non-finite Gram diagonal means a non-finite gradient entry (NaN/Inf propagate into it)."""
-        self.require_finite(torch.isfinite(torch.diagonal(gram)), lambda bad: (
+        self.require_finite(finite_entries(torch.diagonal(gram)), lambda bad: (
             f"non-finite gradients of the shared parameters for task(s) {bad} ({role}) in "
             f"{self.failing_iteration}; the step was abandoned and nothing was "
             f"updated{overflow_hint(self.divergence)}"))

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from ._guards import FiniteValues
+
 
 class EngineHost(Protocol):
     """What an engine reads from, and asks of, the optimizer whose step it serves."""
@@ -63,7 +65,7 @@ class EngineHost(Protocol):
         """Keep ``heads``' ``.grad`` apart before the step feeds them (committed once it succeeds)."""
         ...
 
-    def require_finite(self, flags: Tensor, describe: Callable[[list[int]], str]) -> None:
+    def require_finite(self, flags: Tensor | FiniteValues, describe: Callable[[list[int]], str]) -> None:
         """Stop the step (eager) or mark it skipped (capturable) unless every flag is True."""
         ...
 

@@ -63,6 +63,7 @@ from drmoo.jacobian import (
 
 from ._direction import write_direction
 from ._engine import EngineHost
+from ._guards import finite_together
 from ._overlap import views_overlap
 
 FeaturesInput = Tensor | tuple[Tensor, ...] | list[Tensor]  # z: one tensor, or the pieces the heads read
@@ -259,7 +260,9 @@ class FeaturesJacobian:
         """
         flat = self._lift(host, rows, coefficients, factor)
         if flat is not None:
-            one = torch.ones(1, dtype=coefficients.dtype, device=coefficients.device)
+            one = self._buffers.get("one")  # the one row's coefficient, kept: not rebuilt every step
+            if one is None or one.dtype != coefficients.dtype or one.device != coefficients.device:
+                one = self._buffers["one"] = torch.ones(1, dtype=coefficients.dtype, device=coefficients.device)
             write_direction(host, flat[None, :], one, 1.0, self._buffers)
 
     def _lift(self, host: EngineHost, rows: Tensor, coefficients: Tensor,
@@ -294,8 +297,7 @@ class FeaturesJacobian:
                 distributed.all_reduce_sum_(joined)
                 parts = torch.split(joined, [g.numel() for g in grads])
                 grads = [part.view_as(grad) for part, grad in zip(parts, grads)]
-            norms = torch.stack(torch._foreach_norm(grads)).to(torch.float64)
-            host.require_finite(torch.isfinite(norms.sum()).reshape(1), lambda _: (
+            host.require_finite(finite_together(torch._foreach_norm(grads)), lambda _: (
                 f"non-finite gradient of the shared parameters from the backward pass through the trunk in "
                 f"{host.failing_iteration}; the step was abandoned and nothing was updated"))
             if host.direction_mode:

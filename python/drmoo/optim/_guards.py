@@ -6,7 +6,10 @@ the first failing quantity, or the guard's own error -- before anything is writt
 are not read one by one: they are OR-ed into one device-side flag, read ONCE, at the step's first
 write that cannot be undone (:meth:`StepGuard.settle`: the theta write, a state write) or at its end.
 Only a failing step reads the guards' own flags, to name the first that failed (the one the step met
-first, as if each had been read at once).  A write the caller undoes itself on failure (FAMO steps
+first, as if each had been read at once).  Most guards are "these tensors are finite" (:class:`FiniteValues`):
+an eager step does not test them one by one either, but all at once at the read, in one fused pass over
+their values (a handful of ops however many guards, where each test was four or five); their per-part
+flags are computed only when that pass failed.  A write the caller undoes itself on failure (FAMO steps
 theta before re-evaluating the batch) may run under :meth:`StepGuard.deferred_writes` without a read.
 
 Capturable, a step holds a device-side ``found_inf`` (a 0-d bool, as in ``torch.amp.GradScaler``): the
@@ -17,8 +20,9 @@ with no host read at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +40,69 @@ class NonFiniteStepError(ValueError):
     """
 
 
+@dataclass(frozen=True)
+class FiniteValues:
+    """A guard's flags by their source: ``values`` must hold finite entries only, and ``flags()`` gives the
+    guard's per-part flags (True: finite), for the one that failed, or for a step that tests at once.
+
+    ``flags()`` must be False somewhere exactly when a value is not finite.
+    """
+
+    values: tuple[Tensor, ...]
+    flags: Callable[[], Tensor]
+
+
+def finite_each(*tensors: Tensor) -> FiniteValues:
+    """One flag per tensor: "every entry of tensor k is finite"."""
+    values = tuple(tensor.detach() for tensor in tensors)
+    return FiniteValues(values, lambda: torch.stack([torch.isfinite(value).all() for value in values]))
+
+
+def finite_entries(tensor: Tensor) -> FiniteValues:
+    """One flag per entry of ``tensor`` (e.g. a Gram matrix's diagonal: one per task)."""
+    value = tensor.detach()
+    return FiniteValues((value,), lambda: torch.isfinite(value))
+
+
+def finite_columns(matrix: Tensor) -> FiniteValues:
+    """One flag per column of ``matrix`` (per-sample losses [B, m]: one per task)."""
+    value = matrix.detach()
+    return FiniteValues((value,), lambda: torch.isfinite(value).all(dim=0))
+
+
+def finite_scalars(scalars: Sequence[Tensor]) -> FiniteValues:
+    """One flag per 0-d tensor of ``scalars`` (e.g. one norm per gradient)."""
+    values = tuple(scalar.detach() for scalar in scalars)
+    return FiniteValues(values, lambda: torch.isfinite(torch.stack(values)))
+
+
+def finite_together(tensors: Sequence[Tensor]) -> FiniteValues:
+    """One flag for all of ``tensors`` (e.g. the norms of a list of gradients)."""
+    values = tuple(tensor.detach() for tensor in tensors)
+    return FiniteValues(values, lambda: finite_each(*values).flags().all().reshape(1))
+
+
+def all_pass(flags: Sequence[Tensor | FiniteValues]) -> Tensor:
+    """0-d bool: every flag True and every value finite, in one pass over all of them (a concatenation and a
+    reduction each for the flags and the values: x - x is 0 for a finite x, NaN for NaN and +-Inf)."""
+    values = [value.reshape(-1) for flag in flags if isinstance(flag, FiniteValues) for value in flag.values]
+    bools = [flag.reshape(-1) for flag in flags if not isinstance(flag, FiniteValues)]
+    verdicts = []
+    if values:
+        joined = values[0] if len(values) == 1 else torch.cat(values)
+        verdicts.append(((joined - joined) == 0).all())
+    if bools:
+        verdicts.append((bools[0] if len(bools) == 1 else torch.cat(bools)).all())
+    if not verdicts:
+        return torch.ones((), dtype=torch.bool)
+    return verdicts[0] if len(verdicts) == 1 else verdicts[0] & verdicts[1]
+
+
+def flags_of(flags: Tensor | FiniteValues) -> Tensor:
+    """A guard's flags: ``flags`` itself, or a :class:`FiniteValues`' computed."""
+    return flags.flags() if isinstance(flags, FiniteValues) else flags
+
+
 class StepGuard:
     """The guards of one running step (see the module docstring).
 
@@ -51,11 +118,10 @@ class StepGuard:
         self.found_inf: Tensor | None = torch.zeros((), dtype=torch.bool, device=device) if capturable else None
         self.steps_before = steps_before
         self._immediate = immediate
-        self._pending: list[tuple[Tensor, ErrorOf]] = []  # eager: the guards not read yet, in order
-        self._failed: Tensor | None = None  # eager: OR of their failures (0-d bool), None when none is pending
+        self._pending: list[tuple[Tensor | FiniteValues, ErrorOf]] = []  # eager: the guards not read yet, in order
         self._undone_by_caller = 0  # > 0: inside deferred_writes
 
-    def require(self, flags: Tensor, describe: Callable[[list[int]], str]) -> None:
+    def require(self, flags: Tensor | FiniteValues, describe: Callable[[list[int]], str]) -> None:
         """Stop the step unless every flag is True: :class:`NonFiniteStepError` with ``describe(indices of
         the False flags)`` (eager, at the next :meth:`settle`), or ``found_inf`` (capturable)."""
         self.check(flags, lambda bad: NonFiniteStepError(describe(bad)))
@@ -65,15 +131,14 @@ class StepGuard:
         not an overflow); capturable, the step is skipped."""
         self.check(valid.reshape(1), lambda _: ValueError(message))
 
-    def check(self, flags: Tensor, error: ErrorOf) -> None:
-        """The general guard: unless every flag is True, eagerly raise ``error(indices of the False flags)``
-        at the next :meth:`settle` (at once for an ``immediate`` guard); capturable, skip the step."""
-        failed = ~flags.all()
+    def check(self, flags: Tensor | FiniteValues, error: ErrorOf) -> None:
+        """The general guard: unless every flag is True (every value finite), eagerly raise ``error(indices of
+        the False flags)`` at the next :meth:`settle` (at once for an ``immediate`` guard); capturable, skip
+        the step.  Eager guards are only recorded here: :meth:`settle` tests them all in one pass."""
         if self.found_inf is not None:
-            self.found_inf.logical_or_(failed)
+            self.found_inf.logical_or_(~flags_of(flags).all())
             return
         self._pending.append((flags, error))
-        self._failed = failed if self._failed is None else self._failed | failed
         if self._immediate:
             self.settle()
 
@@ -81,21 +146,23 @@ class StepGuard:
     def failure_so_far(self) -> Tensor | None:
         """A 0-d bool on the device, True when the step is abandoned for what its guards found so far:
         capturable, ``found_inf``; eager, a guard not read yet failed (None when none is pending)."""
-        return self.found_inf if self.found_inf is not None else self._failed
+        if self.found_inf is not None:
+            return self.found_inf
+        return ~all_pass([flags for flags, _ in self._pending]) if self._pending else None
 
     def settle(self) -> None:
-        """Eager: read the pending guards -- ONE host read for all of them -- and raise the first failing
-        one's error.  Nothing to do when none is pending (or in a capturable step)."""
-        failed = self._failed
-        if failed is None:
+        """Eager: test the pending guards in one pass and read the verdict -- ONE host read for all of them --
+        and raise the first failing one's error.  Nothing to do when none is pending (or in a capturable step)."""
+        if not self._pending:
             return
-        pending, self._pending, self._failed = self._pending, [], None
-        if not bool(failed):
+        pending, self._pending = self._pending, []
+        if bool(all_pass([flags for flags, _ in pending])):
             return
         for flags, error in pending:  # a failing step only: which guard failed, to name it
-            values = flags.reshape(-1).tolist()
+            values = flags_of(flags).reshape(-1).tolist()
             if not all(values):
                 raise error([index for index, ok in enumerate(values) if not ok])
+        raise pending[0][1]([])  # unreachable while each FiniteValues' flags agree with its values
 
     def settle_before_write(self) -> None:
         """Before a write that cannot be undone: :meth:`settle`, unless the caller undoes the writes itself."""

@@ -16,6 +16,7 @@ from torch import Tensor
 from drmoo import distributed
 
 from ._agreement import all_ranks_finite
+from ._guards import FiniteValues, finite_scalars
 
 
 class HeadGradients:
@@ -63,8 +64,9 @@ class HeadGradients:
             head.grad = before
 
 
-def fed_grads_finite(heads: Sequence[Tensor]) -> Tensor | None:
-    """[k] flags "head j's gradient is finite" of the heads fed (agreed on by every rank: one flag), None if none.
+def fed_grads_finite(heads: Sequence[Tensor]) -> Tensor | FiniteValues | None:
+    """[k] flags "head j's gradient is finite" of the heads fed (agreed on by every rank: one flag), None if none;
+    on one process, as the values whose finiteness they are (the step tests them with its other guards at once).
 
     The shared parameters' Jacobian is checked through its Gram matrix, but the heads' ``.grad`` come
     from their own backward: an Inf there (a GradScaler's overflow in the heads only) must abandon the
@@ -78,7 +80,10 @@ def fed_grads_finite(heads: Sequence[Tensor]) -> Tensor | None:
         # One max-abs per gradient in one foreach call (NaN and Inf propagate through a max, which cannot
         # overflow) instead of isfinite().all()'s ops per tensor: with m separate heads those were most of
         # the ops a features step added to plain training.  (An empty tensor has no max: the old form.)
-        finite = torch.isfinite(torch.stack(torch._foreach_norm(fed, float("inf"))))
+        norms = finite_scalars(torch._foreach_norm(fed, float("inf")))
+        if not distributed.is_distributed():
+            return norms
+        finite = norms.flags()
     else:
         finite = torch.stack([torch.isfinite(grad).all() for grad in fed])
     if distributed.is_distributed():  # every rank abandons the step, or none

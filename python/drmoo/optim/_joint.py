@@ -33,6 +33,7 @@ from drmoo.jacobian import copy_into_row, head_leaves, require_reached
 from drmoo_kernels.reference import project_simplex
 
 from ._base import MultiObjectiveOptimizer
+from ._guards import FiniteValues, finite_entries, flags_of
 from ._hyperparameters import check_count, check_fraction, check_positive
 from ._state_dict import STATE_KEY
 from .types import Closure
@@ -45,6 +46,7 @@ __all__ = [
     "check_fraction",
     "common_defaults",
     "cross_gram",
+    "finite_entries",
     "head_leaves",
     "joint_cross",
     "joint_gram",
@@ -220,18 +222,25 @@ class JointBaseline(MultiObjectiveOptimizer):
         return vec
 
     # ----------------------------------------------------------------------------------- checks
-    def raise_unless_finite(self, checks: Sequence[tuple[str, Tensor]]) -> None:
-        """One guard for all checks of a Jacobian (role, [m] bool 'task i finite'), read with the step's others.
+    def raise_unless_finite(self, checks: Sequence[tuple[str, Tensor | FiniteValues]]) -> None:
+        """One guard for all checks of a Jacobian (role, [m] bool 'task i finite', or the values whose
+        finiteness they are: tested with the step's other guards at once), read with the step's others.
 
         NaN/Inf in a Jacobian row propagates into that row of any product computed from it (also
         through a zero weight: 0 * Inf = NaN), so checking the small products covers the big buffers.
         """
         if not checks:
             return
-        flags = torch.stack([flag.reshape(-1).to(torch.bool) for _, flag in checks])
+
+        def stacked() -> Tensor:
+            return torch.stack([flags_of(flag).reshape(-1).to(torch.bool) for _, flag in checks])
+
+        lazy = [flag for _, flag in checks if isinstance(flag, FiniteValues)]
+        flags = (FiniteValues(tuple(value for flag in lazy for value in flag.values), stacked)
+                 if len(lazy) == len(checks) else stacked())
 
         def describe(bad: list[int]) -> str:
-            width = flags.shape[1]
+            width = len(flags_of(checks[0][1]).reshape(-1))
             per_role = [(role, [i % width for i in bad if i // width == k]) for k, (role, _) in enumerate(checks)]
             listed = "; ".join(f"{role}: task(s) {tasks}" for role, tasks in per_role if tasks)
             return (f"non-finite gradients of the shared parameters ({listed}) in {self.failing_iteration}; "

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from drmoo import distributed
-from drmoo_kernels.reference import clip_factor, gram_step_small
+from drmoo_kernels.reference import clip_factor, gram_step_small, project_simplex
 
 from ._base import MultiObjectiveOptimizer, configure_jacobian
 from ._features_rate import warn_unless_rate_chosen
@@ -200,39 +200,69 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         self.check_dual(z, eta_next, z_next, objective)
         jacobian = self.task_jacobian(grad_losses, cotangent, "X", feed_heads=True)
 
-        # Steps 4-5 in one fused op: Gram, clipped theta step through the parameters, w update.
-        # The op writes nothing when J is not finite, so raising afterwards leaves theta and w intact.
-        # A step that is already failing (a NaN in the losses or dual quantities: capturable, found_inf;
-        # eager, a guard not read yet) plants a NaN in J's first entry, so that the op's own guard skips
-        # its writes: no host read here (an eager step reads its guards once, at its next write).
-        failing = self.failure_so_far
-        if failing is not None:
-            first = jacobian.view(-1)[:1]
-            first.copy_(torch.where(failing, torch.full_like(first, float("nan")), first))
-        w_before = w.clone()
         if self.direction_mode or self.features_engine is not None:
             # drmoo.Balancer: the same Gram, alpha and w update (the m x m part every backend's
             # gram_step shares), checked before anything is written; the clipped direction
             # alpha * J^T w_t goes into .grad, so that SGD(lr=gamma) takes line 7's step.
             # jacobian="features" too: J's rows are w.r.t. z, and apply_direction lifts alpha * J^T w_t
             # through the trunk (one backward), so the fused theta write of gram_step cannot be used.
+            # w is written last: w_t is read in place (no copy).
             with torch.no_grad():
                 gram = self.task_gram(jacobian)
-                _, alpha64, d_norm, w_next = gram_step_small(gram, w, h["c1"], h["c2"], h["pref_lr"], h["rho"], mu, z)
+                small = gram_step_small if self.capturable else gram_step_unmasked
+                _, alpha64, d_norm, w_next = small(gram, w, h["c1"], h["c2"], h["pref_lr"], h["rho"], mu, z)
             self.check_jacobian(gram, "X")
-            self.apply_direction(jacobian, w_before, alpha64)
-            self.commit_(w, w_next)
+            self.apply_direction(jacobian, w, alpha64)
             alpha = alpha64.float()
+            balanced = balanced_norm(d_norm, z_next, w)
+            self.commit_(w, w_next)
         else:
+            # Steps 4-5 in one fused op: Gram, clipped theta step through the parameters, w update.
+            # The op writes nothing when J is not finite, so raising afterwards leaves theta and w intact.
+            # A step that is already failing (a NaN in the losses or dual quantities: capturable, found_inf;
+            # eager, a guard not read yet) plants a NaN in J's first entry, so that the op's own guard skips
+            # its writes: no host read here (an eager step reads its guards once, at its next write).
+            failing = self.failure_so_far
+            if failing is not None:
+                first = jacobian.view(-1)[:1]
+                first.copy_(torch.where(failing, torch.full_like(first, float("nan")), first))
+            w_before = w.clone()
             with torch.no_grad():
                 gram, d_norm, alpha = ops.gram_step(
                     jacobian, w, self._shared_params(), gamma, h["c1"], h["c2"], h["pref_lr"], h["rho"], mu, z
                 )
             self.check_jacobian(gram, "X")
+            balanced = balanced_norm(d_norm, z_next, w_before)
 
-        balanced = torch.sqrt(d_norm.double() ** 2 + torch.sum((z_next.double() * w_before.double()) ** 2))
         self.commit_(eta, eta_next)
         self.state["drmoo"]["step"] += 1
         self.stats = self._common_stats(objective, balanced, d_norm)
         self.stats.update(alpha=alpha.float(), mu=mu.float(), z=z.detach())
         return objective.detach()
+
+
+def balanced_norm(d_norm: Tensor, z: Tensor, w: Tensor) -> Tensor:
+    """||[alpha J^T w ; z (.) w]||'s report: sqrt(||d||^2 + ||z (.) w||^2), float64."""
+    return torch.sqrt(d_norm.double() ** 2 + torch.sum((z.double() * w.double()) ** 2))
+
+
+def gram_step_unmasked(
+    gram_matrix: Tensor, w: Tensor, c1: float, c2: float, beta: float, rho: float, mu: Tensor | float, z: Tensor
+) -> tuple[None, Tensor, Tensor, Tensor]:
+    """:func:`~drmoo_kernels.reference.gram_step_small`'s arithmetic without its masks, for an eager step.
+
+    The masks (``torch.where`` on "the Gram is finite") keep a capturable step's outputs clean; an eager
+    step whose Gram is not finite raises before anything is written (``check_jacobian``), so its outputs
+    are never used.  Wherever the Gram is finite the results are the same, bit for bit: the same ops on
+    the same values, and ``min(c1, c2 / ||d||)`` is ``clamp(c2 / ||d||, max=c1)`` at ||d|| = 0 too
+    (c2 / 0 = +Inf, clamped to c1).  Half the ops (the m x m part is launch-bound).
+    """
+    gram64 = gram_matrix.double()
+    w64 = w.double()
+    gram_w = gram64 @ w64
+    d_norm = torch.sqrt(torch.clamp(w64 @ gram_w, min=0.0))
+    alpha = torch.clamp(c2 / d_norm, max=c1)
+    mu64 = torch.as_tensor(mu, dtype=torch.float64, device=w.device)
+    pref_grad = alpha * gram_w + mu64 * z.double() ** 2 * w64 + rho * w64
+    w_next = project_simplex(w64 - beta * pref_grad).to(w.dtype)
+    return None, alpha, d_norm.float(), w_next

@@ -16,6 +16,7 @@ from ._joint import (
     JointBaseline,
     check_count,
     common_defaults,
+    finite_entries,
     joint_gram,
     joint_norm,
     simplex_step,
@@ -384,9 +385,11 @@ class MGDA(JointBaseline):
         batch = self.task_gradients(closure, "J", feed_heads=True)
         assert batch.jacobian is not None
         gram = self.task_gram(batch.jacobian)
-        self.raise_unless_finite([("J", torch.isfinite(torch.diagonal(gram)))])
+        self.raise_unless_finite([("J", finite_entries(torch.diagonal(gram)))])
 
-        K = joint_gram(gram, batch.z)
+        # float64 once: the Gram and z are read in float64 by joint_gram, joint_norm and the eta step
+        gram, z64 = gram.double(), batch.z.double()
+        K = joint_gram(gram, z64)
         w = self.w.double()
         if h["solver"] == "one_step":
             w_next = simplex_step(w, K @ w + h["rho"] * w, h["pref_lr"])
@@ -396,10 +399,10 @@ class MGDA(JointBaseline):
             )
 
         if h.get("clip_c1") is None:
-            self.step_joint(batch.jacobian, batch.z, w_next)
+            self.step_joint(batch.jacobian, z64, w_next)
         else:  # Double-Clip's theta clip on MGDA's direction (see clip_c1)
             alpha = clip_factor(h["clip_c1"], h["clip_c2"], joint_norm(gram, w_next))
             self.apply_direction(batch.jacobian, w_next, alpha)
-            self.step_eta(batch.z, w_next, h["lr"] * alpha)
+            self.step_eta(z64, w_next, h["lr"] * alpha)
         self.set_w(w_next)
-        return self.finish_step(batch, w_next, joint_norm(gram, w_next), batch.z.double() * w_next)
+        return self.finish_step(batch, w_next, joint_norm(gram, w_next), z64 * w_next)

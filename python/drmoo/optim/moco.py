@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ._base import configure_jacobian
+from ._guards import finite_entries
 from ._hyperparameters import check_flag
 from ._joint import JointBaseline, check_fraction, common_defaults, joint_gram, joint_norm, simplex_step
 from ._state_dict import STATE_KEY
@@ -172,7 +173,7 @@ class MoCo(JointBaseline):
         batch = self.task_gradients(closure, "J", feed_heads=True)
         assert batch.jacobian is not None
         gram = self._ops.gram(batch.jacobian)
-        self.raise_unless_finite([("J", torch.isfinite(torch.diagonal(gram)))])
+        self.raise_unless_finite([("J", finite_entries(torch.diagonal(gram)))])
 
         # Only now, with J known to be finite, may the persistent tracking state change (in a
         # capturable step: change unless the step is skipped, decided on the device).

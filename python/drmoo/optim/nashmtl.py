@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ._base import configure_jacobian
 from ._features_rate import warn_unless_rate_chosen
+from ._guards import finite_entries
 from ._hyperparameters import check_flag, check_positive
 from ._joint import TINY, JointBaseline, check_count, common_defaults, joint_gram, joint_norm
 from ._state_dict import STATE_KEY
@@ -219,7 +220,7 @@ class NashMTL(JointBaseline):
             batch = self.task_gradients(closure, "J", feed_heads=True)
             assert batch.jacobian is not None
             gram = self.task_gram(batch.jacobian)
-            self.raise_unless_finite([("J", torch.isfinite(torch.diagonal(gram)))])
+            self.raise_unless_finite([("J", finite_entries(torch.diagonal(gram)))])
             alpha = nash_weights(joint_gram(gram, batch.z), iters=h["solver_iters"])
             direction, theta_norm = batch.jacobian, joint_norm(gram, alpha)
             theta_weights = alpha
