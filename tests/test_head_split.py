@@ -4,6 +4,7 @@ refused where it does not, and the very rows (and head gradients) the per-task p
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -37,6 +38,100 @@ def _rows_and_head_grads(losses: Tensor, z: tuple[Tensor, ...], heads: list[Tens
         return out, list(grads)
     task_jacobian(losses, cotangent, z, out, strategy=strategy, feed_heads=True, retain_graph=True, heads=heads)
     return out, [head.grad for head in heads]
+
+
+# ------------------------------------------------------------------------------ the rounding error model
+# Where two strategies run different kernels (the vmapped pass batches its GEMMs and element-wise ops), their
+# rows are compared against a bound derived from the standard model fl(a op b) = (a op b)(1 + d), |d| <= u
+# (u = 2^-24 in float32), not a hand-picked rtol.  Both strategies differentiate the same forward (the same
+# stored float32 values: z, the heads' activations and logits, the cotangent c), so each computes the same
+# exact row r, and a chain of K roundings over sums of products gives |fl(r) - r| <= gamma_K * A, with
+# gamma_K = K u / (1 - K u) and A the row computed with every term in absolute value (Higham, "Accuracy and
+# Stability of Numerical Algorithms", 3.1-3.5): a product of factors each with relative error gamma_a, summed
+# k at a time, has relative error gamma_{a + k} in the sum of the absolute terms.  Hence
+# |r_a - r_b| <= 2 gamma_K A.  K counts the roundings on the longest path of each head's backward:
+#   exp(t)           2 (correctly rounded to 1 ulp <= 2u: libm's expf, Sleef's u10)
+#   sigmoid(x)       4 (1 / (1 + exp(-x)): exp, the add, the reciprocal; exp's error scaled by 1 - sigmoid <= 1)
+#   BCE-with-logits  (sigmoid(x) - y) * g: sigmoid's 4, the subtraction, the product: 6, terms sigmoid and |y|
+#   (x - y)^2        g * (2 (x - y)): 1 (the factor 2 is exact), term 2|x - y|
+#   cross-entropy    g - exp(log p) * sum(g): exp 2, the product, the subtraction: 4 (sum(g) has one non-zero
+#                    term, exact), terms |g| at the target and p * |sum g|
+#   Linear backward  g @ W over k outputs: k (k = 1: one product)
+#   tanh backward    g * (1 - t * t): 3, terms |g| (1 + t^2)
+#   z * z backward   g * z on each edge, then their sum: 2
+# (A is computed in float64 from the float32 forward values; their own rounding moves it by O(u), the bound
+# by O(u^2): negligible.)
+U32 = 2.0**-24
+
+
+def gamma(roundings: int) -> float:
+    return roundings * U32 / (1 - roundings * U32)
+
+
+def assert_rows_within(got: Tensor, want: Tensor, magnitude: Tensor, roundings: int) -> None:
+    """|got - want| <= 2 gamma_K A entry by entry (A = ``magnitude``, float64, the rows' shape)."""
+    bound = 2 * gamma(roundings) * magnitude
+    excess = (got.double() - want.double()).abs() - bound
+    worst = int(excess.argmax())
+    assert bool((excess <= 0).all()), (
+        f"rows differ by {(got.double() - want.double()).abs().flatten()[worst].item():.3e} at entry {worst}, over "
+        f"the bound 2 gamma_{roundings} A = {bound.flatten()[worst].item():.3e}")
+
+
+def _bce_slope(logits: Tensor, y: Tensor, c: Tensor) -> tuple[Tensor, int]:
+    """|c| (sigmoid(x) + |y|) [B, M]: BCE-with-logits' backward in absolute terms, and its roundings."""
+    return c.double().abs() * (torch.sigmoid(logits).double() + y.double().abs()), 6
+
+
+def _mlp_rows(heads: Any, z: Tensor, slope: Tensor) -> tuple[Tensor, int]:
+    """A [M, B*D] through Linear(D, 3) - Tanh - Linear(3, 1) heads given each head's output slope [B, M]:
+    ((slope * |W2|) * (1 + t^2)) @ |W1|; the roundings above the slope: 1 + 3 + 3."""
+    rows = []
+    for task, head in enumerate(heads):
+        first, _, last = head
+        hidden = torch.tanh(first(z)).double()  # the forward's float32 activations
+        through = slope[:, task, None] * last.weight.double().abs() * (1 + hidden**2)
+        rows.append((through @ first.weight.double().abs()).reshape(-1))
+    return torch.stack(rows), 7
+
+
+def _linear_rows(weights: Tensor, slope: Tensor) -> Tensor:
+    """A [M, B*D] through one linear map per task (row i of ``weights`` [M, D]): slope[b, i] |W[i, d]|."""
+    return (slope.t()[:, :, None] * weights.double().abs()[:, None, :]).reshape(weights.shape[0], -1)
+
+
+def _magnitude_cat_bce(z: Tensor, y: Tensor, heads: Any, c: Tensor) -> tuple[Tensor, int]:
+    slope, roundings = _bce_slope(torch.cat([h(z) for h in heads], 1), y, c)
+    return _linear_rows(torch.cat([h.weight for h in heads]), slope), roundings + 1
+
+
+def _magnitude_cat_squared_cast(z: Tensor, y: Tensor, heads: Any, c: Tensor) -> tuple[Tensor, int]:
+    slope = 2 * c.double().abs() * (torch.cat([h(z) for h in heads], 1) - y).double().abs()  # the casts: exact
+    rows, roundings = _mlp_rows(heads, z, slope)
+    return rows, 1 + roundings
+
+
+def _magnitude_stack_cross_entropies(z: Tensor, y: Tensor, heads: Any, c: Tensor) -> tuple[Tensor, int]:
+    rows = []
+    for task, head in enumerate(heads):
+        p = torch.softmax(head(z), 1).double()
+        target = F.one_hot(y[:, task].long(), p.shape[1]).double()
+        rows.append(((c[:, task, None].double().abs() * (target + p)) @ head.weight.double().abs()).reshape(-1))
+    return torch.stack(rows), 4 + 3
+
+
+def _magnitude_head_reads_z_twice(z: Tensor, y: Tensor, heads: Any, c: Tensor) -> tuple[Tensor, int]:
+    # |x|'s backward multiplies by sign(x): exact; then g * W (1), g * z on both edges and their sum (2).
+    rows = _linear_rows(torch.cat([h.weight for h in heads]), c.double().abs())
+    return rows * 2 * z.double().abs().reshape(1, -1), 3
+
+
+ROW_MAGNITUDES = {
+    "cat + bce": _magnitude_cat_bce,
+    "cat - y, squared, cast": _magnitude_cat_squared_cast,
+    "stack of cross-entropies": _magnitude_stack_cross_entropies,
+    "a head reads z twice": _magnitude_head_reads_z_twice,
+}
 
 
 def _linear_heads() -> nn.ModuleList:
@@ -84,15 +179,41 @@ def test_one_pass_gives_the_per_task_rows_and_head_grads(case: str) -> None:
     loop_rows, loop_heads = _rows_and_head_grads(losses, z, params, cotangent, "loop")
     batched_rows, _ = _rows_and_head_grads(losses, z, params, cotangent, "batched")
     split_rows, split_heads = _rows_and_head_grads(losses, z, params, cotangent, "split")
-    # The per-task passes and the split compute every row by the same ops (the other heads add zeros).
+    # The per-task passes and the split compute every row by the same ops in the same order (task i's pass
+    # sends exact zeros through the other heads), and so every head's gradient: head i's comes out of task
+    # i's pass, or of the split's one pass, by the same kernels on the same values; the other passes add
+    # exact zeros to it (x + 0 = x).  Equal, then, not close.
     assert torch.equal(split_rows, loop_rows)
-    torch.testing.assert_close(split_rows, batched_rows)  # vmapped GEMMs may round differently
     for a, b in zip(split_heads, loop_heads):
-        assert a is not None and b is not None
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # one sum over tasks against m partial ones
+        assert a is not None and b is not None and torch.equal(a, b)
+    # The vmapped pass runs other kernels (batched GEMMs and element-wise ops): within the rounding model's bound.
+    magnitude, roundings = ROW_MAGNITUDES[case](features, y, heads, cotangent)
+    assert bool((split_rows.double().abs() <= magnitude * (1 + gamma(roundings))).all())  # A bounds |r|
+    assert_rows_within(batched_rows, split_rows, magnitude, roundings)
     # The hooks are gone: a later pass over the same graph sends the heads' gradients on to z again.
     again, _ = _rows_and_head_grads(losses, z, params, 2 * cotangent, "loop")
     assert torch.equal(again, 2 * loop_rows)
+
+
+@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
+def test_the_rounding_bound_catches_a_row_off_by_more(case: str) -> None:
+    """The derived bound can fail: a row entry moved by 1e-5 of its value (which the comparison it replaced,
+    torch.testing.assert_close's float32 defaults with their atol 1e-5, let through), or by 1.5 times the
+    bound, is caught."""
+    make_heads, losses_of = SPLIT_CASES[case]
+    x, y, trunk = _setup()
+    heads = make_heads()
+    features = trunk(x)
+    losses = losses_of(features, y, heads)
+    cotangent = torch.rand(B, M)
+    rows, _ = _rows_and_head_grads(losses, (features,), list(heads.parameters()), cotangent, "split")
+    magnitude, roundings = ROW_MAGNITUDES[case](features, y, heads, cotangent)
+    entry = int(rows.abs().argmax())
+    for shift in (1e-5 * rows.flatten()[entry].abs().item(), 3 * gamma(roundings) * magnitude.flatten()[entry].item()):
+        moved = rows.clone()
+        moved.view(-1)[entry] += shift
+        with pytest.raises(AssertionError, match="over the bound"):
+            assert_rows_within(moved, rows, magnitude, roundings)
 
 
 def test_tuple_features_and_a_head_that_skips_a_piece() -> None:
@@ -206,24 +327,61 @@ class _Net(nn.Module):
         return F.binary_cross_entropy_with_logits(logits, y, reduction="none"), z
 
 
+def _net_row_magnitude(net: Any, z: Tensor, y: Tensor, c: Tensor) -> tuple[Tensor, int]:
+    """A and K (the rounding model above) for _Net's rows: BCE, then its MLP heads or its shared Linear(D, M)."""
+    with torch.no_grad():
+        if isinstance(net.heads, nn.Linear):  # one GEMM over the M outputs for every row: M roundings
+            slope, roundings = _bce_slope(net.heads(z), y, c)
+            return _linear_rows(net.heads.weight, slope), roundings + M
+        slope, roundings = _bce_slope(torch.cat([h(z) for h in net.heads], 1), y, c)
+        rows, more = _mlp_rows(net.heads, z, slope)
+        return rows, roundings + more
+
+
 @pytest.mark.parametrize("shared_head", [False, True], ids=["separate heads", "shared head"])
 def test_every_strategy_writes_the_same_grads_and_auto_splits_separate_heads(
         shared_head: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A features-mode Balancer step (MGDA, pref_lr = 0.5: w moves with the Gram) gives the same .grad with
-    every strategy; "auto" takes the one-pass rows exactly where the heads are separate."""
+    every strategy; "auto" takes the one-pass rows exactly where the heads are separate.
+
+    "auto" runs the loop's ops in the loop's order (the split's rows and head gradients are the loop's, bit
+    for bit: test_one_pass_gives_the_per_task_rows_and_head_grads; a shared head at M = 4 on the CPU resolves
+    to "loop"), so its .grad are equal.  "batched" differs from "loop" in the rows' rounding only: each of its
+    Jacobians is within the rounding model's bound of the loop's rows for the same call, and a loop run
+    handed the batched run's rows writes the batched run's .grad exactly."""
     import drmoo.optim._features as features_engine
 
     passes = []
     one_pass = features_engine.split_task_jacobian
     monkeypatch.setattr(features_engine, "split_task_jacobian",
                         lambda *args, **kwargs: passes.append(1) or one_pass(*args, **kwargs))
+    per_task = features_engine.task_jacobian
+    batched_rows: list[Tensor] = []
+    handed: list[Tensor] = []  # rows a loop run is given in place of its own
     x, y, _ = _setup()
+    net = _Net(shared_head)
+
+    def checked_task_jacobian(losses: Tensor, cotangent: Tensor, z: tuple[Tensor, ...], out: Tensor, *,
+                              strategy: str, **kwargs: Any) -> Tensor:
+        rows = per_task(losses, cotangent, z, out, strategy=strategy, **kwargs)
+        if strategy == "batched":
+            loop_rows = per_task(losses, cotangent, z, torch.empty_like(out), strategy="loop", feed_heads=False,
+                                 retain_graph=True)
+            assert_rows_within(rows, loop_rows, *_net_row_magnitude(net, z[0], y, cotangent))
+            batched_rows.append(rows.clone())
+        elif handed:
+            rows.copy_(handed.pop(0))
+        return rows
+
+    monkeypatch.setattr(features_engine, "task_jacobian", checked_task_jacobian)
     written = {}
-    for strategy in ("loop", "batched", "auto"):
+    for strategy in ("loop", "batched", "auto", "loop given the batched rows"):
         net = _Net(shared_head)
+        if strategy == "loop given the batched rows":
+            handed[:] = batched_rows
         balancer = drmoo.Balancer("mgda", net.trunk.parameters(), M, jacobian="features", lr=0.1, pref_lr=0.5,
-                                  jacobian_strategy=strategy)
-        assert balancer.algorithm.jacobian_strategy == strategy
+                                  jacobian_strategy=strategy.split()[0])
+        assert balancer.algorithm.jacobian_strategy == strategy.split()[0]
         for _ in range(2):
             net.zero_grad()
             losses, z = net.losses(x, y)
@@ -231,9 +389,9 @@ def test_every_strategy_writes_the_same_grads_and_auto_splits_separate_heads(
         written[strategy] = [p.grad.clone() for p in net.parameters() if p.grad is not None]
         assert len(written[strategy]) == len(list(net.parameters()))
     assert passes == ([] if shared_head else [1, 1])
-    for strategy in ("batched", "auto"):
-        for a, b in zip(written["loop"], written[strategy]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert len(batched_rows) == 2 and not handed
+    for got, want in (("auto", "loop"), ("loop given the batched rows", "batched")):
+        assert all(torch.equal(a, b) for a, b in zip(written[got], written[want])), (got, want)
 
 
 def test_the_cli_names_the_strategy_apart_from_the_jacobians_coordinates() -> None:
