@@ -295,8 +295,8 @@ def test_a_non_finite_first_step_does_not_settle_the_heads_as_shared_check(toy) 
 @pytest.mark.parametrize("api", APIS)
 def test_pieces_of_z_that_are_disjoint_views_of_one_tensor_read_the_host_once(toy, monkeypatch, api: str) -> None:
     """``features=(z[:, :2], z[:, 2:])``: the duplicate-features check (SW-25) compared such views element by
-    element on the host at every step, a second read; overlap is a property of the views' layouts, decided
-    without reading a value."""
+    element on the host at every step: 2 reads a step with step(closure), 3 with the Balancer (which checks z
+    twice); overlap is a property of the views' layouts, decided without reading a value."""
     problem = toy()
     draw = problem.batches(1)
 
