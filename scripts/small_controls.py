@@ -76,6 +76,10 @@ RATE_RUNS: dict[str, dict[str, tuple[str, float]]] = {
 # (row, run-directory prefix) minus (row, prefix): what each ablation changes, one thing at a time.
 CONTRASTS: list[tuple[tuple[str, str], tuple[str, str]]] = [
     (("mgda[lr=1.0,clip_c1=1.0,clip_c2=0.5]", "ablations/mgda_lr-1.0_clip_c1-1.0_clip_c2-0.5"), ("mgda", "mgda")),
+    # The missing arm (issue 36 item 6): the rate alone, then the clip alone at that rate.
+    (("mgda[lr=1.0]", "ablations/mgda_lr-1.0"), ("mgda", "mgda")),
+    (("mgda[lr=1.0,clip_c1=1.0,clip_c2=0.5]", "ablations/mgda_lr-1.0_clip_c1-1.0_clip_c2-0.5"),
+     ("mgda[lr=1.0]", "ablations/mgda_lr-1.0")),
     (("mgda[lam=100]", "ablations/mgda_lam-100"), ("mgda", "mgda")),
     (("double-clip[pref_lr=0]", "ablations/double-clip_pref_lr-0"), ("double-clip", "double-clip")),
     (("double-clip[lam=100,pref_lr=0]", "ablations/double-clip_lam-100_pref_lr-0"),
