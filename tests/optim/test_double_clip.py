@@ -150,3 +150,27 @@ def test_zero_gradients_fall_back_to_the_caps() -> None:
     optimizer.step(lambda: (theta**2).sum() * torch.ones(8, 2, dtype=torch.float64) + 1.0)
     assert float(optimizer.stats["alpha"]) == pytest.approx(0.7)
     assert bool(torch.isfinite(theta).all()) and bool(torch.isfinite(optimizer.w).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_eager_m_by_m_step_is_the_masked_one_bit_for_bit_where_the_gram_is_finite(dtype: torch.dtype) -> None:
+    """The Balancer / features path of an eager step drops gram_step_small's capturable masks (half its ops):
+    wherever the Gram is finite -- a zero Gram (||d|| = 0: alpha = c1) included -- every output is the same."""
+    from drmoo.optim.double_clip import gram_step_unmasked
+    from drmoo_kernels.reference import gram_step_small
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        m = int(torch.randint(1, 41, (1,), generator=generator))
+        rows = torch.randn(m, 7, generator=generator, dtype=dtype) * 10.0 ** int(torch.randint(-15, 15, (1,),
+                                                                                                generator=generator))
+        gram = torch.zeros(m, m, dtype=dtype) if trial % 10 == 0 else rows @ rows.T
+        w = torch.rand(m, generator=generator, dtype=dtype)
+        w = w / w.sum()
+        z = torch.randn(m, generator=generator, dtype=dtype)
+        mu = torch.rand((), generator=generator) if trial % 2 else 0.7
+        args = (gram, w, 1.0, 0.5, float(torch.rand(1, generator=generator)), 1e-5, mu, z)
+        _, alpha, d_norm, w_next = gram_step_small(*args)
+        _, alpha_eager, d_norm_eager, w_next_eager = gram_step_unmasked(*args)
+        assert torch.equal(alpha, alpha_eager) and torch.equal(d_norm, d_norm_eager), trial
+        assert torch.equal(w_next, w_next_eager) and w_next_eager.dtype == dtype, trial
