@@ -72,7 +72,7 @@ def test_script_writes_the_family_and_refuses_unknown_folders(tmp_path: Path) ->
         module.family_rows(tmp_path)
 
 
-@pytest.mark.parametrize("folder", ["multimnist2-small", "multimnist3-small"])
+@pytest.mark.parametrize("folder", ["multimnist2-small", "multimnist3-small", "mnist-attributes-small"])
 def test_committed_tables_are_current(folder: str) -> None:
     module = _script()
     rows = module.family_rows(ROOT / "results" / folder)
