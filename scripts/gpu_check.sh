@@ -5,7 +5,7 @@
 #      kernel tests run with them -- the "one build for every supported torch" check,
 #   1. build drmoo_kernels._C (stable ABI) and _C_cuda in place with the CUDA kernels (sm_80, sm_90 + PTX; needs nvcc),
 #   2. the kernel, optimizer and reliability tests on the GPU (cuda + compiled Triton backends,
-#      capturable steps, CUDA-graph capture/replay),
+#      capturable steps, CUDA-graph capture/replay of the optimizer step and of a whole training step),
 #   3. scripts/gpu_bandwidth.py: gram_step's fraction of peak bandwidth, dual-op latency,
 #   4. the kernel benchmarks: bench/results/gpu-<name>.{json,md} (python bench/run.py; the CPU-only
 #      many-tasks step benchmark is left out, step 5 measures it on the GPU),
@@ -13,7 +13,8 @@
 #      method's features mode, TorchJD when installed): bench/results/tasks-scaling-gpu-<device>.*,
 #   6. bench-iter: every method's seconds per iteration vs the common and its own algorithmic floor
 #      (ResNet18, 128 px, batch 256 and 32): results/wallclock/gpu-<device>-b<batch>.*,
-#   7. a CUDA train -> resume -> eval round trip through the checkpoint format.
+#   7. a CUDA train -> resume -> eval round trip through the checkpoint format,
+#   8. drmoo train --cuda-graph: 5 steps (3 eager warm-up, a capture, a replay), resumed to 6.
 # Logs and results are packed into $OUT/gpu_check.tar.gz (plus the summary log) when $OUT is set
 # (the device runner's output folder, which returns at most 8 files).
 #
@@ -111,8 +112,8 @@ if [ "$what" != bench ]; then
     # only at the end, which a cut-off step never reaches), and the 30 slowest tests are listed.
     gpu_first=(tests/kernels/test_cuda_shapes.py tests/kernels/test_compiled_ops.py tests/kernels/test_determinism.py
         tests/kernels/test_gpu_codegen.py tests/kernels/test_extension_load.py tests/kernels/test_triton_launches.py
-        tests/kernels/test_triton_ops.py tests/optim/test_capturable.py tests/optim/test_min_norm_exact.py
-        tests/optim/test_features_jacobian.py tests/reliability/test_ops_checks.py)
+        tests/kernels/test_triton_ops.py tests/optim/test_capturable.py tests/optim/test_cuda_graph.py
+        tests/optim/test_min_norm_exact.py tests/optim/test_features_jacobian.py tests/reliability/test_ops_checks.py)
     : > "$logs/failures.txt"
     # In a full call the tests get 280 s: on an H200's 16 cores (2026-11-27) that ran 1,944 of the ~2,300
     # tests.  `gpu_check.sh tests` alone gives them what the build leaves of the budget (one whole call).
@@ -146,6 +147,10 @@ if [ "$what" = all ]; then
         "$1" -m drmoo train --resume "$2/run" --max-steps 4 --quiet; \
         "$1" -m drmoo eval --run "$2/run" --eps 0,0.03 --quiet; cat "$2/run/eval.json"' \
         cuda_round_trip "$python" "$round_trip"
+    step cuda_graph_train 60 bash -c 'set -e; "$1" -m drmoo train --experiment multimnist2 --method double-clip \
+        --preset quick --device cuda --cuda-graph --max-steps 5 --out "$2/graph" --quiet; \
+        "$1" -m drmoo train --resume "$2/graph" --max-steps 6 --quiet; tail -3 "$2/graph/steps.csv"' \
+        cuda_graph_train "$python" "$round_trip"
 fi
 
 echo "[gpu_check] done in $(( $(date +%s) - start ))s, exit status $status" | tee -a "$summary"

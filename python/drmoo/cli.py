@@ -439,6 +439,11 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
                         help="the run's settings from a .toml or .json file with the keys of a run's config.json "
                         "(a run's own config.json replays it); options on the command line override the file "
                         "(default: none)")
+    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                        help="replay each training step (forward, the method's step, the heads' step) as one CUDA "
+                        "graph (drmoo.cuda_graph.GraphedStep): CUDA only, one process, not with --amp fp16 nor "
+                        "Double-Loop or Nash-MTL with update_every > 1; not yet run on a GPU in this project "
+                        "(default: off; a resume keeps the run's setting unless given)")
     parser.set_defaults(handler=_run_train)
 
 
@@ -496,6 +501,8 @@ def _run_train(args: argparse.Namespace) -> int:
             config.max_steps = args.max_steps
         if args.epochs is not None:
             config.epochs = args.epochs
+        if args.cuda_graph is not None:  # how the steps run, not what they compute: a resume may change it
+            config.cuda_graph = args.cuda_graph
         if "device" in _given_options(args):  # e.g. a GPU run continued on a machine without one
             from drmoo.experiments.devices import resolve_device
 
@@ -505,6 +512,9 @@ def _run_train(args: argparse.Namespace) -> int:
         config = _run_config(args, args.method, args.seed)
         if args.file_label is not None:  # a variant's run (compare --methods NAME[KEY=VALUE]) replayed
             config.label = args.file_label
+            config.validate()
+        if args.cuda_graph is not None:
+            config.cuda_graph = args.cuda_graph
             config.validate()
         run_dir = Path(args.out or f"runs/{config.experiment}-{config.method}-seed{config.seed}")
     experiment = get_experiment(config.experiment)
@@ -522,7 +532,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 # Options of ``train`` that a resume may take without contradicting the saved run.
-_RESUME_MAY_CHANGE = {"epochs", "max_steps", "quiet", "resume", "nproc", "device"}
+_RESUME_MAY_CHANGE = {"epochs", "max_steps", "quiet", "resume", "nproc", "device", "cuda_graph"}
 
 
 def _given_options(args: argparse.Namespace) -> set[str]:

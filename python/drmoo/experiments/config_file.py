@@ -24,6 +24,8 @@ __all__ = ["options_from_config_file"]
 
 # Keys of config.json that are no command-line option of ``train``: set on the built config instead.
 NOT_OPTIONS = ("hparams", "label")
+# Keys of config.json that are on/off options (``--KEY`` / ``--no-KEY``).
+FLAGS = ("cuda_graph",)
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -73,6 +75,9 @@ def options_from_config_file(path: str | Path, typed: list[str]) -> tuple[list[s
     options: list[str] = []
     for key, value in values.items():
         if key in NOT_OPTIONS or value is None:  # None: the option's default (e.g. the preset's size)
+            continue
+        if key in FLAGS and isinstance(value, bool):
+            options.append(f"--{'' if value else 'no-'}{key.replace('_', '-')}")
             continue
         options.append(f"--{key.replace('_', '-')}={_option_value(key, value, path)}")
     hparams = values.get("hparams") or {}

@@ -28,7 +28,7 @@ MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 JACOBIANS = ("auto", "loop", "batched")  # drmoo.jacobian.STRATEGIES
 # The settings a resume may change: how far the run goes, and where it runs (a GPU run may be continued
 # on a CPU; the continuation is then not bit-identical to one on the GPU).  Every other field defines the run.
-RESUMABLE_FIELDS = ("epochs", "max_steps", "device")
+RESUMABLE_FIELDS = ("epochs", "max_steps", "device", "cuda_graph")  # cuda_graph: how a step runs, not what
 MODELS = ("resnet18", "lenet")
 EVAL_SPLITS = ("test", "validation")
 MAX_LABEL = 200  # a run's label (a variant's text) names its directory: well below a file name's 255 bytes
@@ -60,6 +60,7 @@ class RunConfig:
     hparams: dict[str, Any] = field(default_factory=dict)
     model: str = "resnet18"  # the experiment's network: resnet18 (the paper's) | lenet (Multi-MNIST's MultiLeNet)
     eval_split: str = "test"  # test | validation (held-out training digits, for choosing hyperparameters)
+    cuda_graph: bool = False  # --cuda-graph: each training step replayed as one CUDA graph (drmoo.cuda_graph)
     label: str = ""  # the run's name in tables and its directory, e.g. "mgda[pref_lr=0]" ("": the method)
 
     @property
@@ -110,6 +111,14 @@ class RunConfig:
             raise UsageError(f"--head-lr must be a finite number > 0, got {self.head_lr!r}")
         if self.amp not in AMP_MODES:
             raise UsageError(f"unknown --amp {self.amp!r}; valid choices: {', '.join(AMP_MODES)}")
+        if not isinstance(self.cuda_graph, bool):
+            raise UsageError(f"cuda_graph must be true or false, got {self.cuda_graph!r}")
+        if self.cuda_graph and not self.device.startswith("cuda"):
+            raise UsageError(f"--cuda-graph needs a CUDA device, but the run's device is {self.device} (pass "
+                             "--no-cuda-graph to train, or resume, without it)")
+        if self.cuda_graph and self.amp == "fp16":
+            raise UsageError("--cuda-graph cannot run --amp fp16: its loss scaling needs the eager step's raise on "
+                             "an overflow (use --amp bf16 or none)")
         if not isinstance(self.hparams, dict):
             raise UsageError(f"hparams must be a mapping, got {type(self.hparams).__name__}")
         if self.model not in MODELS:

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drmoo import distributed
+from drmoo.cuda_graph import GraphedStep, check_graphable
 from drmoo.models.multitask import MultiTaskModel
 from drmoo.optim import MultiObjectiveOptimizer, NonFiniteStepError, create
 from drmoo.store import (
@@ -195,6 +196,7 @@ class _Run:
     grad_scale: dict[str, float] = field(default_factory=dict)
     saved_step: int | None = None  # the step of the last save
     started: float = 0.0  # perf_counter() when this process began training: the epochs' wall_time_s
+    graphed: GraphedStep | None = None  # --cuda-graph: the step captured on first use (None: eager steps)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -302,6 +304,14 @@ def _build_run(config: RunConfig, run_dir: Path, build: Build, device: torch.dev
                        # fp16 scaling needs the eager step's raise on a non-finite step
                        **{"capturable": device.type == "cuda" and config.amp != "fp16", **config.hparams})
     heads = torch.optim.SGD(model.task_parameters(), lr=config.head_lr)
+    if config.cuda_graph:  # refused before anything is written (RunConfig.validate refused CPU devices and fp16)
+        if distributed.world_size() > 1:
+            raise UsageError("--cuda-graph trains in one process (the heads' gradients are summed over processes "
+                             "between the method's step and theirs, outside the graph): drop --nproc or --cuda-graph")
+        try:
+            check_graphable(optimizer)
+        except ValueError as error:
+            raise UsageError(f"--cuda-graph: {error}") from None
     stream = IndexStream(data.train_labels.shape[0], config.batch_size, seed=config.seed)
     if stream.batch_size // distributed.world_size() < 2 and any(
             isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules()):
@@ -344,7 +354,10 @@ def _train_locked(run: _Run, resume: bool, progress: bool, sample_weight: Callab
     if run.pending_epoch is not None:  # the last run saved an epoch, then its evaluation failed: evaluate it now
         _evaluate_epoch(run, run.pending_epoch)
         _save(run)
-    _loop(run, _BatchLosses(run, sample_weight), progress)
+    closure = _BatchLosses(run, sample_weight)
+    if run.config.cuda_graph:  # checked in _build_run; captured at its first steps after the eager warm-up
+        run.graphed = GraphedStep(run.optimizer, closure.losses_of, heads=run.heads)
+    _loop(run, closure, progress)
     if run.saved_step != run.step:  # the last epoch's end usually saved it already
         _save(run)
     config = run.config
@@ -477,14 +490,33 @@ class _BatchLosses:
     def __call__(self, same_batch: bool = False) -> Tensor | tuple[Tensor, ...]:
         if not same_batch and self.step_graph_draw is not None and torch.is_grad_enabled():
             return self.step_graph_draw  # features mode: one batch per step (see the class docstring)
+        if not same_batch:
+            self.rows = distributed.shard(self.run.stream())  # this rank's share
+        drawn = self.losses_of(*self.batch(self.rows))
+        if isinstance(drawn, tuple) and self.features_mode and torch.is_grad_enabled() and not same_batch:
+            self.step_graph_draw = drawn
+        return drawn
+
+    @property
+    def features_mode(self) -> bool:
+        return getattr(self.run.optimizer, "features_engine", None) is not None
+
+    def batch(self, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The images and labels of ``rows`` (None: the next batch of this rank's share), on the device."""
         run = self.run
-        rows = self.rows if same_batch else distributed.shard(run.stream())  # this rank's share
-        self.rows = rows
+        if rows is None:
+            rows = self.rows = distributed.shard(run.stream())
         x = run.data.images(run.data.train_images[rows]).to(run.device, non_blocking=True)
         y = run.data.train_labels[rows].to(run.device, non_blocking=True)
+        return x, y
+
+    def losses_of(self, x: Tensor, y: Tensor) -> Tensor | tuple[Tensor, ...]:
+        """What the closure returns for a batch (the per-sample losses, with the features and/or weights);
+        keeps the batch's logits and labels (with --cuda-graph: the graph's static tensors)."""
+        run = self.run
         # jacobian="features" (a method variant such as double-clip[jacobian=features]): the optimizer takes
         # the task gradients w.r.t. the trunk's output, so the closure hands it that output too.
-        features_mode = getattr(run.optimizer, "features_engine", None) is not None
+        features_mode = self.features_mode
         with torch.autocast(run.device.type, dtype=AMP_DTYPES.get(run.config.amp), enabled=run.config.amp != "none"):
             if features_mode:
                 model = getattr(run.model, "_orig_mod", run.model)  # a compiled model: its module's parts
@@ -499,10 +531,7 @@ class _BatchLosses:
         losses = per_sample_losses(logits, y)
         weights = None if self.sample_weight is None else self.sample_weight(y)
         if features_mode:
-            drawn = (losses, trunk_output) if weights is None else (losses, trunk_output, weights)
-            if torch.is_grad_enabled() and not same_batch:
-                self.step_graph_draw = drawn
-            return drawn
+            return (losses, trunk_output) if weights is None else (losses, trunk_output, weights)
         return losses if weights is None else (losses, weights)
 
 
@@ -542,8 +571,12 @@ def _train_step(run: _Run, closure: _BatchLosses, skipped: list[dict[str, Any]])
 
     None: an fp16 step overflowed and was skipped (recorded in ``skipped``); the run is unchanged.
     """
-    run.heads.zero_grad(set_to_none=True)
     step_started = time.perf_counter()
+    if run.graphed is not None:  # --cuda-graph: the heads' zero_grad and step are in the graph
+        objective = run.graphed.step(lambda: closure.batch(None))
+        _refuse_skipped_step(run)  # (the heads' SGD step on a skipped step's zero gradients changed nothing)
+        return _step_row(run, closure, objective, step_started)
+    run.heads.zero_grad(set_to_none=True)
     run.optimizer.loss_scale = run.grad_scale["value"]
     try:
         objective = run.optimizer.step(closure)
@@ -554,6 +587,15 @@ def _train_step(run: _Run, closure: _BatchLosses, skipped: list[dict[str, Any]])
         return None
     finally:
         closure.end_step()  # (whether the step finished or raised)
+    _refuse_skipped_step(run)
+    distributed.all_reduce_grads(run.model.task_parameters())
+    _unscale_head_grads(run)
+    run.heads.step()
+    return _step_row(run, closure, objective, step_started)
+
+
+def _refuse_skipped_step(run: _Run) -> None:
+    """Raise NonFiniteStepError if the capturable step just taken was skipped on the device."""
     stats = run.optimizer.stats
     if "found_inf" in stats and bool(stats["found_inf"]):
         # A capturable step (CUDA) skips a non-finite step on the device instead of raising;
@@ -565,9 +607,11 @@ def _train_step(run: _Run, closure: _BatchLosses, skipped: list[dict[str, Any]])
             f"skipped on the device ({int(stats['skipped_steps'])} skipped so far); nothing was "
             "updated"
         )
-    distributed.all_reduce_grads(run.model.task_parameters())
-    _unscale_head_grads(run)
-    run.heads.step()
+
+
+def _step_row(run: _Run, closure: _BatchLosses, objective: Tensor, step_started: float) -> dict[str, Any]:
+    """Count the step just taken and return its row of steps.csv (its values read on the host here)."""
+    stats = run.optimizer.stats
     run.step += 1
     labels = closure.labels  # the last batch's: set by every call of the closure, and the step called it
     if labels is None:
