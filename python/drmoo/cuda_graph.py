@@ -45,7 +45,11 @@ LossFn = Callable[[Tensor, Tensor], Any]  # (inputs, targets) on the device -> w
 
 
 def check_graphable(optimizer: Any) -> None:
-    """Refuse (ValueError) an optimizer whose step cannot be captured once and replayed; see the module docstring."""
+    """Refuse (ValueError) an optimizer whose step cannot be captured once and replayed; see the module docstring.
+
+    Args:
+        optimizer: the optimizer whose ``step(closure)`` would be captured.
+    """
     if not isinstance(optimizer, MultiObjectiveOptimizer):
         raise ValueError(f"GraphedStep captures a drmoo.optim optimizer's step(closure); got "
                          f"{type(optimizer).__name__} (a drmoo.Balancer is not supported: capture the "
@@ -92,7 +96,12 @@ class GraphedStep:
 
     # ------------------------------------------------------------------ the public calls
     def step_on(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        """One step on one batch; for methods that draw one batch per step (else use :meth:`step`)."""
+        """One step on one batch; for methods that draw one batch per step (else use :meth:`step`).
+
+        Args:
+            inputs: the batch's inputs, of the captured shape and dtype.
+            targets: the batch's targets, of the captured shape and dtype.
+        """
         given = [(inputs, targets)]
 
         def draw() -> Batch:
@@ -105,7 +114,12 @@ class GraphedStep:
         return self.step(draw)
 
     def step(self, draw: Callable[[], Batch]) -> Tensor:
-        """One step; ``draw()`` returns a fresh ``(inputs, targets)`` batch each time the step needs one."""
+        """One step; ``draw()`` returns a fresh ``(inputs, targets)`` batch each time the step needs one.
+
+        Args:
+            draw: called once per batch the method's step draws (one, or two for Double-Clip with resample,
+                three for MoDo and SDMGrad); each batch must have the captured shape and dtype.
+        """
         if self.steps < self.warmup_steps:
             objective = self._eager_step(draw)
         else:

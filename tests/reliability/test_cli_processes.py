@@ -280,8 +280,9 @@ def test_gpu_check_keeps_paths_with_spaces_whole(tmp_path: Path) -> None:
 printf '%s\\x1f' "$@" >> {str(calls)!r}; printf '\\n' >> {str(calls)!r}
 [ "${{1:-}}" = "-" ] && cat > /dev/null
 previous=""
-for argument in "$@"; do  # drmoo eval --run DIR writes DIR/eval.json, which the script prints
+for argument in "$@"; do  # drmoo eval --run DIR writes DIR/eval.json, train DIR/steps.csv: the script prints both
     [ "$previous" = "--run" ] && mkdir -p "$argument" && echo '{{}}' > "$argument/eval.json"
+    case "$previous" in --out|--resume) mkdir -p "$argument" && echo 'step' > "$argument/steps.csv" ;; esac
     previous=$argument
 done
 exit 0
@@ -295,11 +296,13 @@ exit 0
     recorded = [line.rstrip("\x1f").split("\x1f") for line in calls.read_text().splitlines()]
     drmoo_calls = [argv for argv in recorded if argv[:2] == ["-m", "drmoo"]]
     assert result.returncode == 0, result.stdout + result.stderr
-    assert [argv[2] for argv in drmoo_calls] == ["bench-iter", "bench-iter", "train", "train", "eval"]
+    # the round trip (train, resume, eval), then the CUDA-graph train and its resume
+    assert [argv[2] for argv in drmoo_calls] == ["bench-iter", "bench-iter", "train", "train", "eval", "train", "train"]
     run_dirs = [argv[argv.index(flag) + 1] for argv in drmoo_calls for flag in ("--out", "--resume", "--run")
                 if flag in argv and argv[2] != "bench-iter"]
-    assert len(run_dirs) == 3 and len(set(run_dirs)) == 1
+    assert len(run_dirs) == 5 and len(set(run_dirs[:3])) == 1 and len(set(run_dirs[3:])) == 1
     assert run_dirs[0].startswith(str(temporary) + os.sep) and run_dirs[0].endswith(os.sep + "run")
+    assert run_dirs[3].startswith(str(temporary) + os.sep) and run_dirs[3].endswith(os.sep + "graph")
 
 
 def test_test_oldest_says_that_the_wheel_is_missing(tmp_path: Path) -> None:
