@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from scipy import stats
@@ -14,14 +14,6 @@ from scipy import stats
 from drmoo.experiments.paired_stats import holm_adjusted, paired_differences, paired_p_value
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script(name: str = "multiple_comparisons"):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -53,8 +45,8 @@ def test_holm_by_hand() -> None:
     assert holm_adjusted([]) == []
 
 
-def test_script_writes_the_family_and_refuses_unknown_folders(tmp_path: Path) -> None:
-    module = _script()
+def test_script_writes_the_family_and_refuses_unknown_folders(tmp_path: Path, load_script: Any) -> None:
+    module = load_script("multiple_comparisons")
     folder = tmp_path / "multimnist3-small"
     folder.mkdir()
     fields = ["reference", "other", "column", "mean", "ci_low", "ci_high", "wins", "ties", "seeds"]
@@ -73,8 +65,8 @@ def test_script_writes_the_family_and_refuses_unknown_folders(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("folder", ["multimnist2-small", "multimnist3-small", "mnist-attributes-small"])
-def test_committed_tables_are_current(folder: str) -> None:
-    module = _script()
+def test_committed_tables_are_current(folder: str, load_script: Any) -> None:
+    module = load_script("multiple_comparisons")
     rows = module.family_rows(ROOT / "results" / folder)
     with (ROOT / "results" / folder / "multiple-comparisons.csv").open() as handle:
         committed = list(csv.DictReader(handle))
@@ -95,8 +87,8 @@ def _fake_run(folder: Path, seed: int, epochs: list[float], clean: float, stoppe
         (run / "diverged").write_text("")
 
 
-def test_divergences_counts_stopped_and_collapsed_runs(tmp_path: Path) -> None:
-    module = _script("divergences")
+def test_divergences_counts_stopped_and_collapsed_runs(tmp_path: Path, load_script: Any) -> None:
+    module = load_script("divergences")
     _fake_run(tmp_path / "a", 0, [0.5, 0.9, 0.91], 0.91)
     _fake_run(tmp_path / "a", 1, [0.5, 0.91, 0.44], 0.44)  # the 91 % -> 44 % collapse
     _fake_run(tmp_path / "a", 2, [0.5, 0.9], 0.85, stopped=True)
