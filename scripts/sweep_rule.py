@@ -3,6 +3,7 @@
     python scripts/sweep_rule.py extension SWEEP   # rates to add to stage 1 (best rate at an end of the grid)
     python scripts/sweep_rule.py finalists SWEEP   # stage 2: each method's two best stage-1 rates
     python scripts/sweep_rule.py winners SWEEP     # each method's winner
+    python scripts/sweep_rule.py rows SWEEP EXPERIMENT  # the winners as EXPERIMENT's small-preset rows
 
 Each prints a ``--methods`` spec (``method[lr=X],...``; empty when there is nothing to add).  The rule
 is the one the committed sweeps used (see SMALL_LR in python/drmoo/experiments/multimnist.py): stage 1
@@ -107,12 +108,32 @@ def winners(sweep: Path) -> dict[str, float]:
     return chosen
 
 
+def preset_rows(sweep: Path, experiment: str) -> list[str]:
+    """The winners as ``--methods`` rows of EXPERIMENT's small preset: a winner at the preset's own rate is
+    the row without ``lr`` (``mgda``, ``mgda[lam=100,pref_lr=0]``), so the runs the preset already made are
+    reused instead of repeated under another name; any other winner keeps its rate."""
+    from drmoo.experiments.registry import get_experiment
+
+    method_hparams = get_experiment(experiment).method_hparams
+    rows = []
+    for key, lr in winners(sweep).items():
+        method = key.split("[", 1)[0]
+        if float(method_hparams(method, None, preset="small")["lr"]) == lr:
+            rows.append(key)
+        else:
+            rows.append(with_rate(key, lr))
+    return rows
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[1] not in ("extension", "finalists", "winners"):
+    commands = {"extension": 3, "finalists": 3, "winners": 3, "rows": 4}
+    if len(argv) < 2 or commands.get(argv[1]) != len(argv):
         print(__doc__, file=sys.stderr)
         return 2
     sweep = Path(argv[2])
-    if argv[1] == "extension":
+    if argv[1] == "rows":
+        print(",".join(preset_rows(sweep, argv[3])))
+    elif argv[1] == "extension":
         print(",".join(extension(sweep)))
     elif argv[1] == "finalists":
         print(",".join(with_rate(m, lr) for m, pair in finalists(sweep).items() for lr in pair))

@@ -67,3 +67,23 @@ def test_label_imbalance_tables_rank_by_balanced_accuracy(tmp_path: Path, load_s
     (tmp_path / "bad.csv").write_text("method,score\nmgda[lr=0.1],1\n")
     with pytest.raises(ValueError, match="neither an eps nor a set/metric"):
         rule.clean_by_rate(tmp_path / "bad.csv")
+
+
+def test_rows_name_a_winner_at_the_preset_rate_as_the_preset_row(tmp_path: Path, load_script: Any) -> None:
+    """``rows SWEEP EXPERIMENT``: a winner at the small preset's own rate is the bare row (its runs are the
+    preset's, reused, not repeated under a second name); a winner elsewhere keeps its rate."""
+    rule = load_script("sweep_rule")
+    committed = ROOT / "results" / "multimnist3-small" / "lr-sweep"  # SMALL_LR came from this sweep
+    assert rule.preset_rows(committed, "multimnist3") == list(rule.winners(committed))
+    preset_rate = SMALL_LR["multimnist2"]["mgda"]
+    other_rate = 1.0 if preset_rate != 1.0 else 0.3
+    runoff = tmp_path / "runoff"
+    runoff.mkdir()
+    rows = [(f"mgda[lr={preset_rate}]", 80.0), (f"mgda[lr={other_rate * 3}]", 70.0),
+            (f"mgda[lam=100,pref_lr=0,lr={other_rate}]", 60.0), (f"mgda[lam=100,pref_lr=0,lr={preset_rate}]", 50.0)]
+    for table in (tmp_path / "table.csv", runoff / "table.csv"):  # the same scores in both stages
+        with table.open("w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["method", "eps", "mean_acc"])
+            writer.writerows([name, 0.0, score] for name, score in rows)
+    assert rule.preset_rows(tmp_path, "multimnist2") == ["mgda", f"mgda[lam=100,pref_lr=0,lr={other_rate!r}]"]
