@@ -4,6 +4,7 @@
     python scripts/sweep_rule.py finalists SWEEP   # stage 2: each method's two best stage-1 rates
     python scripts/sweep_rule.py winners SWEEP     # each method's winner
     python scripts/sweep_rule.py rows SWEEP EXPERIMENT  # the winners as EXPERIMENT's small-preset rows
+    python scripts/sweep_rule.py tuned SWEEP EXPERIMENT  # those rows whose rate is not the preset's
 
 Each prints a ``--methods`` spec (``method[lr=X],...``; empty when there is nothing to add).  The rule
 is the one the committed sweeps used (see SMALL_LR in python/drmoo/experiments/multimnist.py): stage 1
@@ -108,10 +109,11 @@ def winners(sweep: Path) -> dict[str, float]:
     return chosen
 
 
-def preset_rows(sweep: Path, experiment: str) -> list[str]:
+def preset_rows(sweep: Path, experiment: str, *, tuned_only: bool = False) -> list[str]:
     """The winners as ``--methods`` rows of EXPERIMENT's small preset: a winner at the preset's own rate is
     the row without ``lr`` (``mgda``, ``mgda[lam=100,pref_lr=0]``), so the runs the preset already made are
-    reused instead of repeated under another name; any other winner keeps its rate."""
+    reused instead of repeated under another name; any other winner keeps its rate.  ``tuned_only``: only the
+    latter (the rows a comparison at the preset's rates lacks)."""
     from drmoo.experiments.registry import get_experiment
 
     method_hparams = get_experiment(experiment).method_hparams
@@ -119,20 +121,21 @@ def preset_rows(sweep: Path, experiment: str) -> list[str]:
     for key, lr in winners(sweep).items():
         method = key.split("[", 1)[0]
         if float(method_hparams(method, None, preset="small")["lr"]) == lr:
-            rows.append(key)
+            if not tuned_only:
+                rows.append(key)
         else:
             rows.append(with_rate(key, lr))
     return rows
 
 
 def main(argv: list[str]) -> int:
-    commands = {"extension": 3, "finalists": 3, "winners": 3, "rows": 4}
+    commands = {"extension": 3, "finalists": 3, "winners": 3, "rows": 4, "tuned": 4}
     if len(argv) < 2 or commands.get(argv[1]) != len(argv):
         print(__doc__, file=sys.stderr)
         return 2
     sweep = Path(argv[2])
-    if argv[1] == "rows":
-        print(",".join(preset_rows(sweep, argv[3])))
+    if argv[1] in ("rows", "tuned"):
+        print(",".join(preset_rows(sweep, argv[3], tuned_only=argv[1] == "tuned")))
     elif argv[1] == "extension":
         print(",".join(extension(sweep)))
     elif argv[1] == "finalists":

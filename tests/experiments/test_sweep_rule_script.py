@@ -87,3 +87,27 @@ def test_rows_name_a_winner_at_the_preset_rate_as_the_preset_row(tmp_path: Path,
             writer.writerow(["method", "eps", "mean_acc"])
             writer.writerows([name, 0.0, score] for name, score in rows)
     assert rule.preset_rows(tmp_path, "multimnist2") == ["mgda", f"mgda[lam=100,pref_lr=0,lr={other_rate!r}]"]
+    assert rule.preset_rows(tmp_path, "multimnist2", tuned_only=True) == [f"mgda[lam=100,pref_lr=0,lr={other_rate!r}]"]
+    assert rule.preset_rows(committed, "multimnist3", tuned_only=True) == []
+
+
+def test_attribute_contrasts_add_the_tuned_rates_once_both_stages_ran(tmp_path: Path, load_script: Any) -> None:
+    """scripts/attribute_contrasts.py asks "what wins" and "does DR help" again at the rates the validation
+    sweep chose, but only once its second stage has run; rows at the preset's rate are the preset's rows."""
+    contrasts = load_script("attribute_contrasts")
+    sweep = tmp_path / "lr-sweep"
+    (sweep / "runoff").mkdir(parents=True)
+    assert contrasts.tuned_contrasts(tmp_path) == []  # no stage run yet
+    scores = {"double-clip[lr=1.0]": 92.0, "double-clip[lr=3.0]": 91.0, "mgda[lr=1.0]": 86.0, "mgda[lr=0.3]": 85.0,
+              "mgda[lam=100,pref_lr=0,lr=1.0]": 90.0, "mgda[lam=100,pref_lr=0,lr=3.0]": 86.0}
+    for table in (sweep / "table.csv", sweep / "runoff" / "table.csv"):
+        with table.open("w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["method", "set", "metric", "mean", "std", "seeds"])
+            writer.writerows([name, "prevalence", "mean_balanced_accuracy", score, 0.0, 1]
+                             for name, score in scores.items())
+    assert SMALL_LR["multimnist2"]["double-clip"] == 1.0  # mnist-attributes' small preset takes these rates
+    preset = "double-clip"  # Double-Clip's winner is the preset's rate: its preset row, and no twin added
+    assert contrasts.tuned_contrasts(tmp_path) == [
+        (preset, "mgda[lr=1.0]"), (preset, "mgda[lam=100,pref_lr=0,lr=1.0]"),
+        ("mgda[lr=1.0]", "mgda[lam=100,pref_lr=0,lr=1.0]"), ("mgda[lr=1.0]", "mgda[lam=100,lr=1.0]")]
