@@ -55,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,9 @@ def make_step(variant: str, trunk: Any, heads: Any, num_tasks: int) -> Callable[
     elif variant in ("parameters", "parameters-batched") or variant in FEATURES_METHODS:
         method = FEATURES_METHODS.get(variant, "mgda")
         mode = "features" if variant in FEATURES_METHODS else "parameters"
-        balancer = drmoo.Balancer(method, shared, num_tasks, jacobian=mode, lr=1e-3)
+        with warnings.catch_warnings():  # the rate does not change a step's cost: no rate to choose here
+            warnings.simplefilter("ignore", drmoo.optim.FeaturesRateWarning)
+            balancer = drmoo.Balancer(method, shared, num_tasks, jacobian=mode, lr=1e-3)
         if variant == "parameters-batched":
             balancer.algorithm.jacobian_strategy = "batched"
 
