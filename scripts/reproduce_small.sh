@@ -79,6 +79,9 @@
 #        results/mnist-attributes-small/lr-sweep/ (runoff/: stage 2), the winners printed at the end.
 # attributes-key: attributes' rows that answer "does DR help" (Double-Clip, MGDA, their lam=100 rows, the
 #        plain reference, each with and without the weights), seed by seed, so an interrupted call has whole seeds.
+#        Once attributes-runoff has run, both targets add the key rows at the rates it chose where those differ
+#        from the preset's (sweep_rule.py tuned: e.g. mgda[lr=1.0]) and, for Double-Clip and MGDA, their lam=100
+#        twins at those rates, so "what wins" and "does DR help" are asked at tuned rates too.
 # Finished runs are reused, so an interrupted call continues where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -253,6 +256,14 @@ attributes-runoff)
 attributes|attributes-key)
     seeds="${SEEDS:-0,1,2,3,4}"
     plain="mgda[lam=100,pref_lr=0]"
+    # the rows at the validation sweep's winning rates that the preset rows do not already cover (empty
+    # until both stages of the sweep have run)
+    tuned=$("$python" scripts/sweep_rule.py tuned results/mnist-attributes-small/lr-sweep mnist-attributes \
+        2> /dev/null || true)
+    while read -r row; do  # DR at a tuned rate: the row's lam=100 twin
+        case "$row" in double-clip\[lr=*|mgda\[lr=*) tuned="$tuned,${row%%\[*}[lam=100,${row#*\[}" ;; esac
+    done < <(sed 's/\],/]\n/g' <<< "$tuned")
+    tuned="${tuned:+,}$tuned"
     attributes() {  # attributes EXPERIMENT SEEDS ROWS OUT
         "$drmoo" compare --experiment "$1" --preset small --seeds "$2" --jobs "$jobs" --methods "$3" --device cpu \
             --quiet --out "$4" > /dev/null
@@ -261,14 +272,14 @@ attributes|attributes-key)
         done_seeds=""
         for seed in ${seeds//,/ }; do  # seed by seed: the comparisons reuse the seeds already run
             done_seeds="$done_seeds${done_seeds:+,}$seed"
-            attributes mnist-attributes "$done_seeds" "double-clip,mgda,double-clip[lam=100],mgda[lam=100],$plain" \
+            attributes mnist-attributes "$done_seeds" "double-clip,mgda,double-clip[lam=100],mgda[lam=100],$plain$tuned" \
                 results/mnist-attributes-small/weighted
             attributes mnist-attributes-unweighted "$done_seeds" "double-clip,mgda,$plain" \
                 results/mnist-attributes-small/unweighted
             "$python" scripts/attribute_contrasts.py results/mnist-attributes-small > /dev/null
         done
     else
-        attributes mnist-attributes "$seeds" "double-clip,mgda,double-clip[lam=100],mgda[lam=100],$plain,double-loop,modo,moco,sdmgrad,nashmtl,famo" \
+        attributes mnist-attributes "$seeds" "double-clip,mgda,double-clip[lam=100],mgda[lam=100],$plain$tuned,double-loop,modo,moco,sdmgrad,nashmtl,famo" \
             results/mnist-attributes-small/weighted
         attributes mnist-attributes-unweighted "$seeds" "double-clip,mgda,$plain" results/mnist-attributes-small/unweighted
     fi
