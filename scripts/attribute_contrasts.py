@@ -42,7 +42,7 @@ CONTRASTS = (
 def tuned_contrasts(root: Path) -> list[tuple[str, str]]:
     """The contrasts at the sweep's winning rates (see the module's docstring); none until both stages ran."""
     try:
-        rows = preset_rows(root / "lr-sweep", "mnist-attributes")
+        rows = preset_rows(root / "lr-sweep", "mnist-attributes", keys=("double-clip", "mgda", PLAIN))
     except (FileNotFoundError, ValueError):  # a stage not run yet, or a runoff that is not the finalists'
         return []
     plain = next(row for row in rows if row.startswith(PLAIN[:-1]))

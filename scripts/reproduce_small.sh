@@ -74,8 +74,8 @@
 #        (scripts/attribute_contrasts.py).  Rates: the 2-digit Multi-MNIST small preset's, not swept here;
 #        results in results/mnist-attributes-small/{weighted,unweighted}/ and contrasts.{csv,md}.
 # attributes-sweep, attributes-runoff: the two-stage validation rule (scripts/sweep_rule.py; ranked by the
-#        prevalence set's mean balanced accuracy) for the rows that answer "does DR help": Double-Clip, MGDA
-#        and the plain reference, grid 0.1-3 extended while a best rate sits at an end; results in
+#        prevalence set's mean balanced accuracy) for the eight methods and the plain reference (MoCo with the
+#        preset's tracking weight), grid 0.1-3 extended while a best rate sits at an end; results in
 #        results/mnist-attributes-small/lr-sweep/ (runoff/: stage 2), the winners printed at the end.
 # attributes-key: attributes' rows that answer "does DR help" (Double-Clip, MGDA, their lam=100 rows, the
 #        plain reference, each with and without the weights), seed by seed, so an interrupted call has whole seeds.
@@ -243,7 +243,7 @@ b64)
         --methods "$spec" --reference "$reference" --device cpu --quiet --out results/multimnist2-small/batch64 ;;
 attributes-sweep)
     spec=""
-    for row in double-clip mgda "mgda[lam=100,pref_lr=0"; do
+    for row in double-clip mgda "mgda[lam=100,pref_lr=0" double-loop modo moco sdmgrad nashmtl famo; do
         for lr in 0.1 0.3 1.0 3.0; do
             case "$row" in *"["*) spec="$spec${spec:+,}$row,lr=$lr]" ;; *) spec="$spec${spec:+,}$row[lr=$lr]" ;; esac
         done
@@ -259,7 +259,7 @@ attributes|attributes-key)
     # the rows at the validation sweep's winning rates that the preset rows do not already cover (empty
     # until both stages of the sweep have run)
     tuned=$("$python" scripts/sweep_rule.py tuned results/mnist-attributes-small/lr-sweep mnist-attributes \
-        2> /dev/null || true)
+        double-clip mgda "$plain" 2> /dev/null || true)
     while read -r row; do  # DR at a tuned rate: the row's lam=100 twin
         case "$row" in double-clip\[lr=*|mgda\[lr=*) tuned="$tuned,${row%%\[*}[lam=100,${row#*\[}" ;; esac
     done < <(sed 's/\],/]\n/g' <<< "$tuned")

@@ -3,8 +3,8 @@
     python scripts/sweep_rule.py extension SWEEP   # rates to add to stage 1 (best rate at an end of the grid)
     python scripts/sweep_rule.py finalists SWEEP   # stage 2: each method's two best stage-1 rates
     python scripts/sweep_rule.py winners SWEEP     # each method's winner
-    python scripts/sweep_rule.py rows SWEEP EXPERIMENT  # the winners as EXPERIMENT's small-preset rows
-    python scripts/sweep_rule.py tuned SWEEP EXPERIMENT  # those rows whose rate is not the preset's
+    python scripts/sweep_rule.py rows SWEEP EXPERIMENT [KEY...]   # the winners as EXPERIMENT's small-preset rows
+    python scripts/sweep_rule.py tuned SWEEP EXPERIMENT [KEY...]  # those rows whose rate is not the preset's
 
 Each prints a ``--methods`` spec (``method[lr=X],...``; empty when there is nothing to add).  The rule
 is the one the committed sweeps used (see SMALL_LR in python/drmoo/experiments/multimnist.py): stage 1
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 from drmoo.experiments.variants import parse_variants
@@ -97,10 +98,13 @@ def finalists(sweep: Path) -> dict[str, list[float]]:
     return {method: _best(rates, 2) for method, rates in clean_by_rate(sweep / "table.csv").items()}
 
 
-def winners(sweep: Path) -> dict[str, float]:
+def winners(sweep: Path, keys: Collection[str] | None = None) -> dict[str, float]:
+    """Each key's winner (``keys``: only these, e.g. the rows whose stage 2 has run while others' has not)."""
     first, second = clean_by_rate(sweep / "table.csv"), clean_by_rate(sweep / "runoff" / "table.csv")
     chosen = {}
     for method, pair in finalists(sweep).items():
+        if keys is not None and method not in keys:
+            continue
         if sorted(second.get(method, {})) != sorted(pair):
             ran = sorted(second.get(method, {}))
             raise ValueError(f"{method}: stage 2 ran {ran}, not the finalists {sorted(pair)}")
@@ -109,16 +113,17 @@ def winners(sweep: Path) -> dict[str, float]:
     return chosen
 
 
-def preset_rows(sweep: Path, experiment: str, *, tuned_only: bool = False) -> list[str]:
+def preset_rows(sweep: Path, experiment: str, *, tuned_only: bool = False,
+                keys: Collection[str] | None = None) -> list[str]:
     """The winners as ``--methods`` rows of EXPERIMENT's small preset: a winner at the preset's own rate is
     the row without ``lr`` (``mgda``, ``mgda[lam=100,pref_lr=0]``), so the runs the preset already made are
     reused instead of repeated under another name; any other winner keeps its rate.  ``tuned_only``: only the
-    latter (the rows a comparison at the preset's rates lacks)."""
+    latter (the rows a comparison at the preset's rates lacks).  ``keys``: as for :func:`winners`."""
     from drmoo.experiments.registry import get_experiment
 
     method_hparams = get_experiment(experiment).method_hparams
     rows = []
-    for key, lr in winners(sweep).items():
+    for key, lr in winners(sweep, keys).items():
         method = key.split("[", 1)[0]
         if float(method_hparams(method, None, preset="small")["lr"]) == lr:
             if not tuned_only:
@@ -129,13 +134,14 @@ def preset_rows(sweep: Path, experiment: str, *, tuned_only: bool = False) -> li
 
 
 def main(argv: list[str]) -> int:
-    commands = {"extension": 3, "finalists": 3, "winners": 3, "rows": 4, "tuned": 4}
-    if len(argv) < 2 or commands.get(argv[1]) != len(argv):
+    fixed = {"extension": 3, "finalists": 3, "winners": 3}
+    if len(argv) < 3 or not (fixed.get(argv[1]) == len(argv) or (argv[1] in ("rows", "tuned") and len(argv) >= 4)):
         print(__doc__, file=sys.stderr)
         return 2
     sweep = Path(argv[2])
     if argv[1] in ("rows", "tuned"):
-        print(",".join(preset_rows(sweep, argv[3], tuned_only=argv[1] == "tuned")))
+        keys = argv[4:] or None
+        print(",".join(preset_rows(sweep, argv[3], tuned_only=argv[1] == "tuned", keys=keys)))
     elif argv[1] == "extension":
         print(",".join(extension(sweep)))
     elif argv[1] == "finalists":

@@ -100,12 +100,16 @@ def test_attribute_contrasts_add_the_tuned_rates_once_both_stages_ran(tmp_path: 
     assert contrasts.tuned_contrasts(tmp_path) == []  # no stage run yet
     scores = {"double-clip[lr=1.0]": 92.0, "double-clip[lr=3.0]": 91.0, "mgda[lr=1.0]": 86.0, "mgda[lr=0.3]": 85.0,
               "mgda[lam=100,pref_lr=0,lr=1.0]": 90.0, "mgda[lam=100,pref_lr=0,lr=3.0]": 86.0}
-    for table in (sweep / "table.csv", sweep / "runoff" / "table.csv"):
+    # another method's stage 1 has run and its stage 2 has not: the key rows' winners are decided all the same
+    for table, extra in ((sweep / "table.csv", {"famo[lr=0.1]": 80.0, "famo[lr=0.3]": 81.0}),
+                         (sweep / "runoff" / "table.csv", {})):
         with table.open("w", newline="") as handle:
             writer = csv.writer(handle)
             writer.writerow(["method", "set", "metric", "mean", "std", "seeds"])
             writer.writerows([name, "prevalence", "mean_balanced_accuracy", score, 0.0, 1]
-                             for name, score in scores.items())
+                             for name, score in {**scores, **extra}.items())
+    with pytest.raises(ValueError, match="famo: stage 2 ran"):
+        load_script("sweep_rule").winners(sweep)
     assert SMALL_LR["multimnist2"]["double-clip"] == 1.0  # mnist-attributes' small preset takes these rates
     preset = "double-clip"  # Double-Clip's winner is the preset's rate: its preset row, and no twin added
     assert contrasts.tuned_contrasts(tmp_path) == [
