@@ -38,8 +38,11 @@ Time: the variants run *interleaved* with plain training in one process, after o
 a round is plain, v1, plain, v2, plain, ...; each step of a variant is divided by the mean of the two plain
 steps around it, and the table gives the median of these ratios over the rounds (and their range).  On the
 CPU a step's time is the process's CPU time (``time.process_time``, one thread): a loaded machine no longer
-yields impossible ratios (wall clock gave 0.49x plain), though its load still slows memory and caches, so
-ratios move by a few percent.  On a GPU it is wall-clock time around the synchronised step.
+yields impossible ratios (wall clock gave 0.49x plain).  Load still slows memory and caches a little (beside
+two training jobs a plain step took 0.34 s of CPU time, idle 0.31 s; TorchJD's step at m = 40 measured 341x
+plain, idle 331x), so the table records the load averages at its start and end.  The CPU matters more: the
+same grid measured TorchJD at 105x plain on the CPU of the 2026-11-27 table (plain steps of 0.065 s), so the
+table names the CPU and its vector ISA.  On a GPU it is wall-clock time around the synchronised step.
 Memory: each (trunk, heads, batch, m, variant) runs again in a fresh subprocess (build, 2 steps), which
 reports the peak resident set size above the one it had once the model was built: the activations,
 gradients, Jacobians and everything else a step allocates.
@@ -322,14 +325,16 @@ def table(data: dict[str, Any]) -> str:
                    "range in brackets); then the step's memory: the peak of `torch.cuda.max_memory_allocated()` "
                    "above what was allocated once the model was built (2 steps).")
     else:
-        setting = (f"Machine: {data['machine']}, {data['cores']} cores, one thread "
+        isa = f", {data['isa']}" if data.get("isa") else ""  # tables before the ISA was recorded lack it
+        setting = (f"Machine: {data['machine']}{isa}, {data['cores']} cores, one thread "
                    f"(torch {data['torch']}, torchjd {data['torchjd']}); {data['rounds']} interleaved rounds per cell "
                    "(plain, variant, plain, next variant, plain, ...). Time = the process's CPU time "
                    "(`time.process_time`) of one step: what the step computes, not the time other processes held "
-                   "the cores (a shared machine's load slows memory and caches still, so ratios move by a few "
-                   "percent). A variant's ratio is its step's time over the mean of the two plain steps around "
-                   "it, the median over the rounds (the range in brackets); then, where measured, the step's "
-                   "memory: the peak resident set size above the one the process had once the model was built "
+                   "the cores (a shared machine's load still slows memory and caches a little: see the load "
+                   "averages below; ratios from another CPU differ more). A variant's ratio is its step's time "
+                   "over the mean of the two plain steps around it, the median over the rounds (the range in "
+                   "brackets); then, where measured, the step's memory: the peak resident set size above the "
+                   "one the process had once the model was built "
                    "(a fresh process per cell, 2 steps, sampled every millisecond).")
     lines = [
         f"# Step time and peak memory against the number of tasks ({'GPU' if on_gpu else 'CPU'})",
@@ -446,6 +451,7 @@ def main() -> None:
         # the grid's arguments (not where the files went: --out)
         "command": " ".join(["python bench/tasks_scaling.py", *flags]),
         "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "isa": torch.backends.cpu.get_cpu_capability(),  # AVX2 / AVX512: a ratio depends on the kernels it picks
         "torch": torch.__version__, "torchjd": version("torchjd"), "device": args.device, "image": args.image,
         "clock": "wall, synchronized" if on_gpu else "process CPU time",
         "rounds": args.rounds, "trunks": args.trunks, "heads": args.heads, "variants": args.variants,
