@@ -239,6 +239,7 @@ def test_small_preset_runs_through_compare_with_variants(tmp_path: Path) -> None
         "\n", 1)[1]
     table = (out / "table.md").read_text()
     assert "model `lenet`, 28px inputs" in table
+    assert re.search(r"wall time of this call \d+s; the 8 runs' optimizer steps [\d,]+s in all", table)
     assert "| mgda[pref_lr=0] |" in table and "| mgda[solver=min_norm] |" in table
     assert "Paired differences, double-clip minus each row" in table
     assert re.search(r"\| mgda \| [+-]\d+\.\d\d \[[+-]\d+\.\d\d, [+-]\d+\.\d\d\] \d/2( \(\d tied\))? \|", table)
@@ -399,3 +400,19 @@ def test_robustness_figure_draws_a_std_band_over_seeds() -> None:
         assert "band ±1 std" in axis.get_title()
     finally:
         plt.close(figure)
+
+
+def test_time_text_sums_the_runs_own_step_times(tmp_path: Path) -> None:
+    """A reused run still counts its training; a run without a step log leaves only the call's time."""
+    import time
+
+    from drmoo.experiments.robustness import time_text
+
+    for name, steps in (("a", "0.25\n0.5"), ("b", "1.25")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "steps.csv").write_text("step,step_s\n" + "\n".join(
+            f"{i},{s}" for i, s in enumerate(steps.split("\n"))) + "\n")
+    text = time_text([tmp_path / "a", tmp_path / "b"], time.perf_counter())
+    assert text == "wall time of this call 0s; the 2 runs' optimizer steps 2s in all"
+    (tmp_path / "c").mkdir()
+    assert time_text([tmp_path / "a", tmp_path / "c"], time.perf_counter()) == "wall time of this call 0s"

@@ -28,11 +28,10 @@ from drmoo.store import save_result
 
 from .evaluation import load_trained_run
 from .registry import Experiment, register
-from .robustness import ensure_trained, prepare_comparison, reusable_result, write_comparison
+from .robustness import ensure_trained, prepare_comparison, reusable_result, time_text, write_comparison
 from .run_config import RunConfig
 from .summaries import mean_std, mean_std_text
 from .training import read_diverged
-from .variants import run_dir_name
 
 __all__ = ["ATTRIBUTE_SETS", "CELEBA", "CELEBA40", "PAPER_METHOD_HPARAMS", "PRESETS", "attributes_of", "build_celeba",
            "check_celeba_data", "compare_celeba", "evaluate_celeba", "label_balancing_weights", "method_hparams",
@@ -207,10 +206,10 @@ def check_celeba_data(config: RunConfig) -> None:
 def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | None = None,
                    progress: bool = True) -> str:
     """Train (reusing finished runs, resuming interrupted ones) and evaluate every config; write table.md/csv."""
-    prepare_comparison(configs, out)
+    names = prepare_comparison(configs, out)  # a variant's label names its own directory
     reports, started = [], time.perf_counter()
-    for config in tqdm(configs, desc="compare", disable=not progress):
-        run_dir = out / run_dir_name(config.name, config.seed)  # a variant's label names its own directory
+    for config, name in tqdm(list(zip(configs, names)), desc="compare", disable=not progress):
+        run_dir = out / name
         ensure_trained(config, run_dir, build_celeba, progress, sample_weight=label_balancing_weights)
         report = reusable_result(run_dir, _celeba_report_fits)
         if report is None:  # absent, of other weights, or not a CelebA metrics report
@@ -226,7 +225,7 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
         f"preset `{first.preset}`: {first.input_size}px inputs, {first.epochs} epoch(s), batch {first.batch_size}, "
         f"train images {reports[0]['train_samples']}, test images {reports[0]['test_samples']}, weights "
         f"`{first.weights}`, device {first.device}; label-balancing importance weights; "
-        f"wall time {time.perf_counter() - started:.0f}s"
+        f"{time_text([out / name for name in names], started)}"
     )
     table, rows = table_two(reports, header)
     return write_comparison(out, table, rows, reports)

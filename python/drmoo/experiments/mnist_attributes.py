@@ -43,7 +43,7 @@ from .evaluation import load_trained_run
 from .jobs import run_in_workers
 from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
-from .robustness import ensure_trained, prepare_comparison, reusable_result, write_comparison
+from .robustness import ensure_trained, prepare_comparison, reusable_result, time_text, write_comparison
 from .run_config import RunConfig
 from .summaries import mean_std, mean_std_text
 from .training import read_diverged
@@ -268,7 +268,7 @@ def compare_attributes(configs: list[RunConfig], out: Path, *, eps: list[float] 
         f"preset `{first.preset}`: model `{first.model}`, {first.input_size}px, {first.epochs} epoch(s), batch "
         f"{first.batch_size}, train composites {reports[0]['train_samples']}, {first.eval_split} digits: prevalence "
         f"set {reports[0]['test_samples']} composites, balanced sets {min(balanced)}-{max(balanced)} per attribute; "
-        f"{weighting}; device {first.device}; wall time {time.perf_counter() - started:.0f}s"
+        f"{weighting}; device {first.device}; {time_text([out / name for name in names], started)}"
     )
     table, rows = summary_table(reports, header)
     paired_text, paired = paired_table(reports, reference)
