@@ -9,8 +9,9 @@ A contrast whose two rows have not both run is named as not run.  No training.
 
 Once both stages of the validation rate sweep have run (``DIR/lr-sweep``, ``scripts/sweep_rule.py``), the
 contrasts are also taken at the rates it chose (where those are not the preset's): Double-Clip against
-MGDA and the plain reference at their winning rates, MGDA against the plain reference, and DR (a row
-against its ``lam=100`` twin) at each tuned rate of Double-Clip and MGDA.
+MGDA and the plain reference at their winning rates, MGDA against the plain reference, DR (a row
+against its ``lam=100`` twin) at each tuned rate of Double-Clip and MGDA, and the importance weights (a
+row against its twin trained without them) at each tuned rate.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def tuned_contrasts(root: Path) -> list[tuple[str, str]]:
     mgda = next(row for row in rows if row.split("[")[0] == "mgda" and row != plain)
     twins = [(row, f"{row.split('[')[0]}[lam=100,{row.split('[', 1)[1]}") for row in (double_clip, mgda)
              if "lr=" in row]
-    wanted = [(double_clip, mgda), (double_clip, plain), (mgda, plain), *twins]
+    unweighted = [(row, f"unweighted:{row}") for row in (double_clip, mgda, plain) if "lr=" in row]
+    wanted = [(double_clip, mgda), (double_clip, plain), (mgda, plain), *twins, *unweighted]
     return [pair for pair in wanted if pair not in CONTRASTS]
 
 

@@ -71,8 +71,10 @@
 #        SEEDS (default 0,1,2,3,4): the eight methods, Double-Clip and MGDA without DR (lam=100) and the plain
 #        reference (equal weights, lam=100: mgda[lam=100,pref_lr=0]); then Double-Clip, MGDA and the plain
 #        reference without the importance weights (mnist-attributes-unweighted); then the paired contrasts
-#        (scripts/attribute_contrasts.py).  Rates: the 2-digit Multi-MNIST small preset's, not swept here;
-#        results in results/mnist-attributes-small/{weighted,unweighted}/ and contrasts.{csv,md}.
+#        (scripts/attribute_contrasts.py).  Rates: the key rows run at the preset's rates (the 2-digit
+#        Multi-MNIST small preset's) and at the validation winners (see attributes-key); the six other methods
+#        only at their winners, so attributes-sweep and attributes-runoff must have run first.  Results in
+#        results/mnist-attributes-small/{weighted,unweighted}/ and contrasts.{csv,md}.
 # attributes-sweep, attributes-runoff: the two-stage validation rule (scripts/sweep_rule.py; ranked by the
 #        prevalence set's mean balanced accuracy) for the eight methods and the plain reference (MoCo with the
 #        preset's tracking weight), grid 0.1-3 extended while a best rate sits at an end; results in
@@ -80,8 +82,9 @@
 # attributes-key: attributes' rows that answer "does DR help" (Double-Clip, MGDA, their lam=100 rows, the
 #        plain reference, each with and without the weights), seed by seed, so an interrupted call has whole seeds.
 #        Once attributes-runoff has run, both targets add the key rows at the rates it chose where those differ
-#        from the preset's (sweep_rule.py tuned: e.g. mgda[lr=1.0]) and, for Double-Clip and MGDA, their lam=100
-#        twins at those rates, so "what wins" and "does DR help" are asked at tuned rates too.
+#        from the preset's (sweep_rule.py tuned: e.g. mgda[lr=1.0]), their twins without the importance weights
+#        and, for Double-Clip and MGDA, their lam=100 twins at those rates, so "what wins", "does DR help" and
+#        "do the weights help" are asked at tuned rates too.
 # Finished runs are reused, so an interrupted call continues where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -260,6 +263,7 @@ attributes|attributes-key)
     # until both stages of the sweep have run)
     tuned=$("$python" scripts/sweep_rule.py tuned results/mnist-attributes-small/lr-sweep mnist-attributes \
         double-clip mgda "$plain" 2> /dev/null || true)
+    unweighted="double-clip,mgda,$plain${tuned:+,}$tuned"  # the weights' ablation at the tuned rates too
     while read -r row; do  # DR at a tuned rate: the row's lam=100 twin
         case "$row" in double-clip\[lr=*|mgda\[lr=*) tuned="$tuned,${row%%\[*}[lam=100,${row#*\[}" ;; esac
     done < <(sed 's/\],/]\n/g' <<< "$tuned")
@@ -274,14 +278,20 @@ attributes|attributes-key)
             done_seeds="$done_seeds${done_seeds:+,}$seed"
             attributes mnist-attributes "$done_seeds" "double-clip,mgda,double-clip[lam=100],mgda[lam=100],$plain$tuned" \
                 results/mnist-attributes-small/weighted
-            attributes mnist-attributes-unweighted "$done_seeds" "double-clip,mgda,$plain" \
-                results/mnist-attributes-small/unweighted
+            attributes mnist-attributes-unweighted "$done_seeds" "$unweighted" results/mnist-attributes-small/unweighted
             "$python" scripts/attribute_contrasts.py results/mnist-attributes-small > /dev/null
         done
     else
-        attributes mnist-attributes "$seeds" "double-clip,mgda,double-clip[lam=100],mgda[lam=100],$plain$tuned,double-loop,modo,moco,sdmgrad,nashmtl,famo" \
+        # the six other methods at their validation winners (the preset's own name where that is the rate)
+        if ! others=$("$python" scripts/sweep_rule.py rows results/mnist-attributes-small/lr-sweep mnist-attributes \
+                double-loop modo moco sdmgrad nashmtl famo) || [ -z "$others" ]; then
+            echo "attributes: the six other methods' rates come from the validation sweep: run attributes-sweep" \
+                "and attributes-runoff first" >&2
+            exit 2
+        fi
+        attributes mnist-attributes "$seeds" "double-clip,mgda,double-clip[lam=100],mgda[lam=100],$plain$tuned,$others" \
             results/mnist-attributes-small/weighted
-        attributes mnist-attributes-unweighted "$seeds" "double-clip,mgda,$plain" results/mnist-attributes-small/unweighted
+        attributes mnist-attributes-unweighted "$seeds" "$unweighted" results/mnist-attributes-small/unweighted
     fi
     "$python" scripts/attribute_contrasts.py results/mnist-attributes-small ;;
 sweep)

@@ -114,4 +114,6 @@ def test_attribute_contrasts_add_the_tuned_rates_once_both_stages_ran(tmp_path: 
     preset = "double-clip"  # Double-Clip's winner is the preset's rate: its preset row, and no twin added
     assert contrasts.tuned_contrasts(tmp_path) == [
         (preset, "mgda[lr=1.0]"), (preset, "mgda[lam=100,pref_lr=0,lr=1.0]"),
-        ("mgda[lr=1.0]", "mgda[lam=100,pref_lr=0,lr=1.0]"), ("mgda[lr=1.0]", "mgda[lam=100,lr=1.0]")]
+        ("mgda[lr=1.0]", "mgda[lam=100,pref_lr=0,lr=1.0]"), ("mgda[lr=1.0]", "mgda[lam=100,lr=1.0]"),
+        ("mgda[lr=1.0]", "unweighted:mgda[lr=1.0]"),
+        ("mgda[lam=100,pref_lr=0,lr=1.0]", "unweighted:mgda[lam=100,pref_lr=0,lr=1.0]")]
