@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import functools
 import json
 import math
@@ -405,8 +404,7 @@ def time_text(run_dirs: list[Path], started: float) -> str:
 
 def _step_seconds(path: Path) -> float | None:
     try:
-        with path.open(newline="") as handle:
-            return sum(float(row["step_s"]) for row in csv.DictReader(handle))
+        return sum(float(row["step_s"]) for row in iter_csv(path, what="step log"))
     except (OSError, KeyError, TypeError, ValueError):
         return None
 
