@@ -412,7 +412,7 @@ def test_time_text_sums_the_runs_own_step_times(tmp_path: Path) -> None:
         (tmp_path / name).mkdir()
         (tmp_path / name / "steps.csv").write_text("step,step_s\n" + "\n".join(
             f"{i},{s}" for i, s in enumerate(steps.split("\n"))) + "\n")
-    text = time_text([tmp_path / "a", tmp_path / "b"], time.perf_counter())
+    text = time_text(tmp_path, ["a", "b"], time.perf_counter())
     assert text == "wall time of this call 0s; the 2 runs' optimizer steps 2s in all"
     (tmp_path / "c").mkdir()
-    assert time_text([tmp_path / "a", tmp_path / "c"], time.perf_counter()) == "wall time of this call 0s"
+    assert time_text(tmp_path, ["a", "c"], time.perf_counter()) == "wall time of this call 0s"

@@ -225,7 +225,7 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
         f"preset `{first.preset}`: {first.input_size}px inputs, {first.epochs} epoch(s), batch {first.batch_size}, "
         f"train images {reports[0]['train_samples']}, test images {reports[0]['test_samples']}, weights "
         f"`{first.weights}`, device {first.device}; label-balancing importance weights; "
-        f"{time_text([out / name for name in names], started)}"
+        f"{time_text(out, names, started)}"
     )
     table, rows = table_two(reports, header)
     return write_comparison(out, table, rows, reports)

@@ -268,7 +268,7 @@ def compare_attributes(configs: list[RunConfig], out: Path, *, eps: list[float] 
         f"preset `{first.preset}`: model `{first.model}`, {first.input_size}px, {first.epochs} epoch(s), batch "
         f"{first.batch_size}, train composites {reports[0]['train_samples']}, {first.eval_split} digits: prevalence "
         f"set {reports[0]['test_samples']} composites, balanced sets {min(balanced)}-{max(balanced)} per attribute; "
-        f"{weighting}; device {first.device}; {time_text([out / name for name in names], started)}"
+        f"{weighting}; device {first.device}; {time_text(out, names, started)}"
     )
     table, rows = summary_table(reports, header)
     paired_text, paired = paired_table(reports, reference)

@@ -388,16 +388,17 @@ def prepare_comparison(configs: list[RunConfig], out: Path) -> list[str]:
     return names
 
 
-def time_text(run_dirs: list[Path], started: float) -> str:
-    """The header's timing: this call's wall time, and the training time its runs recorded themselves.
+def time_text(out: Path, names: list[str], started: float) -> str:
+    """The header's timing: this call's wall time, and the training time its runs (``out/<name>``, the names
+    :func:`prepare_comparison` returned) recorded themselves.
 
     A comparison reuses finished runs, so the call's own time says nothing about what the rows cost; each
     run's ``steps.csv`` keeps every optimizer step's ``step_s`` (a resumed run appends to it), and their sum
     is the training the table rests on, whenever and in whatever process it ran (evaluation not included).
     """
     call = f"wall time of this call {time.perf_counter() - started:.0f}s"
-    totals = [total for run_dir in run_dirs if (total := _step_seconds(run_dir / "steps.csv")) is not None]
-    if not totals or len(totals) != len(run_dirs):
+    totals = [total for name in names if (total := _step_seconds(out / name / "steps.csv")) is not None]
+    if not totals or len(totals) != len(names):
         return call  # a run without its step log (an older run directory): no sum to state
     return f"{call}; the {len(totals)} runs' optimizer steps {sum(totals):,.0f}s in all"
 
@@ -451,7 +452,7 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
         f"{' (random shifts)' if multimnist.PRESET_SHIFT.get(first.preset) else ''}, "
         f"{'validation' if first.eval_split == 'validation' else 'test'} composites "
         f"{reports[0]['test_samples']}, weights `{first.weights}`, device {first.device}; FGSM eps in {eps_space} "
-        f"units; {time_text([out / name for name in names], started)}.  Every method runs ceil(N/B) iterations per "
+        f"units; {time_text(out, names, started)}.  Every method runs ceil(N/B) iterations per "
         "epoch but draws a different number of batches per iteration: compare the samples seen."
     )
     table, rows, agreement = fgsm_comparison(reports, list(eps_values), header, first.experiment)
