@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from .optim import DoubleLoopMGDA, MultiObjectiveOptimizer, NashMTL
+from .optim._features import OneBatchPerStep
 
 __all__ = ["GraphedStep", "check_graphable"]
 
@@ -135,25 +136,18 @@ class GraphedStep:
         return objective
 
     # ------------------------------------------------------------------ internals
-    def _closure(self, source: Callable[[], Batch], counter: list[int]) -> Callable[..., Any]:
+    def _closure(self, source: Callable[[], Batch], counter: list[int]) -> OneBatchPerStep:
+        """The step's closure over ``source``'s batches (``counter`` counts the fresh ones); made per step."""
         last: list[Batch] = []
-        with_graph: list[Any] = []  # features mode: the step's first draw with a graph
-        features_mode = getattr(self.optimizer, "features_engine", None) is not None
 
-        def closure(same_batch: bool = False) -> Any:
-            if features_mode and with_graph and not same_batch and torch.is_grad_enabled():
-                # jacobian="features": a step's per-task gradients come from one batch (one z), so its
-                # later draws with a graph return the first (as drmoo train's eager closure does)
-                return with_graph[0]
+        def draw(same_batch: bool) -> Any:
             if not same_batch or not last:
                 last[:] = [source()]
                 counter[0] += 1
-            drawn = self.loss_fn(*last[0])
-            if features_mode and not same_batch and torch.is_grad_enabled():
-                with_graph[:] = [drawn]
-            return drawn
+            return self.loss_fn(*last[0])
 
-        return closure
+        # features mode: one batch per step, by the rule drmoo train's eager closure applies too
+        return OneBatchPerStep(draw, lambda: getattr(self.optimizer, "features_engine", None) is not None)
 
     def _on_device(self, draw: Callable[[], Batch]) -> Callable[[], Batch]:
         def source() -> Batch:

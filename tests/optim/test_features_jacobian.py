@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 import drmoo
 from drmoo.optim import available, create
+from drmoo.optim._features import OneBatchPerStep
 from drmoo_kernels import reference
 
 NUM_TASKS = 3
@@ -232,6 +233,55 @@ def test_multi_batch_forms_are_refused_in_features_mode(method: str) -> None:
     assert optimizer.steps_taken == 0 and all(p.grad is None for p in net.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
     assert optimizer.features_engine is not None and optimizer.features_engine.features is None  # forgotten
+
+
+@pytest.mark.parametrize("method", MULTI_BATCH)
+def test_one_batch_per_step_makes_the_multi_batch_methods_run_their_single_batch_form(method: str) -> None:
+    """The closure rule drmoo train and GraphedStep share: wrapped in OneBatchPerStep, the closure that
+    was refused above steps, drawing one fresh batch with a graph per step."""
+    seed_kw = {"seed": 0} if method == "double-loop" else {}
+    net = Net()
+    optimizer = create(method, net.trunk.parameters(), NUM_TASKS, jacobian="features", **seed_kw)
+    draws = iter(batches(40))
+    fresh_with_graph = [0]
+
+    def draw(same_batch: bool) -> Any:
+        fresh_with_graph[0] += torch.is_grad_enabled() and not same_batch
+        return net.losses(*next(draws))
+
+    closure = OneBatchPerStep(draw, lambda: optimizer.features_engine is not None)
+    before = [p.detach().clone() for p in net.trunk.parameters()]
+    for step in range(1, 3):
+        optimizer.step(closure)
+        closure.end_step()
+        assert fresh_with_graph[0] == step
+    assert optimizer.steps_taken == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, net.trunk.parameters()))
+
+
+def test_one_batch_per_step_passes_through_what_the_rule_does_not_cover() -> None:
+    """Per call kind: a draw with a graph after the step's first returns that first object; a draw
+    without a graph, a same_batch call, any draw in parameters mode and the first draw after end_step
+    reach ``draw``."""
+    calls: list[bool] = []
+    features_mode = [True]
+
+    def draw(same_batch: bool) -> object:
+        calls.append(same_batch)
+        return object()
+
+    closure = OneBatchPerStep(draw, lambda: features_mode[0])
+    first = closure()
+    assert closure() is first and closure(same_batch=False) is first and calls == [False]
+    assert closure(same_batch=True) is not first and calls == [False, True]
+    with torch.no_grad():
+        assert closure() is not first and calls == [False, True, False]
+    closure.end_step()
+    second = closure()
+    assert second is not first and closure() is second and len(calls) == 4
+    closure.end_step()
+    features_mode[0] = False  # parameters mode: nothing is kept, every draw is fresh
+    assert closure() is not closure() and len(calls) == 6
 
 
 def _bad_inputs() -> dict[str, Callable[[Net], tuple[Tensor, Any]]]:

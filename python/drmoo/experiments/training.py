@@ -42,6 +42,7 @@ from drmoo import distributed
 from drmoo.cuda_graph import GraphedStep, check_graphable
 from drmoo.models.multitask import MultiTaskModel
 from drmoo.optim import MultiObjectiveOptimizer, NonFiniteStepError, create
+from drmoo.optim._features import OneBatchPerStep
 from drmoo.store import (
     LOCK_FILE,
     TEMP_SUFFIX,
@@ -473,7 +474,9 @@ class _BatchLosses:
     :mod:`drmoo.optim._features`), so the second and later draws *with a graph* of one step (MoDo's
     and SDMGrad's three batches, Double-Loop's Y, Y_bar and Y_tilde) return the step's first one: these
     methods run their single-batch form.  Draws without a graph (Double-Clip's and Double-Loop's
-    dual-variable steps) stay fresh batches, as in parameters mode.  :meth:`end_step` closes a step.
+    dual-variable steps) stay fresh batches, as in parameters mode.  The rule is
+    :class:`~drmoo.optim._features.OneBatchPerStep`'s, which ``--cuda-graph``'s closure applies too;
+    :meth:`end_step` closes a step.
     """
 
     def __init__(self, run: _Run, sample_weight: Callable[[Tensor], Tensor] | None) -> None:
@@ -481,21 +484,20 @@ class _BatchLosses:
         self.rows: Tensor | None = None
         self.logits: list[Tensor] = []
         self.labels: Tensor | None = None
-        self.step_graph_draw: tuple[Tensor, ...] | None = None  # features mode: this step's draw with a graph
+        self.draws = OneBatchPerStep(self._draw, lambda: self.features_mode)
 
     def end_step(self) -> None:
         """Forget the step's draw with a graph: the next call draws a fresh batch, and the graph is freed."""
-        self.step_graph_draw = None
+        self.draws.end_step()
 
     def __call__(self, same_batch: bool = False) -> Tensor | tuple[Tensor, ...]:
-        if not same_batch and self.step_graph_draw is not None and torch.is_grad_enabled():
-            return self.step_graph_draw  # features mode: one batch per step (see the class docstring)
+        result: Tensor | tuple[Tensor, ...] = self.draws(same_batch)
+        return result
+
+    def _draw(self, same_batch: bool) -> Tensor | tuple[Tensor, ...]:
         if not same_batch:
             self.rows = distributed.shard(self.run.stream())  # this rank's share
-        drawn = self.losses_of(*self.batch(self.rows))
-        if isinstance(drawn, tuple) and self.features_mode and torch.is_grad_enabled() and not same_batch:
-            self.step_graph_draw = drawn
-        return drawn
+        return self.losses_of(*self.batch(self.rows))
 
     @property
     def features_mode(self) -> bool:

@@ -44,7 +44,7 @@ dual statistics and the one n-sized direction (as DDP's own gradient all-reduce)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -113,6 +113,42 @@ def with_features(losses: Any, features: FeaturesInput | None, features_mode: bo
     pieces = as_pieces(features)
     z = pieces[0] if isinstance(features, Tensor) else pieces
     return (losses[0], z, losses[1]) if isinstance(losses, tuple) else (losses, z)
+
+
+class OneBatchPerStep:
+    """A training closure with features mode's batch rule: a step's later draws with a graph return its first.
+
+    A features Jacobian's columns are one batch's samples (see "Batches" above), so the multi-batch
+    methods (MoDo's and SDMGrad's three batches, Double-Loop's Y, Y_bar and Y_tilde) run their
+    single-batch form under a closure that draws fresh batches: every call that builds a graph
+    (``torch.is_grad_enabled()``, ``same_batch=False``) after the step's first returns that first
+    draw.  Calls without a graph (Double-Clip's and Double-Loop's dual-variable steps) and
+    ``same_batch=True`` calls (FAMO's re-evaluation) pass through to ``draw`` unchanged, and in
+    parameters mode (``features_mode()`` false) every call does.  ``drmoo train``'s closure and
+    :class:`~drmoo.cuda_graph.GraphedStep`'s both apply the rule through this class, so it is
+    written once.
+
+    Args:
+        draw: ``draw(same_batch)``: the closure's value for a fresh batch (False) or the last one (True).
+        features_mode: whether the optimizer takes the Jacobian w.r.t. z; asked at each draw.
+    """
+
+    def __init__(self, draw: Callable[[bool], Any], features_mode: Callable[[], bool]) -> None:
+        self.draw, self.features_mode = draw, features_mode
+        self.first_with_graph: Any = None  # this step's first draw with a graph (features mode)
+
+    def __call__(self, same_batch: bool = False) -> Any:
+        with_graph = not same_batch and torch.is_grad_enabled()
+        if with_graph and self.first_with_graph is not None:
+            return self.first_with_graph
+        drawn = self.draw(same_batch)
+        if with_graph and self.features_mode():
+            self.first_with_graph = drawn
+        return drawn
+
+    def end_step(self) -> None:
+        """Close the step: the next draw with a graph is fresh, and the kept one (and its graph) is freed."""
+        self.first_with_graph = None
 
 
 class FeaturesJacobian:
