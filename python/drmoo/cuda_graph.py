@@ -136,7 +136,7 @@ class GraphedStep:
         return objective
 
     # ------------------------------------------------------------------ internals
-    def _closure(self, source: Callable[[], Batch], counter: list[int]) -> OneBatchPerStep:
+    def _closure(self, source: Callable[[], Batch], counter: list[int]) -> OneBatchPerStep[Any]:
         """The step's closure over ``source``'s batches (``counter`` counts the fresh ones); made per step."""
         last: list[Batch] = []
 

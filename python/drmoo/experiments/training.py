@@ -491,8 +491,7 @@ class _BatchLosses:
         self.draws.end_step()
 
     def __call__(self, same_batch: bool = False) -> Tensor | tuple[Tensor, ...]:
-        result: Tensor | tuple[Tensor, ...] = self.draws(same_batch)
-        return result
+        return self.draws(same_batch)
 
     def _draw(self, same_batch: bool) -> Tensor | tuple[Tensor, ...]:
         if not same_batch:

@@ -45,7 +45,7 @@ dual statistics and the one n-sized direction (as DDP's own gradient all-reduce)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -115,7 +115,10 @@ def with_features(losses: Any, features: FeaturesInput | None, features_mode: bo
     return (losses[0], z, losses[1]) if isinstance(losses, tuple) else (losses, z)
 
 
-class OneBatchPerStep:
+Drawn = TypeVar("Drawn")  # what a closure returns: losses, or (losses, z[, sample_weight])
+
+
+class OneBatchPerStep(Generic[Drawn]):
     """A training closure with features mode's batch rule: a step's later draws with a graph return its first.
 
     A features Jacobian's columns are one batch's samples (see "Batches" above), so the multi-batch
@@ -133,11 +136,11 @@ class OneBatchPerStep:
         features_mode: whether the optimizer takes the Jacobian w.r.t. z; asked at each draw.
     """
 
-    def __init__(self, draw: Callable[[bool], Any], features_mode: Callable[[], bool]) -> None:
+    def __init__(self, draw: Callable[[bool], Drawn], features_mode: Callable[[], bool]) -> None:
         self.draw, self.features_mode = draw, features_mode
-        self.first_with_graph: Any = None  # this step's first draw with a graph (features mode)
+        self.first_with_graph: Drawn | None = None  # this step's first draw with a graph (features mode)
 
-    def __call__(self, same_batch: bool = False) -> Any:
+    def __call__(self, same_batch: bool = False) -> Drawn:
         with_graph = not same_batch and torch.is_grad_enabled()
         if with_graph and self.first_with_graph is not None:
             return self.first_with_graph
