@@ -37,8 +37,8 @@ def _load(path: Path) -> dict[str, Any]:
             try:
                 import tomli as tomllib  # type: ignore[import-not-found]  # Python 3.10 only
             except ModuleNotFoundError:
-                raise UsageError(f"--config {path}: reading TOML needs Python >= 3.11 or the tomli package "
-                                 "(pip install tomli); or give the settings as JSON") from None
+                raise UsageError(f"--config {path}: reading TOML on Python 3.10 needs the tomli package, which "
+                                 "pip install 'drmoo[experiments]' brings; or give the settings as JSON") from None
         try:
             values = tomllib.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
