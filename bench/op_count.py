@@ -28,16 +28,19 @@ Usage::
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SYNC_OPS", "OpCounter", "Sync"]
+__all__ = ["SYNC_OPS", "OpCounter", "PackageDirs", "Sync", "package_dirs"]
 
 # aten ops that make the host wait for the device (by packet name: every overload).
 SYNC_OPS = frozenset({
@@ -55,26 +58,61 @@ class Sync:
     where: str
 
 
-def _short(path: str) -> str:
-    marker = "/drmoo/"
-    if marker in path:
-        return "drmoo/" + path.rsplit(marker, 1)[1]
+@dataclass(frozen=True)
+class PackageDirs:
+    """Where the code that a sync's origin is sorted by lives: each a real directory, '/'-separated, ending in '/'.
+
+    Decided by the imported packages' own locations, never by a folder name: a checkout (and its venv)
+    in a folder named ``drmoo`` puts torch under ``.../drmoo/.venv/...``, which is not drmoo's code.
+    """
+
+    drmoo: str
+    kernels: str
+    torch: str
+
+
+def _directory_of(module: ModuleType) -> str:
+    file = module.__file__
+    assert file is not None, f"{module.__name__} has no file"
+    return os.path.dirname(os.path.realpath(file)).replace("\\", "/").rstrip("/") + "/"
+
+
+@functools.cache
+def package_dirs() -> PackageDirs:
+    """The directories of the imported ``drmoo``, ``drmoo_kernels`` and ``torch`` packages."""
+    return PackageDirs(*(_directory_of(importlib.import_module(name)) for name in ("drmoo", "drmoo_kernels", "torch")))
+
+
+@functools.cache
+def _real(path: str) -> str:
+    """A code object's file as a real '/'-separated path (``<string>``, ``<frozen ...>``: as they are)."""
+    return path if path.startswith("<") else os.path.realpath(path).replace("\\", "/")
+
+
+def _short(path: str, dirs: PackageDirs) -> str:
+    """``drmoo/<path in the package>`` for drmoo's code, else the file's last two path components."""
+    real = _real(path)
+    if real.startswith(dirs.drmoo):
+        return "drmoo/" + real[len(dirs.drmoo):]
     parts = path.replace("\\", "/").split("/")
     return "/".join(parts[-2:])
 
 
-def _origin(frame: FrameType | None) -> str:
+def _origin(frame: FrameType | None, dirs: PackageDirs | None = None) -> str:
     """'drmoo/x.py:LINE function <- drmoo/y.py:LINE caller', or the first frame outside torch."""
+    dirs = dirs or package_dirs()
     drmoo_frames: list[str] = []
     fallback = "?"
     while frame is not None:
-        path = frame.f_code.co_filename.replace("\\", "/")
-        here = f"{_short(path)}:{frame.f_lineno} {frame.f_code.co_name}"
-        if "/drmoo/" in path and "/drmoo_kernels/" not in path and not path.endswith("op_count.py"):
+        path = frame.f_code.co_filename
+        real = _real(path)
+        here = f"{_short(path, dirs)}:{frame.f_lineno} {frame.f_code.co_name}"
+        if real.startswith(dirs.drmoo):
             drmoo_frames.append(here)
             if len(drmoo_frames) == 2:
                 break
-        elif fallback == "?" and "/torch/" not in path and not path.endswith("op_count.py"):
+        elif (fallback == "?" and not real.startswith((dirs.torch, dirs.kernels))
+              and os.path.basename(real) != "op_count.py"):
             fallback = here
         frame = frame.f_back
     return " <- ".join(drmoo_frames) if drmoo_frames else fallback

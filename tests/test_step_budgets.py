@@ -107,6 +107,27 @@ def test_the_counter_sees_every_kind_of_host_read() -> None:
     assert torch.Tensor.tolist is not None and t.tolist() == [1.0, 0.0, 3.0]  # the wrappers are gone
 
 
+def _read_from(filename: str) -> object:
+    """A function that reads a tensor on the host, whose code claims to live in ``filename``."""
+    namespace: dict[str, object] = {}
+    exec(compile("def read(t):\n    return bool(t.all())\n", filename, "exec"), namespace)
+    return namespace["read"]
+
+
+def test_a_sync_is_drmoos_by_the_packages_location_not_by_a_folder_named_drmoo() -> None:
+    """A clone in a folder named ``drmoo`` puts its venv's torch under ``.../drmoo/.venv/``: not drmoo's code."""
+    t = torch.ones(2)
+    dirs = op_count.package_dirs()
+    in_a_clone_named_drmoo = "/x/drmoo/.venv/lib/python3.11/site-packages/torch/_dynamo/eval_frame.py"
+    with op_count.OpCounter() as counter:
+        _read_from(in_a_clone_named_drmoo)(t)  # type: ignore[operator]
+    assert not counter.syncs[0].where.startswith("drmoo/"), counter.syncs
+    assert counter.syncs[0].where.startswith("_dynamo/eval_frame.py:2 read"), counter.syncs
+    with op_count.OpCounter() as counter:  # a frame in the imported drmoo package's directory is drmoo's
+        _read_from(dirs.drmoo + "optim/_guards.py")(t)  # type: ignore[operator]
+    assert counter.syncs[0].where.startswith("drmoo/optim/_guards.py:2 read"), counter.syncs
+
+
 def test_plain_training_issues_no_sync_and_its_ops_are_the_floor() -> None:
     record = launches.count(launches.Variant("plain"), "small", "separate", NUM_TASKS)
     assert record["syncs"] == 0
