@@ -12,10 +12,15 @@ drmoo's docstrings are Google-style with Sphinx roles (``:func:`name```, ``:math
 * A directive line is dropped, leaving its indented block as a Markdown code block.
 
 Only what the site shows changes; the docstrings stay as they are.
+
+The extension also refuses to build without a signature formatter: mkdocstrings wraps the signatures
+(``separate_signature``, ``line_length`` in mkdocs.yml) with Black or Ruff, and without either it writes
+each one on a single unbroken line and says so only at the ``info`` level, which ``--strict`` ignores.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import Any
 
@@ -47,7 +52,24 @@ def _convert(obj: griffe.Object) -> None:
         obj.docstring.value = rst_to_markdown(obj.docstring.value)
 
 
+def require_signature_formatter() -> None:
+    """Raise unless mkdocstrings can format the API page's signatures (Black, or Ruff's binary)."""
+    if importlib.util.find_spec("black") is not None:
+        return
+    try:
+        from ruff.__main__ import find_ruff_bin
+
+        find_ruff_bin()
+    except (ImportError, FileNotFoundError):
+        raise RuntimeError("the API page's signatures are wrapped by ruff (or black), and neither is installed "
+                           "here: pip install ruff (requirements-dev.txt pins it), then build again") from None
+
+
 class RestructuredTextToMarkdown(griffe.Extension):
+    def __init__(self) -> None:
+        require_signature_formatter()  # loaded once per build, before any page is rendered
+        super().__init__()
+
     def on_object(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         _convert(obj)
 

@@ -205,3 +205,13 @@ def test_signatures_are_wrapped_code_blocks_not_heading_lines(api_page: str) -> 
     assert len(signatures) >= 25
     lines = [line for block in signatures for line in html.unescape(re.sub(r"<[^>]+>", "", block)).splitlines()]
     assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+
+
+def test_the_docs_build_refuses_to_run_without_a_signature_formatter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without Black or Ruff mkdocstrings wrote every signature on one unbroken line and said so only at the
+    info level (the strict build passed): the extension now stops the build with the install line."""
+    GRIFFE_RST.RestructuredTextToMarkdown()  # ruff is installed here: no complaint
+    for name in ("black", "ruff", "ruff.__main__"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    with pytest.raises(RuntimeError, match=r"neither is installed here: pip install ruff"):
+        GRIFFE_RST.RestructuredTextToMarkdown()
