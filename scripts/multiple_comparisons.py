@@ -13,6 +13,12 @@ error rate 5 %, valid under any dependence between the comparisons), and writes
 ``<folder>/multiple-comparisons.csv``: one row per interval with its p, its Holm-adjusted p, whether the
 interval excludes 0 and whether it survives the correction, and ``<folder>/multiple-comparisons-summary.csv``:
 the family's size and those two counts.  No training, no network.
+
+A family may list one hypothesis more than once: the same contrast in two of its CSVs, or two columns
+that are always equal.  Each row's ``hypothesis`` names the first row that states it, and the summary
+also counts the distinct hypotheses (``distinct``, ``distinct_exclude_0``, ``distinct_survive_holm``).
+Holm's correction runs over the rows as listed: a hypothesis counted twice only makes it stricter, so
+it stays valid for the distinct family.
 """
 
 from __future__ import annotations
@@ -32,8 +38,17 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "multimnist3-small": ("paired.csv",),
     "mnist-attributes-small": ("weighted/paired.csv", "unweighted/paired.csv", "contrasts.csv"),
 }
+# Where a family states one hypothesis twice.  NAMESPACES: the prefix under which a folder's cross-folder
+# CSV names the rows of one of its paired CSVs (mnist-attributes' contrasts.csv calls unweighted/paired.csv's
+# "mgda" "unweighted:mgda").  SAME_COLUMNS: a column that always equals another (mnist-attributes' label-
+# balanced sets hold as many positives as negatives, so their accuracy is their balanced accuracy).
+NAMESPACES: dict[str, dict[str, str]] = {"mnist-attributes-small": {"unweighted/paired.csv": "unweighted:"}}
+SAME_COLUMNS: dict[str, dict[str, str]] = {
+    "mnist-attributes-small": {"balanced:mean_accuracy": "balanced:mean_balanced_accuracy"}}
 FIELDS = ("source", "reference", "other", "column", "mean", "ci_low", "ci_high", "seeds", "p", "p_holm",
-          "excludes_0", "survives_holm")
+          "excludes_0", "survives_holm", "hypothesis")
+SUMMARY = ("family", "intervals", "exclude_0", "survive_holm", "distinct", "distinct_exclude_0",
+           "distinct_survive_holm")
 
 
 def family_rows(folder: Path) -> list[dict[str, Any]]:
@@ -54,7 +69,27 @@ def family_rows(folder: Path) -> list[dict[str, Any]]:
         row["p"], row["p_holm"] = p, p_holm
         row["excludes_0"] = not math.isnan(low) and (low > 0 or high < 0)
         row["survives_holm"] = not math.isnan(p_holm) and p_holm <= ALPHA
+    first: dict[tuple[str, str, str], int] = {}
+    for index, row in enumerate(rows):
+        row["hypothesis"] = first.setdefault(hypothesis(folder.name, row), index)
     return rows
+
+
+def hypothesis(folder: str, row: dict[str, Any]) -> tuple[str, str, str]:
+    """What one row asks, whichever CSV of the family lists it: (reference, other, column), the rows named
+    as the folder's cross-folder CSV names them and the column as the one it always equals."""
+    prefix = NAMESPACES.get(folder, {}).get(row["source"], "")
+    column = SAME_COLUMNS.get(folder, {}).get(row["column"], row["column"])
+    return prefix + row["reference"], prefix + row["other"], column
+
+
+def summary(rows: list[dict[str, Any]]) -> tuple[int, int, int, int, int, int]:
+    """Intervals in the family, those excluding 0 and those surviving Holm; then the same for the distinct
+    hypotheses (a hypothesis listed twice counts once)."""
+    members = [row for row in rows if not math.isnan(row["p"])]
+    distinct = [row for index, row in enumerate(rows) if row["hypothesis"] == index and not math.isnan(row["p"])]
+    return (len(members), sum(row["excludes_0"] for row in members), sum(row["survives_holm"] for row in members),
+            len(distinct), sum(row["excludes_0"] for row in distinct), sum(row["survives_holm"] for row in distinct))
 
 
 def main(argv: list[str]) -> int:
@@ -68,15 +103,12 @@ def main(argv: list[str]) -> int:
             writer = csv.DictWriter(handle, fieldnames=FIELDS, lineterminator="\n")
             writer.writeheader()
             writer.writerows({field: row[field] for field in FIELDS} for row in rows)
-        members = sum(not math.isnan(row["p"]) for row in rows)
-        excluding = sum(row["excludes_0"] for row in rows)
-        surviving = sum(row["survives_holm"] for row in rows)
+        counts = summary(rows)
         with (folder / "multiple-comparisons-summary.csv").open("w", newline="") as handle:
-            writer = csv.writer(handle, lineterminator="\n")
-            writer.writerows([("family", "intervals", "exclude_0", "survive_holm"),
-                              ("+".join(FAMILIES[folder.name]), members, excluding, surviving)])
-        print(f"{folder}: {members} intervals in the family, {excluding} exclude 0 one at a time, "
-              f"{surviving} survive Holm at family-wise {ALPHA:.0%} -> {folder / 'multiple-comparisons.csv'}")
+            csv.writer(handle, lineterminator="\n").writerows([SUMMARY, ("+".join(FAMILIES[folder.name]), *counts)])
+        print(f"{folder}: {counts[0]} intervals in the family ({counts[3]} distinct hypotheses), {counts[1]} "
+              f"({counts[4]}) exclude 0 one at a time, {counts[2]} ({counts[5]}) survive Holm at family-wise "
+              f"{ALPHA:.0%} -> {folder / 'multiple-comparisons.csv'}")
     return 0
 
 

@@ -64,6 +64,29 @@ def test_script_writes_the_family_and_refuses_unknown_folders(tmp_path: Path, lo
         module.family_rows(tmp_path)
 
 
+def test_a_hypothesis_listed_twice_counts_once(tmp_path: Path, load_script: Any) -> None:
+    module = load_script("multiple_comparisons")
+    folder = tmp_path / "mnist-attributes-small"
+    fields = ["reference", "other", "column", "mean", "ci_low", "ci_high", "wins", "ties", "seeds"]
+    tables = {
+        # The label-balanced set's accuracy is its balanced accuracy: one hypothesis in two columns.
+        "weighted/paired.csv": [["dc", "x", "balanced:mean_accuracy", "5.0", "4.0", "6.0", "5", "0", "5"],
+                                ["dc", "x", "balanced:mean_balanced_accuracy", "5.0", "4.0", "6.0", "5", "0", "5"]],
+        "unweighted/paired.csv": [["dc", "x", "prevalence:mean_auc", "1.0", "0.5", "1.5", "5", "0", "5"]],
+        # contrasts.csv names unweighted/paired.csv's rows "unweighted:...": its first row repeats the one
+        # above; its second, the same names without the prefix, is another hypothesis (the weighted rows).
+        "contrasts.csv": [["unweighted:dc", "unweighted:x", "prevalence:mean_auc", "1.0", "0.5", "1.5", "5", "0", "5"],
+                          ["dc", "x", "prevalence:mean_auc", "0.2", "-1.0", "1.4", "3", "0", "5"]],
+    }
+    for name, rows in tables.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        with (folder / name).open("w", newline="") as handle:
+            csv.writer(handle).writerows([fields, *rows])
+    rows = module.family_rows(folder)
+    assert [row["hypothesis"] for row in rows] == [0, 0, 2, 2, 4]
+    assert module.summary(rows) == (5, 4, 4, 3, 2, 2)
+
+
 @pytest.mark.parametrize("folder", ["multimnist2-small", "multimnist3-small", "mnist-attributes-small"])
 def test_committed_tables_are_current(folder: str, load_script: Any) -> None:
     module = load_script("multiple_comparisons")
