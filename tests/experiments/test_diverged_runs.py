@@ -37,6 +37,25 @@ def test_train_saves_the_state_it_reached_and_marks_the_run(tmp_path: Path, cach
     assert not (run / "done").exists()
 
 
+def test_report_names_a_run_that_diverged_before_its_first_epoch(tmp_path: Path) -> None:
+    """No metrics.csv yet (the first epoch never ended): ``drmoo report`` listed it as "no recognised results".
+
+    The run directory is what ``train`` leaves there (the test above trains one): its config and marker."""
+    from drmoo.experiments import results_report
+    from drmoo.experiments.run_config import RunConfig
+
+    assert results_report.DIVERGED == DIVERGED
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(RunConfig(experiment="multimnist2", method="mgda", preset="quick").to_json())
+    (run / DIVERGED).write_text(json.dumps({"step": 2, "saved_step": 1, "reason": "step 2 met a non-finite loss"}))
+    assert main(["report", "--runs", str(run), "--out", str(tmp_path / "report.md")]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "no recognised results" not in report
+    assert "Training run: multimnist2, mgda, seed 0, diverged at step 2" in report
+    assert "at step 2 (its state after step 1 is saved): " in report and "non-finite" in report
+
+
 def test_compare_reports_a_diverged_run_and_goes_on(tmp_path: Path, cache_dir: str) -> None:
     out = tmp_path / "compare"
     args = ["compare", "--experiment", "multimnist2", "--methods", f"mgda,mgda[lr={DIVERGING_LR}]", "--seeds", "0",

@@ -11,6 +11,7 @@ robustness comparison ``table.md`` + ``table.csv`` (+ ``robustness.png``)       
 wall-clock            ``wallclock.md`` (+ ``wallclock.csv``, ``.png``)             ``drmoo bench-iter``
 kernel benchmarks     a ``*.md`` whose first line is ``# drmoo kernel benchmarks``  ``bench/run.py``
 training run          ``config.json`` + ``metrics.csv`` (+ ``eval.json``)          ``drmoo train``
+diverged run          ``config.json`` + ``diverged`` (the failed step)              ``drmoo train``
 ====================  ==========================================================  ================
 
 A recognised directory is not descended into (a comparison's run sub-directories are its own
@@ -73,8 +74,9 @@ MAX_DEPTH = 8  # deeper trees are not result layouts any command writes
 MAX_EMBED_BYTES = 1 << 20  # one embedded markdown file: drmoo's tables are a few KB
 MAX_REPORT_BYTES = 64 << 20  # the whole report, and the most of an existing --out file read to check it
 MAX_TABLE_ROWS = 100_000  # rows of a comparison's table.csv (methods x eps: a few hundred)
+DIVERGED = "diverged"  # the marker of a run that stopped at a non-finite step (= drmoo.experiments.training.DIVERGED)
 LOOKED_FOR = ("ablation-*.json, summary.json + summary.md, table.md + table.csv, wallclock.md, gpu-*.md + .csv, "
-              f"a '{BENCH_PREFIX}' .md, config.json + metrics.csv")
+              f"a '{BENCH_PREFIX}' .md, config.json + metrics.csv or {DIVERGED}")
 
 
 @dataclass
@@ -131,6 +133,7 @@ SCHEMAS: dict[str, Any] = {
     "environment.json": {"sessions": Required([{
         "from_step": Required(int), "drmoo": str, "torch": Required(str), "kernel_backend": str, "device": str,
         "torch_threads": int, "world_size": int, "cpu_model": str, "cpu_isa": str, "gpu": str, "cuda": str}])},
+    DIVERGED: {"step": Required(int), "saved_step": int, "reason": str},
     "ablation-*.json": {"kind": Required(str), "what": SCALAR, "experiment": SCALAR, "machine": SCALAR,
                         "backend": SCALAR, "device": SCALAR, "torch": SCALAR, "settings": MapOf(ANY_JSON),
                         "grid": (MapOf([NUMBER]), [NUMBER])},
@@ -543,11 +546,19 @@ def _csv_table(path: Path, max_rows: int = 40) -> str:
 
 
 def _training_run(directory: Path) -> list[Section]:
-    if not (_is_file(directory / "config.json") and _is_file(directory / "metrics.csv")):
+    # A run that diverged before its first epoch ended has no metrics.csv: its marker makes it a result too.
+    diverged = _is_file(directory / DIVERGED)
+    if not (_is_file(directory / "config.json") and (_is_file(directory / "metrics.csv") or diverged)):
         return []
     config = _load(directory / "config.json", "config.json")
-    tables = [_csv_table(directory / "metrics.csv")]
+    tables = [_csv_table(directory / "metrics.csv")] if _is_file(directory / "metrics.csv") else []
     provenance = _run_provenance([config], [directory])
+    marker = _load(directory / DIVERGED, DIVERGED) if diverged else None
+    if marker is not None:
+        saved = marker.get("saved_step")
+        provenance["diverged"] = _escape(
+            f"at step {marker['step']}" + (f" (its state after step {saved} is saved)" if saved is not None else "")
+            + (f": {marker['reason'][:300]}" if marker.get("reason") else ""))
     if _is_file(directory / "eval.json"):
         report = _load(directory / "eval.json", "eval.json")
         if not report["results"]:
@@ -561,10 +572,11 @@ def _training_run(directory: Path) -> list[Section]:
                                        "(stale; `drmoo eval` the run again)")
     return [Section(
         kind="training run", directory=directory,
-        title=_escape(f"Training run: {config.get('experiment')}, {config.get('method')}, seed {config.get('seed')}"),
+        title=_escape(f"Training run: {config.get('experiment')}, {config.get('method')}, seed {config.get('seed')}"
+                      + (f", diverged at step {marker['step']}" if marker is not None else "")),
         provenance=provenance, tables=[t for t in tables if t],
         images=_files(directory, "*.png"),
-        links=_existing(directory, "metrics.csv", "steps.csv", "eval.json", "config.json", ENVIRONMENT),
+        links=_existing(directory, "metrics.csv", "steps.csv", "eval.json", "config.json", ENVIRONMENT, DIVERGED),
     )]
 
 
