@@ -69,6 +69,14 @@ def _shape(node: Any, output_nr: int) -> list[int] | None:
     return list(metadata[output_nr].shape)
 
 
+def _saved_dim(node: Any) -> int | None:
+    """The ``dim`` a cat/stack node saved, as a signed int (torch reports ``dim=-1`` as 2**64 - 1)."""
+    dim = getattr(node, "_saved_dim", None)
+    if not isinstance(dim, int):
+        return None
+    return dim - 2**64 if dim >= 2**63 else dim
+
+
 def task_split(losses: Tensor, features: Sequence[Tensor]) -> TaskSplit | None:
     """The per-task structure of the graph between ``losses`` [B, m] and z (module docstring), or None."""
     if losses.dim() != 2 or losses.grad_fn is None:
@@ -76,11 +84,16 @@ def task_split(losses: Tensor, features: Sequence[Tensor]) -> TaskSplit | None:
     rows, num_tasks = losses.shape
     pieces: dict[tuple[int, int], int] = {}  # (id(node), output_nr) of each piece of z -> its index
     leaf_pieces: dict[int, int] = {}  # id(leaf piece) -> its index (a z that is a leaf: AccumulateGrad nodes)
+    # z's node wrappers are held while their ids are keys: torch 2.11 frees a wrapper as soon as it is
+    # dropped, and the walk's wrappers then never had z's ids (see graph_leaves on wrapper lifetimes).
+    z_nodes: list[Any] = []
     for index, tensor in enumerate(features):
-        if tensor.grad_fn is None:
+        node = tensor.grad_fn
+        if node is None:
             leaf_pieces[id(tensor)] = index
         else:
-            pieces[(id(tensor.grad_fn), tensor.output_nr)] = index
+            z_nodes.append(node)
+            pieces[(id(node), tensor.output_nr)] = index
 
     def piece_of(node: Any, output_nr: int) -> int | None:
         variable = getattr(node, "variable", None)
@@ -103,7 +116,7 @@ def task_split(losses: Tensor, features: Sequence[Tensor]) -> TaskSplit | None:
         above[id(node)] = node
         node = below
     name = node.name()
-    if name not in ("CatBackward0", "StackBackward0") or getattr(node, "_saved_dim", None) not in (1, -1):
+    if name not in ("CatBackward0", "StackBackward0") or _saved_dim(node) not in (1, -1):
         return None
     if len(node.next_functions) != num_tasks:
         return None

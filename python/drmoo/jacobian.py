@@ -29,6 +29,7 @@ one extra pass (``batched``).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,8 +39,8 @@ if TYPE_CHECKING:
     from torch.autograd.graph import Node
 
 __all__ = ["STRATEGIES", "accumulate_into_grad", "check_strategy", "column_views", "copy_into_row", "feed_head_grads",
-           "graph_leaves", "head_leaves", "heads_above_features", "require_reached", "resolve_strategy",
-           "task_jacobian"]
+           "gradients_arriving_at", "graph_leaves", "head_leaves", "heads_above_features", "require_reached",
+           "resolve_strategy", "task_jacobian"]
 
 STRATEGIES: tuple[str, ...] = ("auto", "loop", "batched")
 # Features mode on the CPU: the rows above z by one vmapped pass above this many tasks, else per-task passes
@@ -242,6 +243,45 @@ def feed_head_grads(losses: Tensor, heads: Sequence[Tensor], cotangent: Tensor, 
         grads = torch.autograd.grad(losses, heads, grad_outputs=cotangent.to(losses.dtype), retain_graph=retain_graph,
                                     allow_unused=True)
         accumulate_into_grad(heads, grads)
+
+
+def _send_nothing_below(grad_outputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    return tuple(None if grad is None else torch.zeros_like(grad) for grad in grad_outputs)
+
+
+@contextmanager
+def gradients_arriving_at(features: Sequence[Tensor]) -> Iterator[None]:
+    """While active, a backward pass w.r.t. the pieces of z takes each piece's gradient as it arrives there:
+    the *partial* gradient, before the piece's own tensor hooks.  The lift then applies both once.
+
+    Partials: when one piece is computed from another (z2 = f(z), features=(z, z2): heads reading two stages
+    of the trunk), autograd's gradient w.r.t. z also carries what reaches z through z2, and the lift sends
+    z2's row down through f again: that path would count twice.  Each piece's node gets a pre-hook that
+    sends zeros below it -- autograd has already taken the piece's gradient (captured before the node runs),
+    and nothing more reaches the pieces under it -- so row i is [dL^i/dz, dL^i/dz2] with the other piece
+    held fixed (the rows the one-pass head split takes), and the lift's backward through the trunk adds the
+    path through f exactly once.  A piece under which no other lies is not run at all.
+
+    Hooks: a hook registered on a piece (``z.register_hook(lambda g: -g)``, a gradient reversal) would run
+    on every row (m times, and on the head split's empty edges with None) and again in the lift.  It is set
+    aside here, so that it transforms the one gradient that goes down into the trunk, as in parameters mode.
+    """
+    nodes: dict[int, Any] = {}  # held: see graph_leaves on wrapper lifetimes
+    for piece in features:
+        if piece.grad_fn is not None:
+            nodes.setdefault(id(piece.grad_fn), piece.grad_fn)
+    handles = [node.register_prehook(_send_nothing_below) for node in nodes.values()]
+    # A tensor's hooks live in its _backward_hooks dict, which its node reads when it runs: emptied here.
+    set_aside = [(hooks, dict(hooks)) for piece in features if (hooks := piece._backward_hooks)]
+    for hooks, _ in set_aside:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for hooks, saved in set_aside:
+            hooks.update(saved)
 
 
 def heads_above_features(losses: Tensor, features: Sequence[Tensor], shared: Sequence[Tensor]) -> list[Tensor]:

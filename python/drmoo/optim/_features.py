@@ -55,6 +55,7 @@ from drmoo._head_split import TaskSplit, split_task_jacobian, task_split
 from drmoo.jacobian import (
     accumulate_into_grad,
     copy_into_row,
+    gradients_arriving_at,
     heads_above_features,
     require_reached,
     resolve_strategy,
@@ -256,15 +257,18 @@ class FeaturesJacobian:
         out = self._buffer(slot, host.num_tasks, shared[0].dtype, shared[0].device)
         strategy = host.jacobian_strategy
         split = self.task_split(losses) if strategy == "auto" else None
-        if split is not None:  # separate heads: every row from one ordinary pass (drmoo._head_split)
-            head_grads = split_task_jacobian(losses, scaled, self.features, out, split, heads=heads,
-                                             retain_graph=True)
-            accumulate_into_grad(heads, head_grads)
-            jacobian = out
-        else:
-            strategy = resolve_strategy(strategy, out.device, host.num_tasks, features=True)
-            jacobian = task_jacobian(losses, scaled, self.features, out, strategy=strategy,
-                                     feed_heads=bool(heads), retain_graph=True, heads=heads)
+        # Every strategy takes the rows as they arrive at z (partials, before z's own hooks): the lift adds
+        # the paths between pieces and applies z's hooks, once.
+        with gradients_arriving_at(self.features):
+            if split is not None:  # separate heads: every row from one ordinary pass (drmoo._head_split)
+                head_grads = split_task_jacobian(losses, scaled, self.features, out, split, heads=heads,
+                                                 retain_graph=True)
+                accumulate_into_grad(heads, head_grads)
+                jacobian = out
+            else:
+                strategy = resolve_strategy(strategy, out.device, host.num_tasks, features=True)
+                jacobian = task_jacobian(losses, scaled, self.features, out, strategy=strategy,
+                                         feed_heads=bool(heads), retain_graph=True, heads=heads)
         if scale != 1.0:
             jacobian.div_(scale)
         return jacobian
@@ -275,8 +279,9 @@ class FeaturesJacobian:
         assert self.features is not None
         shared = host._shared_params()
         flat = self._buffer(slot, 1, shared[0].dtype, shared[0].device)[0]
-        grads = torch.autograd.grad(losses, self.features, grad_outputs=weighted, retain_graph=retain_graph,
-                                    allow_unused=True)
+        with gradients_arriving_at(self.features):  # as in task_jacobian: the lift adds what lies below z
+            grads = torch.autograd.grad(losses, self.features, grad_outputs=weighted, retain_graph=retain_graph,
+                                        allow_unused=True)
         copy_into_row(self.features, flat, grads)
         return flat
 
