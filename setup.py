@@ -55,6 +55,15 @@ from setuptools import find_packages, setup
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 CUDA_EXTENSION = "drmoo_kernels._C_cuda"  # the stable-ABI CUDA kernels (README, "Supported versions")
 HOW_TO_BUILD = "with torch and a C++ compiler installed: pip install --no-build-isolation ."
+# A build without the compiled kernels gets this PEP 440 local version label (``0.2.0+nokernels``):
+# `pip list` then tells the two builds apart, and installing the wheel with the kernels (``0.2.0``)
+# over such an install replaces it.  With one version string for both, pip keeps the kernel-less
+# install ("already installed with the same version as the provided wheel") and drmoo stays on its
+# reference backend.  An sdist keeps the plain version: pip requires a package built from an sdist to
+# carry the version in the sdist's file name.
+NO_KERNELS_LABEL = "nokernels"
+HERE = os.path.dirname(os.path.abspath(__file__))
+VERSION_FILE = os.path.join(HERE, "python", "drmoo", "_version.py")
 
 
 class KernelBuildError(RuntimeError):
@@ -234,6 +243,24 @@ def _locate_cuda_home() -> None:
 # (egg_info / dist_info for the metadata, then bdist_wheel or editable_wheel); the build decision is
 # the same each time, and only the build says it, so that `pip install -v` shows it once.
 BUILD_COMMANDS = frozenset({"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"})
+
+
+def read_version(path: str = VERSION_FILE) -> str:
+    """``__version__`` of python/drmoo/_version.py, read as text (the build may have no torch to import drmoo with)."""
+    with open(path, encoding="utf-8") as handle:
+        match = re.search(r'^__version__ = "([^"]+)"$', handle.read(), re.M)
+    if match is None:
+        raise KernelBuildError(f"{path} holds no line __version__ = \"X.Y.Z\"")
+    return match.group(1)
+
+
+def distribution_version(version: str, with_kernels: bool, argv: list[str], from_sdist: bool) -> str:
+    """The version pip records: ``version`` itself, or ``version+nokernels`` for a kernel-less build from a
+    source tree (not for the sdist itself, nor for a build from an unpacked sdist, whose version pip checks
+    against the sdist's file name)."""
+    if with_kernels or "sdist" in argv or from_sdist:
+        return version
+    return f"{version}+{NO_KERNELS_LABEL}"
 
 
 def _say(line: str) -> None:
@@ -418,6 +445,9 @@ if __name__ == "__main__":
     except KernelBuildError as error:
         sys.exit(f"drmoo: error: {error}")
     setup(
+        # pyproject.toml declares the version dynamic: it is _version.py's, labelled for a kernel-less build.
+        version=distribution_version(read_version(), bool(ext_modules), sys.argv[1:],
+                                     os.path.isfile(os.path.join(HERE, "PKG-INFO"))),
         # python/drmoo and python/drmoo_kernels, a link to the top-level drmoo_kernels/ (pyproject.toml,
         # [tool.setuptools]): find_packages walks with os.walk(followlinks=True), and build_py copies the
         # files it reaches through the link, so wheels and sdists hold real files.

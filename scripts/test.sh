@@ -5,6 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 venv="${DRMOO_VENV:-.venv}"
+# What a release tag would publish (.github/workflows/release.yml): the wheel and sdist setup_env.sh just
+# built into dist/, checked by twine and auditwheel (not rebuilt; seconds).
+echo "[test] release check: scripts/release_check.sh on dist/"
+bash scripts/release_check.sh
 echo "[test] ruff"
 "$venv/bin/ruff" check .
 # The documentation site (mkdocs.yml, docs/): --strict turns every warning (a broken link, an

@@ -115,7 +115,24 @@ def test_the_metadata_steps_stay_quiet_and_read_the_one_version() -> None:
     done = _run_setup(["--version"], {"DRMOO_BUILD_KERNELS": "", "CXX": "/nonexistent/c++"})
     assert done.returncode == 0, done.stderr
     assert _drmoo_lines(done.stderr) == []
-    assert done.stdout.strip().splitlines()[-1] == _version()
+    assert done.stdout.strip().splitlines()[-1] == f"{_version()}+nokernels"  # no compiler: a kernel-less build
+
+
+def test_a_kernel_less_build_is_labelled_so_the_kernel_wheel_replaces_it() -> None:
+    """pip keeps an installed drmoo whose version equals the wheel's ("already installed with the same
+    version as the provided wheel"): the kernel-less build carries +nokernels, so the kernel wheel is a
+    different version and replaces it.  The sdist, and a build from one, keep the plain version (pip
+    checks it against the sdist's file name)."""
+    version = _version()
+    assert SETUP.read_version() == version
+    assert SETUP.distribution_version(version, True, ["bdist_wheel"], False) == version
+    assert SETUP.distribution_version(version, False, ["bdist_wheel"], False) == f"{version}+nokernels"
+    assert SETUP.distribution_version(version, False, ["dist_info", "-o", "x"], False) == f"{version}+nokernels"
+    assert SETUP.distribution_version(version, False, ["sdist"], False) == version
+    assert SETUP.distribution_version(version, False, ["bdist_wheel"], True) == version
+    from packaging.version import Version
+
+    assert Version(f"{version}+nokernels") != Version(version)  # what pip compares before it reinstalls
 
 
 def test_required_kernels_without_a_compiler_fail_the_install_in_one_line() -> None:
@@ -352,7 +369,9 @@ def test_one_version_source() -> None:
     import drmoo
 
     assert _pyproject()["project"]["dynamic"] == ["version"]
-    assert _pyproject()["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "drmoo._version.__version__"}
+    assert "version" not in _pyproject()["project"]  # setup.py passes _version.py's (labelled when kernel-less)
+    assert "dynamic" not in _pyproject()["tool"]["setuptools"]
+    assert SETUP.read_version() == _version()
     assert drmoo.__version__ == _version()
     # (rglob does not descend into python/drmoo_kernels, a link: the top-level folder is named itself)
     for path in [*(REPO / "python").rglob("*.py"), *(REPO / "drmoo_kernels").rglob("*.py"), REPO / "setup.py"]:
@@ -392,7 +411,7 @@ def test_the_wheel_carries_license_type_markers_and_metadata(tmp_path: Path) -> 
     )
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("drmoo-*.whl")
-    assert wheel.name.startswith(f"drmoo-{_version()}-")
+    assert wheel.name == f"drmoo-{_version()}+nokernels-py3-none-any.whl"  # kernels off: labelled
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
