@@ -754,6 +754,11 @@ def clean_stale_temporaries(directory: str | Path) -> list[str]:
         os.close(descriptor)
 
 
+# How often run_lock opens the lock file again when its holder removed it between the open and the flock:
+# each retry needs another trainer to have taken and released the lock in that instant.
+_LOCK_ATTEMPTS = 100
+
+
 @contextmanager
 def run_lock(run_dir: str | Path) -> Iterator[None]:
     """Hold ``run_dir/train.lock`` (an exclusive ``flock``) or refuse at once: one trainer per directory.
@@ -761,20 +766,65 @@ def run_lock(run_dir: str | Path) -> Iterator[None]:
     The lock file must be a regular file with a single link (opened ``O_NOFOLLOW``): a planted
     symlink or hard link to another file is refused before anything is written to it.  The lock goes
     with the process (closing the descriptor, or dying, releases it), so a crashed run never leaves
-    the directory locked; the file itself stays (removing it would let two processes lock two files
-    of the same name).  Once locked, stale temporary files of crashed writers are removed.
+    the directory locked.  Once locked, stale temporary files of crashed writers are removed.
+
+    The holder removes the file when it leaves (a finished or stopped run keeps no ``train.lock``),
+    still holding the lock as it unlinks.  A starter that opened the file just before may then lock
+    the removed file: it checks, once locked, that the name still leads to the file it locked, and
+    otherwise opens the name again; so two trainers never hold two files of the same name.  Only the
+    holder removes the file, and only the file it locked.  A crashed holder leaves the file (unlocked).
     """
     run_dir = Path(run_dir)
-    path = run_dir / LOCK_FILE
     try:
         directory = _open_directory(run_dir)
     except OSError as error:
         raise UsageError(f"cannot write in the run directory {run_dir}: {_cause(error)}") from None
     try:
+        for _attempt in range(_LOCK_ATTEMPTS):
+            descriptor = _locked_file(run_dir, directory)
+            if descriptor is not None:
+                break
+        else:
+            raise RunLockedError(f"{run_dir / LOCK_FILE} was removed and created again {_LOCK_ATTEMPTS} times "
+                                 "while this trainer tried to lock it: other drmoo processes are starting runs in "
+                                 f"{run_dir}; pick another --out")
+        try:
+            os.ftruncate(descriptor, 0)
+            os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
+            _clean_stale_temporaries_at(directory)
+            yield
+        finally:
+            _remove_lock_file(directory, descriptor)  # still locked: no other trainer is between these two lines
+            os.close(descriptor)
+    finally:
+        os.close(directory)
+
+
+def _same_file(first: os.stat_result, second: os.stat_result) -> bool:
+    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
+
+
+def _remove_lock_file(directory: int, descriptor: int) -> None:
+    """Unlink ``train.lock`` if the name still leads to the file ``descriptor`` holds locked (it does, unless
+    someone replaced it by hand): called by the holder, before it releases the lock."""
+    with suppress(OSError):
+        if _same_file(os.stat(LOCK_FILE, dir_fd=directory, follow_symlinks=False), os.fstat(descriptor)):
+            os.unlink(LOCK_FILE, dir_fd=directory)
+
+
+def _locked_file(run_dir: Path, directory: int) -> int | None:
+    """A descriptor of ``train.lock`` in ``directory``, exclusively locked; None when the file locked is no longer
+    the one at that name (its holder removed it after this process opened it): open it again then.
+
+    Raises:
+        UsageError: the lock file is a link or not a regular file of its own, or the directory is not writable.
+        RunLockedError: another process holds the lock.
+    """
+    path = run_dir / LOCK_FILE
+    try:
         descriptor = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644,
                              dir_fd=directory)
     except OSError as error:
-        os.close(directory)
         if error.errno == errno.ELOOP:
             raise UsageError(f"{path} is a symbolic link, not drmoo's lock file: refused (remove it if you "
                              "did not plant it)") from None
@@ -800,10 +850,14 @@ def run_lock(run_dir: str | Path) -> Iterator[None]:
                 f"{run_dir} is in use by another drmoo process (pid {holder}, holding {path}); wait for it to "
                 "finish or pick another --out"
             ) from None
-        os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
-        _clean_stale_temporaries_at(directory)
-        yield
-    finally:
+        try:
+            current = os.stat(LOCK_FILE, dir_fd=directory, follow_symlinks=False)
+        except FileNotFoundError:
+            current = None
+        if current is None or not _same_file(current, info):  # removed (and perhaps created anew) meanwhile
+            os.close(descriptor)
+            return None
+    except BaseException:
         os.close(descriptor)
-        os.close(directory)
+        raise
+    return descriptor

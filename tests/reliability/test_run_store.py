@@ -232,6 +232,67 @@ def test_sec1_a_lock_that_is_no_regular_file_of_its_own_is_refused(tmp_path: Pat
     assert victim.read_text() == "precious\n"
 
 
+def test_the_holder_removes_the_lock_file_when_it_leaves(tmp_path: Path) -> None:
+    """A finished (or failed) run kept its train.lock: the holder unlinks it, still holding the lock."""
+    with store.run_lock(tmp_path):
+        assert (tmp_path / store.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+    assert not (tmp_path / store.LOCK_FILE).exists()
+    with pytest.raises(RuntimeError, match="the run failed"):
+        with store.run_lock(tmp_path):
+            raise RuntimeError("the run failed")
+    assert sorted(os.listdir(tmp_path)) == []
+    (tmp_path / store.LOCK_FILE).write_text("123\n")  # left by a crashed holder: unlocked, taken, then removed
+    with store.run_lock(tmp_path):
+        pass
+    assert not (tmp_path / store.LOCK_FILE).exists()
+
+
+def _remove_the_file_before_the_first_flock(monkeypatch: pytest.MonkeyPatch, directory: Path,
+                                            new_holder: bool) -> list[int]:
+    """Make run_lock's first flock come right after the holder removed the file it had opened (the race of
+    a starter with a holder that leaves), with another trainer holding a new file there when ``new_holder``."""
+    real_flock, calls, holders = store.fcntl.flock, [], []
+
+    def flock(descriptor: int, operation: int) -> None:
+        calls.append(descriptor)
+        if len(calls) == 1:
+            os.unlink(directory / store.LOCK_FILE)
+            if new_holder:
+                holders.append(os.open(directory / store.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644))
+                real_flock(holders[0], store.fcntl.LOCK_EX)
+                os.write(holders[0], f"{os.getpid()}\n".encode())
+        real_flock(descriptor, operation)
+
+    monkeypatch.setattr(store.fcntl, "flock", flock)
+    return holders
+
+
+def test_a_starter_that_locked_a_removed_lock_file_opens_the_name_again(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    _remove_the_file_before_the_first_flock(monkeypatch, tmp_path, new_holder=False)
+    with store.run_lock(tmp_path):  # locked the removed file first: it must not count that as the lock
+        held = os.stat(tmp_path / store.LOCK_FILE)
+        monkeypatch.undo()
+        with pytest.raises(store.RunLockedError, match="in use by another drmoo process"):
+            with store.run_lock(tmp_path):  # the file at the name is the one locked
+                pass
+        assert os.stat(tmp_path / store.LOCK_FILE).st_ino == held.st_ino
+    assert not (tmp_path / store.LOCK_FILE).exists()
+
+
+def test_a_starter_never_holds_a_removed_file_while_another_holds_the_new_one(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    holders = _remove_the_file_before_the_first_flock(monkeypatch, tmp_path, new_holder=True)
+    try:
+        with pytest.raises(store.RunLockedError, match="in use by another drmoo process"):
+            with store.run_lock(tmp_path):
+                pass
+        assert (tmp_path / store.LOCK_FILE).exists()  # the other trainer's file: never removed by the refused one
+    finally:
+        for descriptor in holders:
+            os.close(descriptor)
+
+
 # ------------------------------------------------------------------------- CR-10: stale temporaries
 
 
