@@ -37,6 +37,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "multimnist2-small": ("paired.csv", "ablations/paired.csv", "ablations/contrasts.csv"),
     "multimnist3-small": ("paired.csv",),
     "mnist-attributes-small": ("weighted/paired.csv", "unweighted/paired.csv", "contrasts.csv"),
+    # the λ path (scripts/dr_path.py): each DR row against λ 100, and on the losses against λ 100 with a temperature
+    "dr-path": ("contrasts.csv",),
 }
 # Where a family states one hypothesis twice.  NAMESPACES: the prefix under which a folder's cross-folder
 # CSV names the rows of one of its paired CSVs (mnist-attributes' contrasts.csv calls unweighted/paired.csv's

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff]
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path]
 #   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
@@ -85,6 +85,12 @@
 #        from the preset's (sweep_rule.py tuned: e.g. mgda[lr=1.0]), their twins without the importance weights
 #        and, for Double-Clip and MGDA, their lam=100 twins at those rates, so "what wins", "does DR help" and
 #        "do the weights help" are asked at tuned rates too.
+# dr-path: what DR changes on 2 digits, metric by metric: Double-Clip at lam 0.1, 0.8 (the paper's) and 100 (DR
+#        off: the chi^2 dual then within a few percent of the mean loss), 5 paired seeds, each at the preset's
+#        rate (the lam 0.8 row's validated 1.0); every run scored by drmoo eval's robustness metrics (tail,
+#        worst case, calibration, worst digit, FGSM, label shift, pixel noise, the fitted temperature), then
+#        scripts/dr_path.py (table.csv; contrasts.csv: each lam against lam 100 and against lam 100 with its
+#        temperature) and Holm's correction over those contrasts; results in results/multimnist2-small/dr-path/.
 # Finished runs are reused, so an interrupted call continues where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -294,6 +300,16 @@ attributes|attributes-key)
         attributes mnist-attributes-unweighted "$seeds" "$unweighted" results/mnist-attributes-small/unweighted
     fi
     "$python" scripts/attribute_contrasts.py results/mnist-attributes-small ;;
+dr-path)
+    out=results/multimnist2-small/dr-path
+    "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
+        --methods "double-clip[lam=0.1],double-clip,double-clip[lam=100]" --reference "double-clip[lam=100]" \
+        --device cpu --quiet --out "$out"
+    for run in "$out"/*-seed*/; do  # a run evaluated before the robustness metrics existed is scored again
+        grep -q '"robustness"' "$run/eval.json" || "$drmoo" eval --run "$run" --eps "$eps" --quiet > /dev/null
+    done
+    "$python" scripts/dr_path.py "$out"
+    "$python" scripts/multiple_comparisons.py "$out" ;;
 sweep)
     # The grid, and one more point beyond an end where the best rate sat at that end (see SMALL_LR).
     # MoCo with the paper's ema (the small preset's own ema came later, from moco-sweep).
@@ -328,7 +344,7 @@ moco-sweep)
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff]" >&2
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path]" >&2
     exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s, $jobs jobs on $(nproc --all) cores"

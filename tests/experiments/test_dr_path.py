@@ -1,0 +1,85 @@
+"""scripts/dr_path.py: the λ path's table and its contrasts against λ 100, with and without a temperature."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+METRICS = ("accuracy", "balanced_accuracy", "worst_class_accuracy", "mean_loss", "cvar_0.1", "cvar_0.05",
+           "robust_run", "robust_chi2_0.1", "robust_chi2_0.8", "ece", "misclassified_loss")
+
+
+def _means(base: float) -> dict[str, float]:
+    return {metric: base + index / 100 for index, metric in enumerate(METRICS)}
+
+
+def _run(folder: Path, label: str, seed: int, base: float, temperature_shift: float) -> None:
+    run = folder / f"{label}-seed{seed}"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"label": label if "[" in label else "", "method": "double-clip",
+                                                 "seed": seed, "eval_split": "test"}))
+    shifted = {k: v + temperature_shift for k, v in _means(base).items()}
+    report = {
+        "run": str(run),
+        "results": [{"eps": eps, "metrics": {"mean": _means(base - eps)}} for eps in (0.0, 0.05, 0.2)],
+        "robustness": {
+            "clean": {"mean": _means(base)},
+            "temperature_scaled": {"mean": shifted},
+            "label_shift": {"points": [{"digit_factor": k, "mean": _means(base - k / 100)} for k in (0.25, 4.0)]},
+            "noise": {"points": [{"sigma": 0.3, "mean": _means(base - 0.3)}]},
+        },
+    }
+    (run / "eval.json").write_text(json.dumps(report))
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_contrasts_against_erm_and_erm_with_temperature(tmp_path: Path, load_script: Any) -> None:
+    module = load_script("dr_path")
+    dr, erm = {0: 0.50, 1: 0.40, 2: 0.45}, {0: 0.60, 1: 0.55, 2: 0.50}
+    for seed in range(3):
+        _run(tmp_path, "double-clip", seed, dr[seed], temperature_shift=0.0)
+        _run(tmp_path, "double-clip[lam=100]", seed, erm[seed], temperature_shift=-0.2)
+        # another rate: not double-clip[lam=100]'s twin, so it has no contrast
+        _run(tmp_path, "double-clip[lam=0.1,lr=3.0]", seed, 0.3, temperature_shift=0.0)
+    assert module.main(["x", str(tmp_path)]) == 0
+    rows = _rows(tmp_path / "contrasts.csv")
+    assert {r["reference"] for r in rows} == {"double-clip"}
+    against_erm = [r for r in rows if r["other"] == "double-clip[lam=100]"]
+    against_t = [r for r in rows if r["other"] == "double-clip[lam=100]+T"]
+    assert [r["column"] for r in against_erm] == list(module.AGAINST_ERM)
+    assert [r["column"] for r in against_t] == list(module.AGAINST_ERM_T)
+    differences = [dr[s] - erm[s] for s in range(3)]  # cvar_0.05 and every clean metric share the offset
+    (cvar,) = [r for r in against_erm if r["column"] == "clean:cvar_0.05"]
+    assert float(cvar["mean"]) == pytest.approx(sum(differences) / 3)
+    assert (int(cvar["wins"]), int(cvar["seeds"])) == (0, 3)
+    # accuracies in %: the same difference times 100
+    (accuracy,) = [r for r in against_erm if r["column"] == "clean:accuracy"]
+    assert float(accuracy["mean"]) == pytest.approx(100 * sum(differences) / 3)
+    # against the twin's temperature-scaled values (0.2 lower on every metric)
+    (cvar_t,) = [r for r in against_t if r["column"] == "clean:cvar_0.05"]
+    assert float(cvar_t["mean"]) == pytest.approx(sum(differences) / 3 + 0.2)
+    # under FGSM at 0.2 the fake metrics fall by eps for both rows: the same difference
+    (fgsm,) = [r for r in against_erm if r["column"] == "fgsm_0.2:cvar_0.05"]
+    assert float(fgsm["mean"]) == pytest.approx(sum(differences) / 3)
+    table = _rows(tmp_path / "table.csv")
+    key = ("double-clip[lam=100]+T", "clean", "ece")
+    (cell,) = [r for r in table if (r["row"], r["condition"], r["metric"]) == key]
+    assert float(cell["mean"]) == pytest.approx(100 * (sum(erm.values()) / 3 + METRICS.index("ece") / 100 - 0.2))
+
+
+def test_a_run_without_the_robustness_block_is_refused(tmp_path: Path, load_script: Any) -> None:
+    module = load_script("dr_path")
+    run = tmp_path / "double-clip-seed0"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"label": "", "method": "double-clip", "seed": 0}))
+    (run / "eval.json").write_text(json.dumps({"run": str(run), "results": []}))
+    with pytest.raises(SystemExit, match="no robustness block"):
+        module.read_runs(tmp_path)
