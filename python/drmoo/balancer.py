@@ -78,6 +78,21 @@ the first backward checks m and the shared shapes across ranks, and every backwa
 sizes, raising a ValueError on every rank instead of a collective that aborts, hangs or silently
 averages unequal shards.
 
+Gradient accumulation.  ``backward(losses, accumulate=True)`` on every micro-batch but the last, then
+``backward(losses)`` on the last, takes the method's step on the whole batch: the same ``.grad``
+(shared parameters and heads), eta, w and state as one ``backward`` on the concatenated losses, one
+dual step (``steps_taken`` + 1), micro-batches of any sizes.  Each micro-batch's part -- its dual means,
+its m per-task gradients, its heads' gradients, all taken at the step's starting eta -- is reduced at
+once and its graph freed; nothing is written into ``.grad`` before the last.  Cost: m backward passes
+per micro-batch and one [m, n] buffer (:mod:`drmoo.optim._accumulate`).  MGDA, MoDo, SDMGrad, MoCo,
+Nash-MTL and FAMO accumulate; Double-Clip and Double-Loop (whose gradients are taken at an eta that
+depends on the whole batch's losses) and ``jacobian="features"`` (whose one trunk backward needs the
+final weights) are refused with the reason.  A step that raises drops the micro-batches accumulated
+for it.  Without ``accumulate``, a second ``backward`` before the optimizer stepped, or a gradient
+already put into the shared parameters' ``.grad`` by another backward (``loss.backward()``), is added
+to silently by autograd's convention: the balancer warns (:class:`~drmoo._grad_watch.
+GradientAccumulationWarning`; how it tells, with no device read: :mod:`drmoo._grad_watch`).
+
 torch.compile.  A compiled model (``torch.compile(model)``) works as it is: the balancer walks the
 autograd graph that the compiled forward builds and runs its backward passes through it.
 """
@@ -91,8 +106,10 @@ from typing import Any, Literal, cast, get_args, overload
 import torch
 from torch import Tensor
 
+from ._grad_watch import GradientAccumulationWarning, GradWatch
 from .jacobian import graph_leaves
 from .optim import NonFiniteStepError, available, create
+from .optim._accumulate import Accumulation, accumulate_refusal, reduce_micro_batch, shared_versions
 from .optim._base import MultiObjectiveOptimizer
 from .optim._features import with_features
 from .optim._hyperparameters import check_flag
@@ -279,6 +296,10 @@ class Balancer:
         self._algorithm.direction_mode = True
         self._algorithm.allow_partial_shared = check_flag("allow_partial_shared", allow_partial_shared)
         self._optimizer = optimizer
+        # The micro-batches of the step being accumulated (backward(..., accumulate=True)), None between steps;
+        # and what tells a gradient added to the direction without anyone meaning it (drmoo._grad_watch).
+        self._accumulation: Accumulation | None = None
+        self._grad_watch = GradWatch(self._algorithm._shared_params())
         self._dual_lr_start: tuple[float, float] | None = None  # Double-Loop: (dual_lr, the lr it goes with)
         if optimizer is not None:
             group = self._lr_group(optimizer)  # refuse an optimizer that does not hold the shared parameters now
@@ -346,7 +367,7 @@ class Balancer:
 
     # ------------------------------------------------------------------------------- backward
     def backward(self, losses: LossesInput, *, scaler: torch.amp.GradScaler | None = None,
-                 features: Tensor | tuple[Tensor, ...] | None = None) -> Tensor:
+                 features: Tensor | tuple[Tensor, ...] | None = None, accumulate: bool = False) -> Tensor:
         """Write the method's direction into the shared parameters' ``.grad`` (and the heads' DR
         gradients into theirs), updating eta, w and the method's state.
 
@@ -359,13 +380,34 @@ class Balancer:
             features: with ``jacobian="features"`` (required then, with losses): z, the trunk's output
                 that every head reads (a tensor or a tuple of tensors); the closure form returns
                 ``(losses, z)`` or ``(losses, z, sample_weight)`` instead.
+            accumulate: this is a micro-batch of a larger batch and more follow: its part of the step is
+                reduced and kept (nothing is written into ``.grad``, eta and w do not move); the next
+                ``backward`` without ``accumulate`` takes its last micro-batch and the method's step on the
+                whole batch -- the same ``.grad``, eta, w and state as one ``backward`` on the concatenated
+                losses, with one dual step (see "Gradient accumulation" in the module docstring).
 
-        Returns the per-task dual objectives of the step (detached), as the method's ``step`` does.
+        Returns the per-task dual objectives of the step (detached), as the method's ``step`` does (a
+        micro-batch's own, with ``accumulate``).
         Raises ValueError/TypeError naming the problem for bad losses, and
         :class:`drmoo.optim.NonFiniteStepError` for NaN/Inf (without a scaler); nothing changes then.
         """
         algorithm = self._algorithm
+        finding = self._grad_watch.finding()
+        if finding is not None:
+            warnings.warn(finding, GradientAccumulationWarning, stacklevel=2)
+        scale = self._scale_of(scaler)
+        if check_flag("accumulate", accumulate):
+            return self._reduce_micro_batch(losses, features, scale, scaler)
         drawn: list[Any] = []  # what every draw of this step returned (the overflow marker finds the heads in it)
+        pending = self._accumulation
+        if pending is not None:
+            self._close_accumulation(pending, losses)
+            self._accumulation = None  # the step closing an accumulation drops it, whether it succeeds or raises
+            if pending.found_inf:  # a micro-batch overflowed under the scaler: the whole step is skipped
+                assert scaler is not None
+                self._hand_overflow_to(scaler, [losses])
+                return torch.full((self.num_tasks,), float("nan"))
+            algorithm.accumulation = pending
         if isinstance(losses, (Tensor, tuple)):
             self._check_losses(losses)
             given = with_features(losses, features, algorithm.features_engine is not None)
@@ -388,15 +430,6 @@ class Balancer:
                 f"Balancer.backward takes per-sample losses [B, {self.num_tasks}] (a Tensor), a pair "
                 f"(losses, sample_weight) or a closure; got {type(losses).__name__}"
             )
-        scale = 1.0
-        if scaler is not None:
-            if not isinstance(scaler, torch.amp.GradScaler):
-                raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-            if scaler.is_enabled():
-                # scaler.scale() (public) also creates the scaler's state on our device, which
-                # scaler.step() requires ("did not use scaler.scale(loss)" otherwise); a host read.
-                one = torch.ones((), dtype=torch.float32, device=algorithm.device)
-                scale = float(scaler.scale(one))
         if self._optimizer is not None:
             self._follow_optimizer_lr(self._optimizer)
         algorithm.loss_scale = algorithm.grad_scale = scale
@@ -413,8 +446,77 @@ class Balancer:
             algorithm.loss_scale = algorithm.grad_scale = 1.0
             algorithm.graph_reuses = 0
             algorithm.jacobian_memo = None
+            algorithm.accumulation = None
             algorithm.losses_origin = "the closure returned"
+        self._grad_watch.note_own()
         return objectives
+
+    def _scale_of(self, scaler: torch.amp.GradScaler | None) -> float:
+        """The GradScaler's current scale (1.0 without one, or disabled)."""
+        if scaler is None:
+            return 1.0
+        if not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if not scaler.is_enabled():
+            return 1.0
+        # scaler.scale() (public) also creates the scaler's state on our device, which
+        # scaler.step() requires ("did not use scaler.scale(loss)" otherwise); a host read.
+        one = torch.ones((), dtype=torch.float32, device=self._algorithm.device)
+        return float(scaler.scale(one))
+
+    # ---------------------------------------------------------------------- gradient accumulation
+    def _reduce_micro_batch(self, losses: LossesInput, features: Tensor | tuple[Tensor, ...] | None, scale: float,
+                            scaler: torch.amp.GradScaler | None) -> Tensor:
+        """``backward(losses, accumulate=True)``: reduce this micro-batch into the pending accumulation
+        (:func:`drmoo.optim._accumulate.reduce_micro_batch`); nothing else changes."""
+        algorithm = self._algorithm
+        if not isinstance(losses, (Tensor, tuple)):
+            raise TypeError(
+                "backward(..., accumulate=True) takes a micro-batch's per-sample losses [B, m] (or (losses, "
+                f"sample_weight)), not {type(losses).__name__}: a closure draws the method's own batches"
+            )
+        refusal = accumulate_refusal(algorithm)
+        if refusal is not None:
+            raise ValueError(refusal)
+        self._check_losses(losses)
+        given = with_features(losses, features, algorithm.features_engine is not None)
+        versions = shared_versions(algorithm._shared_params())
+        pending = self._accumulation if self._accumulation is not None else Accumulation(versions)
+        self._check_unstepped(pending)
+        algorithm.losses_origin = "Balancer.backward was given"
+        algorithm.loss_scale = algorithm.grad_scale = scale
+        try:
+            objectives = reduce_micro_batch(algorithm, given, pending)
+        except NonFiniteStepError:
+            if scaler is None or not scaler.is_enabled():
+                raise
+            pending.found_inf = True  # the step that closes the accumulation is skipped, as the scaler skips it
+            objectives = torch.full((self.num_tasks,), float("nan"))
+        finally:
+            algorithm.loss_scale = algorithm.grad_scale = 1.0
+            algorithm.losses_origin = "the closure returned"
+        self._accumulation = pending
+        return objectives
+
+    def _close_accumulation(self, pending: Accumulation, losses: LossesInput) -> None:
+        """Before the step that takes the last micro-batch: the same problem, no optimizer step in between."""
+        if not isinstance(losses, (Tensor, tuple)):
+            raise TypeError(
+                f"{pending.micro_batches} micro-batch(es) were accumulated (accumulate=True): the backward that "
+                f"closes the step takes the last micro-batch's losses, not {type(losses).__name__}"
+            )
+        self._check_losses(losses)
+        self._check_unstepped(pending)
+        pending.close_with((losses[0] if isinstance(losses, tuple) else losses).shape[0])
+
+    def _check_unstepped(self, pending: Accumulation) -> None:
+        """Refuse a micro-batch after the shared parameters changed since the accumulation's first one."""
+        if shared_versions(self._algorithm._shared_params()) != pending.versions:
+            raise ValueError(
+                f"the shared parameters changed since the first of the {pending.micro_batches} micro-batch(es) "
+                "accumulated for this step (an optimizer step in between?): call backward(losses) without "
+                "accumulate=True on the last micro-batch, then optimizer.step()"
+            )
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:

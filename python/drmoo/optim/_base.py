@@ -66,6 +66,7 @@ from drmoo.jacobian import check_strategy, feed_head_grads
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
 from drmoo_kernels._checks import trusted_arguments, untrusted_arguments
 
+from ._accumulate import Accumulation
 from ._agreement import agree_on_losses, check_same_problem, equal_shards, global_dual_forward, unequal_shards_error
 from ._engine import JacobianEngine
 from ._features import FeaturesJacobian
@@ -96,7 +97,7 @@ JACOBIANS: tuple[str, ...] = ("parameters", "features")
 # pickled / deep-copied optimizer (torch.optim.Optimizer keeps only defaults, state and
 # param_groups; drmoo keeps its configuration too, see __getstate__) and reset on unpickling.
 _SCRATCH_ATTRIBUTES = ("_head_grads", "_guard", "_ops", "batch_weight", "_hyperparameters_passed",
-                       "_shared_reach", "_ranks_checked")
+                       "_shared_reach", "_ranks_checked", "accumulation")
 
 
 def configure_jacobian(optimizer: MultiObjectiveOptimizer, jacobian: str, strategy: str) -> JacobianEngine:
@@ -260,6 +261,9 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # value read) is the same matrix, so it is handed out again instead of running m more backward
         # passes (MoDo, SDMGrad: m backward passes instead of 3m).  Cleared by the Balancer after its step.
         self.jacobian_memo: tuple[Tensor, tuple[int, ...], Tensor] | None = None
+        # The micro-batches accumulated before this step's batch (drmoo.optim._accumulate): set by the Balancer
+        # for the step that closes an accumulation, whose dual statistics and gradients are then the full batch's.
+        self.accumulation: Accumulation | None = None
         # A "shared" parameter that only some tasks reach is a head passed by mistake (its gradient
         # would be scaled by w_i): refused at the first Jacobian unless allowed (see
         # _refuse_partly_shared_params).  True keeps such parameters in the multi-objective update.
@@ -310,6 +314,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             return
         self._head_grads = None
         self._guard = None
+        self.accumulation = None
         self._shared_reach = SharedReach(self.num_tasks)
         self.batch_weight = None
         self._hyperparameters_passed = []
@@ -552,13 +557,25 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             scale = self.loss_scale
             scaled = cotangent * scale if scale != 1.0 else cotangent
             feed_head_grads(losses, heads, scaled, retain_graph=self.take_graph_reuse())
-            self.check_head_grads(heads)
+            self.check_head_grads([*heads, *self._accumulated_heads(feed_heads, heads)])
             return memo[2]
         jacobian = engine.task_jacobian(self, losses, cotangent, slot, heads=heads, feed_heads=feed_heads)
-        self.check_head_grads(heads)
+        if self.accumulation is not None:  # the earlier micro-batches' rows: the full batch's Jacobian
+            self.accumulation.add_jacobian(jacobian)
+        self.check_head_grads([*heads, *self._accumulated_heads(feed_heads, heads)])
         self._refuse_partly_shared_params(jacobian)
         self.jacobian_memo = (losses, point, jacobian) if memoize and self.graph_reuses else None
         return jacobian
+
+    def _accumulated_heads(self, feed_heads: bool, fed: Sequence[Tensor]) -> list[Tensor]:
+        """The step that closes an accumulation feeds the heads: the earlier micro-batches' head gradients
+        are added too (set aside first, so that a failing step restores them); the heads so written that
+        are not among ``fed`` (the heads this batch fed, checked anyway)."""
+        if self.accumulation is None or not feed_heads:
+            return []
+        self.set_aside_head_grads(head for head, _ in self.accumulation.heads.values())
+        fed_ids = {id(head) for head in fed}
+        return [head for head in self.accumulation.add_heads() if id(head) not in fed_ids]
 
     def _cotangent_point(self, cotangent: Tensor) -> tuple[int, ...]:
         """Where a DRAWS_SHARE_ONE_POINT method's cotangent was taken -- eta and the sample weights, by
@@ -594,7 +611,11 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         """The ``dual_forward`` op on the latest batch (with its importance weights), over all ranks: the
         per-task objective, z and the loss cotangents of the global batch (:func:`~drmoo.optim._agreement.
         global_dual_forward`)."""
-        return global_dual_forward(self._ops, losses, eta, lam, scale, self.divergence, self.batch_weight)
+        objective, z, cotangent = global_dual_forward(self._ops, losses, eta, lam, scale, self.divergence,
+                                                      self.batch_weight)
+        if self.accumulation is not None:  # the step closing an accumulation: the full batch's statistics
+            return self.accumulation.full_batch(objective, z, cotangent)
+        return objective, z, cotangent
 
     def take_graph_reuse(self) -> bool:
         """Whether the backward about to run must keep the losses' graph (see ``graph_reuses``)."""

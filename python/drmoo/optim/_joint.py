@@ -186,12 +186,15 @@ class JointBaseline(MultiObjectiveOptimizer):
             self.set_aside_head_grads(heads)
             torch.autograd.backward(batch.losses, grad_tensors=(batch.cotangent * scale).to(batch.losses.dtype),
                                     inputs=heads, retain_graph=reuse)
-            self.check_head_grads(heads)
+            self.check_head_grads([*heads, *self._accumulated_heads(True, heads)])
         if scale != 1.0:
             flat.div_(scale)
         if features is not None:
             return flat
-        return distributed.all_reduce_sum_(flat)  # shard gradients -> the global batch's
+        distributed.all_reduce_sum_(flat)  # shard gradients -> the global batch's
+        if self.accumulation is not None:  # the earlier micro-batches' part, from their rows
+            self.accumulation.add_combined(flat, task_weights)
+        return flat
 
     def combined_norm(self, combined: Tensor) -> Tensor:
         """||combined|| (0-d float64) of a :meth:`combined_gradient`; features mode: over all ranks' samples."""

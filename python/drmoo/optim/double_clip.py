@@ -109,6 +109,13 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
     gamma = 0.1 (results/multimnist2-small/features/).
     """
 
+    # Why accumulate mode (drmoo.optim._accumulate) refuses it: the gradients' per-sample weights are taken at
+    # eta_{t+1}, which is known only once every micro-batch's losses are.
+    ACCUMULATE_REFUSAL: ClassVar[str] = (
+        "its gradients' per-sample weights are taken at eta_{t+1}, which depends on the whole batch's losses, "
+        "so no micro-batch's part is known before the last one"
+    )
+
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "multimnist": {"lr": 5e-3, "pref_lr": 1e-2, "rho": 1e-5, "c1": 1.0, "c2": 0.5, "f1": 1.0, "f2": 0.5,
                        "lam": 0.8},

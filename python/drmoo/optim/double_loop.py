@@ -112,6 +112,13 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
     Neither transfers to Double-Clip's clipped, normalised step.
     """
 
+    # Why accumulate mode (drmoo.optim._accumulate) refuses it: its gradients are taken at inner iterates of eta,
+    # which depend on the whole batch's losses.
+    ACCUMULATE_REFUSAL: ClassVar[str] = (
+        "its gradients are taken at inner iterates of eta, which depend on the whole batch's losses, so no "
+        "micro-batch's part is known before the last one"
+    )
+
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "multimnist": {"lr": 5e-4, "dual_lr": 3e-3, "pref_lr": 1e-5, "rho": 1e-5, "inner_steps": 5, "lam": 0.8},
         "celeba": {"lr": 5e-4, "dual_lr": 3e-4, "pref_lr": 5e-5, "rho": 5e-5, "inner_steps": 5, "lam": 0.8},

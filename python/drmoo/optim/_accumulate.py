@@ -1,0 +1,189 @@
+"""Gradient accumulation that gives the full-batch step: k micro-batches, ONE step of the method.
+
+``drmoo.Balancer.backward(losses, accumulate=True)`` on every micro-batch but the last, then
+``backward(losses)`` on the last, takes the step the method takes on the concatenated batch: the same
+``.grad`` (shared parameters and heads), the same eta, w and state update, one dual step
+(``steps_taken`` + 1), to the rounding of a different summation order.
+
+Why it can be exact.  What a step of MGDA, MoDo, SDMGrad, MoCo, Nash-MTL or FAMO reads from its batch
+is taken at the step's starting point (theta_t, eta_t), which does not move while micro-batches come:
+
+* the per-task dual statistics, means over the batch: objective^i = mean_b[omega lam f*(u_b^i)] + eta^i
+  and z^i = 1 - mean_b[omega v_b^i] -- the full batch's are the micro-batches' means weighted by their
+  row counts B_k, whatever their sizes;
+* the per-task gradients J[i] = sum_b (omega v_b^i / B) grad l_b^i, v_b^i = f*'((l_b^i - eta^i)/lam) a
+  function of the sample's own loss and eta_t -- a sum over samples, so each micro-batch's part is
+  taken by its own backward passes (with the cotangent omega v_b, the 1/B applied once B is known) and
+  its graph freed at once;
+* the heads' gradients (the same sums with the weights v_b, unweighted over tasks).
+
+A micro-batch's part is reduced as it comes (:func:`reduce_micro_batch`): its dual sums, its m
+backward passes into one [m, n] running sum (the Jacobian of parameters mode), and the heads' sums,
+kept apart from their ``.grad`` until the step.  The last micro-batch runs the method's own step,
+whose ``dual_forward`` and task gradients then return the full batch's (:class:`Accumulation`): the
+Gram, the weights, the direction and the dual update are computed once, from the whole batch.
+
+Cost: m backward passes per micro-batch (every method, FAMO included, whose own step takes one
+combined backward: its weights depend on the whole batch's objective, known only at the last) and
+one [m, n] buffer besides the method's own; the memory of one micro-batch's graph.
+
+Methods that cannot be exact this way are refused in accumulate mode (their class's
+``ACCUMULATE_REFUSAL``): Double-Clip takes its gradients at eta_{t+1}, and Double-Loop at inner
+iterates of eta, which depend on the whole batch's losses -- each micro-batch's per-sample weights are
+known only after the last one, when its graph is gone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from ._base import MultiObjectiveOptimizer
+
+__all__ = ["Accumulation", "accumulate_refusal", "reduce_micro_batch"]
+
+# What the first micro-batch's shared parameters looked like, to notice an optimizer step taken between two
+# micro-batches of one accumulated step (param._version: a host-side counter, no device read).
+ParamVersions = tuple[int, ...]
+
+
+def accumulate_refusal(optimizer: MultiObjectiveOptimizer) -> str | None:
+    """Why ``optimizer`` cannot accumulate micro-batches exactly (a one-line reason and what to do), or None."""
+    from ._joint import JointBaseline  # the baselines take every gradient of a step at (theta_t, eta_t)
+
+    name = type(optimizer).__name__
+    if optimizer.features_engine is not None:
+        return (f"{name} with jacobian='features' cannot accumulate micro-batches: its one backward through "
+                "the trunk needs the step's final weights, known only after the last micro-batch, when the "
+                "earlier ones' graphs are gone; use jacobian='parameters' (exact, m backward passes per "
+                "micro-batch) or pass the whole batch to one backward")
+    if not isinstance(optimizer, JointBaseline):
+        reason = getattr(type(optimizer), "ACCUMULATE_REFUSAL", "its gradients are not taken at eta_t")
+        return (f"{name} cannot accumulate micro-batches exactly: {reason}; pass the whole batch to one "
+                "backward (torch.cat of the micro-batches' losses keeps their graphs), or use a method that "
+                "accumulates (mgda, modo, sdmgrad, moco, nashmtl, famo)")
+    return None
+
+
+class Accumulation:
+    """The micro-batches of one step reduced so far (parameters mode): sums over their samples.
+
+    ``objective`` and ``z`` hold sum_k B_k * (the micro-batch's mean), float64; ``jacobian`` holds
+    sum_b omega v_b^i grad l_b^i [m, n] (the full batch's J times B); ``heads`` the heads' gradients
+    in the same form, by the head's id.  Under torch.distributed B counts the rows of this rank's
+    shards (every rank's are equal: checked with each micro-batch), and the sums are the global
+    batch's divided by the world size, as ``dual_forward``'s cotangents are.
+    """
+
+    def __init__(self, versions: ParamVersions) -> None:
+        self.versions = versions
+        self.rows = 0
+        self.objective: Tensor | None = None
+        self.z: Tensor | None = None
+        self.jacobian: Tensor | None = None
+        self.heads: dict[int, tuple[Tensor, Tensor]] = {}
+        self.micro_batches = 0
+        # Set for the step that closes the accumulation (the last micro-batch's rows are then known).
+        self.total_rows = 0
+        self.heads_added = False
+        # A micro-batch overflowed under a GradScaler: the step that closes the accumulation is skipped.
+        self.found_inf = False
+
+    def add(self, rows: int, objective: Tensor, z: Tensor, jacobian: Tensor,
+            heads: dict[int, tuple[Tensor, Tensor]]) -> None:
+        """Add one micro-batch's part (``rows`` samples): the means ``objective``, ``z``; the sums ``jacobian``,
+        ``heads``."""
+        weighted_objective, weighted_z = rows * objective.double(), rows * z.double()
+        if self.jacobian is None:
+            self.objective, self.z, self.jacobian = weighted_objective, weighted_z, jacobian.clone()
+        else:
+            assert self.objective is not None and self.z is not None
+            self.objective += weighted_objective
+            self.z += weighted_z
+            self.jacobian += jacobian
+        for key, (head, grad) in heads.items():
+            if key in self.heads:
+                self.heads[key][1].add_(grad)
+            else:
+                self.heads[key] = (head, grad)
+        self.rows += rows
+        self.micro_batches += 1
+
+    # ------------------------------------------------------------------- the step that closes it
+    def close_with(self, rows: int) -> None:
+        """The last micro-batch has ``rows`` samples: the full batch's statistics can be formed."""
+        self.total_rows = self.rows + rows
+        self.heads_added = False
+
+    def full_batch(self, objective: Tensor, z: Tensor, cotangent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The last micro-batch's ``dual_forward`` outputs turned into the full batch's: its objective and z
+        joined to the earlier micro-batches' (weighted by rows), its cotangents v_b / B_last rescaled to
+        v_b / B (so that its backward passes give its share of the full batch's gradients)."""
+        assert self.objective is not None and self.z is not None
+        last, total = cotangent.shape[0], self.total_rows
+        joined_objective = ((self.objective + last * objective.double()) / total).to(objective.dtype)
+        joined_z = ((self.z + last * z.double()) / total).to(z.dtype)
+        return joined_objective, joined_z, cotangent * (last / total)
+
+    def add_jacobian(self, jacobian: Tensor) -> None:
+        """The last micro-batch's rows (taken with :meth:`full_batch`'s cotangents) += the earlier ones' / B."""
+        assert self.jacobian is not None
+        jacobian.add_(self.jacobian.to(jacobian.dtype), alpha=1.0 / self.total_rows)
+
+    def add_combined(self, combined: Tensor, task_weights: Tensor) -> None:
+        """A combined gradient sum_i c_i grad L^i of the last micro-batch += the earlier ones' c^T J / B."""
+        assert self.jacobian is not None
+        acc = torch.float64 if self.jacobian.dtype == torch.float64 else torch.float32
+        earlier = task_weights.to(acc) @ self.jacobian.to(acc)
+        combined.add_(earlier.to(combined.dtype), alpha=1.0 / self.total_rows)
+
+    def add_heads(self) -> list[Tensor]:
+        """The earlier micro-batches' head gradients / B into the heads' ``.grad`` (once per step); returns
+        the heads so written (the step sets them aside first and checks them with its own)."""
+        if self.heads_added:
+            return []
+        self.heads_added = True
+        written = []
+        with torch.no_grad():
+            for head, grad in self.heads.values():
+                share = grad.div(self.total_rows)
+                if head.grad is None:
+                    head.grad = share.to(head.dtype)
+                else:
+                    head.grad.add_(share.to(head.grad.dtype))
+                written.append(head)
+        return written
+
+
+def shared_versions(shared: list[Tensor]) -> ParamVersions:
+    """The shared parameters' in-place write counters (an optimizer step bumps them)."""
+    return tuple(param._version for param in shared)
+
+
+def reduce_micro_batch(host: MultiObjectiveOptimizer, given: Tensor | tuple[Tensor, ...],
+                       accumulation: Accumulation) -> Tensor:
+    """Reduce one micro-batch (what a closure returns: losses or (losses, sample_weight)) into
+    ``accumulation`` at the step's starting point: its dual means, its m backward passes (graph freed),
+    its heads' gradients.  Nothing of ``host``'s state changes (eta, w, counters).  Returns the
+    micro-batch's per-task dual objectives (detached).  A micro-batch that raises adds nothing."""
+    losses = host.draw_losses(lambda: given, need_graph=True)
+    objective, z, cotangent = host.dual_forward(losses.detach(), host.eta, host.hyper("lam"), 1.0)
+    host.check_dual(objective, z)
+    rows = losses.shape[0]
+    engine = host.jacobian_engine
+    shared = host._shared_params()
+    heads = engine.heads(losses, shared, feed_heads=True)
+    kept = [(head, head.grad) for head in heads]
+    for head in heads:
+        head.grad = None
+    try:
+        jacobian = engine.task_jacobian(host, losses, cotangent * rows, "accumulate", heads=heads, feed_heads=True)
+        head_sums = {id(head): (head, head.grad.detach()) for head in heads if head.grad is not None}
+    finally:
+        for head, grad in kept:
+            head.grad = grad
+    accumulation.add(rows, objective, z, jacobian, head_sums)
+    return objective.detach()

@@ -1,0 +1,300 @@
+"""Gradient accumulation: k micro-batches through ``Balancer.backward(losses, accumulate=True)`` give the
+step of one backward on the concatenated batch.
+
+The reference is the same balancer given the whole batch (64 rows); the accumulated run gets it as
+micro-batches (4 x 16, and 10 + 30 + 4 + 20 on one step) from the same model, for 3 steps of SGD.
+
+Tolerances, from the bound on re-ordered sums.  Every quantity compared is, mathematically, the same
+finite sum over the batch's samples in both runs -- only the grouping differs (per micro-batch, then
+across them).  A sum of N terms computed in any order and grouping in floating point is within
+gamma_N * sum|terms| of the exact value (gamma_N = N u / (1 - N u), u the unit roundoff; Higham,
+*Accuracy and Stability of Numerical Algorithms*, eq. 4.4), so two groupings differ by at most twice
+that.  Here each entry of a gradient is a sum over B samples and m tasks of per-sample terms that are
+themselves products along the network (at most 4 + 8 + 1 + 1 factors and sums): N = B m 14.  The terms'
+absolute sum is computed from per-sample gradients at each step (:func:`absolute_terms`) and scaled by
+the step's coefficient mass (sum |c_i|, at least 1 for the heads, which take coefficients 1).  The
+three steps add their bounds (first order: a difference carried into theta by an earlier step moves
+the next gradient by lr * (its Hessian) times it, lr = 0.05, inside the factor 4 used below).  The dual
+variables: eta moves by lr * c_i * z_i, z_i = 1 - mean_b v_b (terms summing to at most 1 + mean_b v_b).
+The preference w and the methods' states are m x m functions of the Gram: a relative perturbation delta
+of the Gram moves them by at most cond(K) * delta to first order, cond(K) taken from the reference's
+Jacobian at each step.  An algorithmic difference (four summed directions, four dual steps, the 1/4
+convention) shows at 1e-3 or more; these bounds are ~1e-12.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import drmoo
+from drmoo._grad_watch import GradientAccumulationWarning
+from drmoo_kernels import get_divergence
+from drmoo_kernels.reference import dual_forward
+
+M = 2
+LR = 0.05
+STEPS = 3
+BATCH = 64
+SPLITS = {0: [16, 16, 16, 16], 1: [10, 30, 4, 20], 2: [16, 16, 16, 16]}  # unequal sizes at step 1
+U = 2.0**-53
+TERMS = BATCH * M * 14  # N of the module docstring
+GAMMA = TERMS * U / (1 - TERMS * U)
+
+# Every method accumulate mode accepts, with hyperparameters that move every part of it within 3 steps.
+ACCEPTED: dict[str, tuple[str, dict[str, Any]]] = {
+    **{method: (method, {"pref_lr": 0.3}) for method in ("mgda", "modo", "sdmgrad", "famo")},
+    "mgda-min-norm": ("mgda", {"solver": "min_norm"}),
+    "moco": ("moco", {"pref_lr": 0.3, "ema": 0.5}),
+    "nashmtl": ("nashmtl", {"solver_iters": 20, "update_every": 2, "max_norm": 0.5}),
+}
+
+
+class TwoTaskNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Linear(4, 8), nn.Tanh()).double()
+        self.heads = nn.ModuleList([nn.Linear(8, 1) for _ in range(M)]).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        features = self.trunk(x)
+        return torch.cat([head(features) for head in self.heads], dim=1)
+
+
+def batches(seed: int = 1) -> Iterator[tuple[Tensor, Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randn(BATCH, 4, generator=generator, dtype=torch.float64)
+        y = torch.stack([torch.sin(x[:, 0]) + x[:, 1], -torch.sin(x[:, 0]) + 0.5 * x[:, 2]], dim=1)
+        yield x, y + 0.1 * torch.randn(BATCH, M, generator=generator, dtype=torch.float64)
+
+
+def losses_of(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    return (model(x) - y) ** 2
+
+
+def absolute_terms(model: nn.Module, x: Tensor, y: Tensor, eta: Tensor) -> tuple[list[Tensor], Tensor, Tensor]:
+    """Per parameter, sum_b,i (v_b^i / B) |d l_b^i / d theta| (the gradient's terms, in absolute value); the
+    Jacobian J [m, n] of the dual objectives; max_i (1 + mean_b v_b^i) (z's terms)."""
+    params = list(model.parameters())
+    losses = losses_of(model, x, y)
+    _, _, cotangent = dual_forward(losses.detach(), eta, 0.8, 1.0, get_divergence("chi2"))
+    absolute = [torch.zeros_like(p) for p in params]
+    trunk = len(list(model.trunk.parameters()))  # the trunk's parameters come first
+    rows = torch.zeros(M, sum(p.numel() for p in params[:trunk]), dtype=torch.float64)
+    for b in range(BATCH):  # per-sample gradients, one backward each (the net is tiny)
+        for task in range(M):
+            sample = torch.autograd.grad(losses[b, task], params, retain_graph=True, allow_unused=True)
+            weight = cotangent[b, task]
+            for index, g in enumerate(sample):
+                if g is not None:
+                    absolute[index] += weight * g.abs()
+            rows[task] += weight * torch.cat([g.reshape(-1) for g in sample[:trunk]])
+    z_terms = (1.0 + (cotangent * BATCH).mean(0)).max()
+    return absolute, rows, z_terms
+
+
+def run(case: str, *, accumulate: bool, weighted: bool = False) -> dict[str, Any]:
+    name, hparams = ACCEPTED[case]
+    model, stream = TwoTaskNet(), batches()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    balancer = drmoo.Balancer(name, model.trunk.parameters(), M, optimizer=optimizer, lam=0.8, **hparams)
+    record: dict[str, Any] = {"grads": [], "eta": [], "w": [], "steps": [], "bounds": [], "cond": [], "z": [],
+                              "mass": []}
+    for step in range(STEPS):
+        x, y = next(stream)
+        weight = torch.linspace(0.5, 1.5, BATCH, dtype=torch.float64)[:, None].expand(BATCH, M) if weighted else None
+        if not accumulate:
+            absolute, jacobian, z_terms = absolute_terms(model, x, y, balancer.eta.clone())
+            gram = jacobian @ jacobian.T
+            record["bounds"].append(absolute)
+            record["cond"].append(float(torch.linalg.cond(gram)))
+            record["z"].append(float(z_terms))
+        optimizer.zero_grad()
+        if accumulate:
+            start, sizes = 0, SPLITS[step]
+            for k, size in enumerate(sizes):
+                rows = slice(start, start + size)
+                start += size
+                losses = losses_of(model, x[rows], y[rows])
+                balancer.backward(losses if weight is None else (losses, weight[rows]), accumulate=k < len(sizes) - 1)
+                if k < len(sizes) - 1:
+                    assert balancer.steps_taken == step  # no dual step before the last micro-batch
+                    assert all(p.grad is None for p in model.parameters())  # nothing written yet
+        else:
+            losses = losses_of(model, x, y)
+            balancer.backward(losses if weight is None else (losses, weight))
+        record["grads"].append([p.grad.clone() for p in model.parameters()])
+        record["eta"].append(balancer.eta.clone())
+        record["w"].append(balancer.w.clone())
+        record["steps"].append(balancer.steps_taken)
+        record["mass"].append(max(1.0, float(balancer.stats["step_weights"].abs().sum())))
+        optimizer.step()
+    record["state"] = balancer.state_dict()["state"]["drmoo"]
+    return record
+
+
+# Importance weights: with one Jacobian-forming method and the combined-gradient one (FAMO).
+@pytest.mark.parametrize(("case", "weighted"), [*((case, False) for case in ACCEPTED), ("mgda", True), ("famo", True)])
+def test_micro_batches_give_the_full_batch_step(case: str, weighted: bool) -> None:
+    full = run(case, accumulate=False, weighted=weighted)
+    micro = run(case, accumulate=True, weighted=weighted)
+    assert micro["steps"] == full["steps"] == [1, 2, 3]  # one dual step per optimizer step
+    carried = [torch.zeros_like(b) for b in full["bounds"][0]]
+    eta_bound, w_bound = 0.0, 0.0
+    for step in range(STEPS):
+        mass = full["mass"][step]
+        carried = [c + mass * b for c, b in zip(carried, full["bounds"][step])]
+        for index, (a, b) in enumerate(zip(full["grads"][step], micro["grads"][step])):
+            bound = 4 * 2 * GAMMA * carried[index]  # shared parameters and heads alike
+            assert bool(((a - b).abs() <= bound).all()), f"step {step} parameter {index}: {(a - b).abs().max()}"
+        eta_bound += 4 * 2 * GAMMA * LR * mass * full["z"][step]
+        w_bound += 4 * 2 * GAMMA * full["cond"][step]
+        torch.testing.assert_close(micro["eta"][step], full["eta"][step], atol=eta_bound, rtol=0.0)
+        torch.testing.assert_close(micro["w"][step], full["w"][step], atol=w_bound, rtol=0.0)
+    for key, value in full["state"].items():  # the method's own state (MoCo's tracking, FAMO's logits, ...)
+        if isinstance(value, Tensor) and value.is_floating_point():
+            scale = 1.0 + float(value.abs().max())
+            torch.testing.assert_close(micro["state"][key], value, atol=w_bound * scale, rtol=0.0,
+                                       msg=lambda text, key=key: f"{key}: {text}")
+        else:
+            assert micro["state"][key] == value
+
+
+def test_the_naive_convention_is_a_different_step() -> None:
+    """What the bounds guard against: four backwards of losses / 4 (the common convention) differ at 1e-3 or
+    more, and take four dual steps."""
+    model, stream = TwoTaskNet(), batches()
+    balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, lr=LR, pref_lr=0.2)
+    reference = copy.deepcopy(model)
+    reference_balancer = drmoo.Balancer("mgda", reference.trunk.parameters(), M, lr=LR, pref_lr=0.2)
+    x, y = next(stream)
+    reference_balancer.backward(losses_of(reference, x, y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GradientAccumulationWarning)
+        for rows in torch.arange(BATCH).split(16):
+            balancer.backward(losses_of(model, x[rows], y[rows]) / 4)
+    assert balancer.steps_taken == 4
+    difference = (model.trunk[0].weight.grad - reference.trunk[0].weight.grad).abs().max()
+    assert float(difference) > 1e-3 * float(reference.trunk[0].weight.grad.abs().max())
+
+
+# ------------------------------------------------------------------------------------ refusals
+@pytest.mark.parametrize("method", ["double-clip", "double-loop"])
+def test_methods_whose_gradients_need_the_whole_batch_first_are_refused(method: str) -> None:
+    model, stream = TwoTaskNet(), batches()
+    balancer = drmoo.Balancer(method, model.trunk.parameters(), M, lr=LR)  # type: ignore[call-overload]
+    x, y = next(stream)
+    with pytest.raises(ValueError, match=r"cannot accumulate micro-batches exactly: .*eta.*torch.cat"):
+        balancer.backward(losses_of(model, x[:16], y[:16]), accumulate=True)
+    assert balancer.steps_taken == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_features_mode_is_refused_in_accumulate_mode() -> None:
+    model, stream = TwoTaskNet(), batches()
+    balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, lr=LR, jacobian="features")
+    x, y = next(stream)
+    z = model.trunk(x[:16])
+    losses = (torch.cat([head(z) for head in model.heads], dim=1) - y[:16]) ** 2
+    with pytest.raises(ValueError, match=r"jacobian='features' cannot accumulate.*jacobian='parameters'"):
+        balancer.backward(losses, features=z, accumulate=True)
+
+
+def test_a_closure_neither_accumulates_nor_closes_an_accumulation() -> None:
+    model, stream = TwoTaskNet(), batches()
+    balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, lr=LR)
+    x, y = next(stream)
+    with pytest.raises(TypeError, match=r"accumulate=True\) takes a micro-batch's per-sample losses"):
+        balancer.backward(lambda: losses_of(model, x, y), accumulate=True)
+    balancer.backward(losses_of(model, x[:16], y[:16]), accumulate=True)
+    with pytest.raises(TypeError, match="closes the step takes the last micro-batch's losses"):
+        balancer.backward(lambda: losses_of(model, x, y))
+
+
+def test_an_optimizer_step_between_micro_batches_is_refused() -> None:
+    model, stream = TwoTaskNet(), batches()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, optimizer=optimizer)
+    x, y = next(stream)
+    balancer.backward(losses_of(model, x[:16], y[:16]), accumulate=True)
+    model.trunk[0].weight.grad = torch.ones_like(model.trunk[0].weight)
+    optimizer.step()  # the shared parameters move: the micro-batch above was taken at another point
+    with pytest.raises(ValueError, match="shared parameters changed since the first of the 1 micro-batch"):
+        balancer.backward(losses_of(model, x[16:32], y[16:32]))
+
+
+def test_a_failing_closing_step_changes_nothing_and_drops_the_micro_batches() -> None:
+    model, stream = TwoTaskNet(), batches()
+    balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, lr=LR)
+    x, y = next(stream)
+    balancer.backward(losses_of(model, x[:16], y[:16]), accumulate=True)
+    bad = losses_of(model, x[16:32], y[16:32]) * torch.tensor([float("nan"), 1.0], dtype=torch.float64)
+    eta, w = balancer.eta.clone(), balancer.w.clone()
+    with pytest.raises(drmoo.optim.NonFiniteStepError):
+        balancer.backward(bad)
+    assert torch.equal(balancer.eta, eta) and torch.equal(balancer.w, w) and balancer.steps_taken == 0
+    assert all(p.grad is None for p in model.parameters())
+    balancer.backward(losses_of(model, x[32:48], y[32:48]))  # a fresh step: the dropped micro-batch is not in it
+    reference = TwoTaskNet()
+    reference_balancer = drmoo.Balancer("mgda", reference.trunk.parameters(), M, lr=LR)
+    reference_balancer.backward(losses_of(reference, x[32:48], y[32:48]))
+    torch.testing.assert_close(model.trunk[0].weight.grad, reference.trunk[0].weight.grad, rtol=0.0, atol=0.0)
+
+
+# ------------------------------------------------------------------------ no silent double backward
+def test_a_second_backward_before_the_step_warns_naming_accumulate() -> None:
+    model, stream = TwoTaskNet(), batches()
+    balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, lr=LR)
+    x, y = next(stream)
+    balancer.backward(losses_of(model, x[:16], y[:16]))
+    expected = r"second backward before the optimizer stepped.*accumulate=True"
+    with pytest.warns(GradientAccumulationWarning, match=expected):
+        balancer.backward(losses_of(model, x[16:32], y[16:32]))
+
+
+def test_a_loss_backward_before_the_balancer_warns() -> None:
+    model, stream = TwoTaskNet(), batches()
+    balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, lr=LR)
+    x, y = next(stream)
+    losses_of(model, x, y).mean().backward()
+    with pytest.warns(GradientAccumulationWarning, match="from a backward pass outside the balancer"):
+        balancer.backward(losses_of(model, x, y))
+
+
+def test_a_step_without_zero_grad_warns() -> None:
+    model, stream = TwoTaskNet(), batches()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, optimizer=optimizer)
+    x, y = next(stream)
+    balancer.backward(losses_of(model, x, y))
+    optimizer.step()
+    with pytest.warns(GradientAccumulationWarning, match="no zero_grad followed"):
+        balancer.backward(losses_of(model, x, y))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_the_ordinary_loops_do_not_warn(set_to_none: bool) -> None:
+    model, stream = TwoTaskNet(), batches()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientAccumulationWarning)
+        for step in range(4):
+            x, y = next(stream)
+            optimizer.zero_grad(set_to_none=set_to_none)
+            if step % 2:  # accumulated and plain steps alternate
+                balancer.backward(losses_of(model, x[:32], y[:32]), accumulate=True)
+                balancer.backward(losses_of(model, x[32:], y[32:]))
+            else:
+                losses_of(model, x, y).mean().backward()  # a foreign gradient, then zeroed: nothing left
+                optimizer.zero_grad(set_to_none=set_to_none)
+                balancer.backward(losses_of(model, x, y))
+            optimizer.step()
+    assert balancer.steps_taken == 4
