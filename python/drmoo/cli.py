@@ -10,7 +10,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-__all__ = ["main"]
+from drmoo._echo import echo, echo_items, first_repeat
+
+__all__ = ["EXIT_DIVERGED", "EXIT_USAGE", "main"]
+
+# The exit statuses (docs/cli.md lists them): 0 done; EXIT_USAGE a setting, option or file refused
+# (argparse's own status for a typo); EXIT_DIVERGED training stopped at a non-finite step (its state up to
+# that step is saved); 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM) with its checkpoint saved.
+EXIT_USAGE = 2
+EXIT_DIVERGED = 3
 
 # The fixed sets offered as argparse choices.  Written out here rather than imported from the modules
 # that own them, so that building the parser (`drmoo --help`) imports no torch;
@@ -103,11 +111,9 @@ def _distinct(items: list[Any], text: str) -> list[Any]:
     """``items`` when none repeats: a repeated seed, method or value would count one run as several.
 
     One pass over a set (a quadratic scan of 20,000 seeds took minutes)."""
-    seen: set[Any] = set()
-    for item in items:
-        if item in seen:
-            raise argparse.ArgumentTypeError(f"{item} is given twice in {text!r}: give each once")
-        seen.add(item)
+    repeated = first_repeat(items)
+    if repeated is not None:
+        raise argparse.ArgumentTypeError(f"{echo(str(repeated))} is given twice in {echo(text)}: give each once")
     return items
 
 
@@ -116,10 +122,14 @@ def _name_list(text: str) -> list[str]:
 
 
 def _int_list(text: str) -> list[int]:
-    try:
-        return [int(item) for item in _comma_list(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    values = []
+    for item in _comma_list(text):
+        try:
+            values.append(int(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {echo(item)} in "
+                                             f"{echo(text)}") from None
+    return values
 
 
 def _count(text: str) -> int:
@@ -127,9 +137,9 @@ def _count(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {echo(text)}") from None
     if not 1 <= value <= MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1 and <= {MAX_COUNT}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 and <= {MAX_COUNT}, got {echo(text)}")
     return value
 
 
@@ -137,16 +147,18 @@ def _non_negative(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {echo(text)}") from None
     if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 and <= {MAX_SEED}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 and <= {MAX_SEED}, got {echo(text)}")
     return value
 
 
 def _seed_list(text: str) -> list[int]:
     seeds = _int_list(text)
-    if any(not 0 <= seed <= MAX_SEED for seed in seeds):
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers from 0 to {MAX_SEED}, got {text!r}")
+    wrong = next((seed for seed in seeds if not 0 <= seed <= MAX_SEED), None)
+    if wrong is not None:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers from 0 to {MAX_SEED}, got "
+                                         f"{echo(str(wrong))} in {echo(text)}")
     return seeds  # a repeated seed is refused by each command (compare, synthetic, ablate) with one line
 
 
@@ -156,16 +168,16 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {echo(text)}") from None
     if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {echo(text)}")
     return value
 
 
 def _override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {echo(text)}")
     if len(value) > 1000:
         raise argparse.ArgumentTypeError(f"the value of {key.strip()} is {len(value)} characters long; at most 1000")
     try:
@@ -243,9 +255,9 @@ def _float_list(text: str) -> list[float]:
     try:
         values = [float(item) for item in _comma_list(text)]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {echo(text)}") from None
     if not all(math.isfinite(value) for value in values):
-        raise argparse.ArgumentTypeError(f"expected finite numbers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected finite numbers, got {echo(text)}")
     return values
 
 
@@ -258,7 +270,7 @@ def _eps_list(text: str) -> list[float]:
     """FGSM budgets: finite and >= 0 (a negative or NaN eps is no attack at all)."""
     values = _float_list(text)
     if any(value < 0 for value in values):
-        raise argparse.ArgumentTypeError(f"expected FGSM budgets >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected FGSM budgets >= 0, got {echo(text)}")
     return _distinct(values, text)  # the same column twice
 
 
@@ -266,7 +278,7 @@ def _jobs(text: str) -> int:
     """``compare --jobs``: worker processes, 1 to MAX_JOBS (checked by the parser, before anything is written)."""
     value = _count(text)
     if value > MAX_JOBS:
-        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_JOBS}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_JOBS}, got {echo(text)}")
     return value
 
 
@@ -683,8 +695,9 @@ def _run_compare(args: argparse.Namespace) -> int:
     unknown = [v.method for v in variants if v.method not in available()]
     if unknown:
         raise UsageError(f"unknown method(s) {', '.join(unknown)}; valid choices: {', '.join(available())}")
-    if len(set(args.seeds)) != len(args.seeds):
-        raise UsageError(f"--seeds {','.join(map(str, args.seeds))} repeats a seed (each seed must be a different "
+    repeated = first_repeat(args.seeds)
+    if repeated is not None:
+        raise UsageError(f"--seeds {echo_items(args.seeds)} repeats seed {repeated} (each seed must be a different "
                          "run)")
     # Everything is checked before the output directory is created: a refused comparison writes nothing.
     experiment = get_experiment(args.experiment)
@@ -955,7 +968,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # files, missing files, divergence) get one
         # clear line, not a traceback.  Other exceptions are bugs and keep their traceback.
         print(f"drmoo {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        # a run that diverged is a result of its settings, not a typo: its own status, for scripts to tell apart
+        guards = sys.modules.get("drmoo.optim._guards")  # looked up, not imported (it needs torch)
+        return EXIT_DIVERGED if guards is not None and isinstance(error, guards.NonFiniteStepError) else EXIT_USAGE
     except RuntimeError as error:
         # training.TrainingInterrupted; looked up, not imported: importing training needs torch and tqdm.
         training = sys.modules.get("drmoo.experiments.training")

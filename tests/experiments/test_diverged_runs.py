@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from drmoo.cli import main
+from drmoo.cli import EXIT_DIVERGED, main
 from drmoo.experiments.checkpoints import read_checkpoint
 from drmoo.experiments.training import DIVERGED, read_diverged
 from drmoo.store import UsageError
@@ -26,7 +26,7 @@ def test_train_saves_the_state_it_reached_and_marks_the_run(tmp_path: Path, cach
                                                            capsys: pytest.CaptureFixture) -> None:
     run = tmp_path / "run"
     assert main(["train", "--method", "mgda", "--lr", DIVERGING_LR, "--max-steps", "5", "--cache-dir", cache_dir,
-                 "--out", str(run), *TINY]) == 2
+                 "--out", str(run), *TINY]) == EXIT_DIVERGED  # 3: not the 2 of a refused option
     err = capsys.readouterr().err
     assert "non-finite" in err and "in iteration 2" in err
     assert f"its state after step 1 is saved in {run / 'checkpoint.pt'}" in err and str(run / DIVERGED) in err

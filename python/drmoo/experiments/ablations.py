@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from drmoo._echo import echo_items, first_repeat
 from drmoo.experiments.summaries import style_norm_axes
 from drmoo.store import UsageError, make_directory, read_csv, read_json, write_csv, write_figure, write_json, write_text
 from drmoo_kernels import resolve_backend
@@ -128,10 +129,11 @@ class AblationConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
-            raise ValueError(f"--seeds must be integers >= 0, got {list(self.seeds)!r}")
-        if len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"--seeds repeats a seed ({list(self.seeds)}): a seed given twice is one run counted "
-                             "twice")
+            raise ValueError(f"--seeds must be integers >= 0, got {echo_items(self.seeds)}")
+        repeated = first_repeat(self.seeds)
+        if repeated is not None:
+            raise ValueError(f"--seeds repeats seed {repeated} ({echo_items(self.seeds)}): a seed given twice is one "
+                             "run counted twice")
         if self.methods is not None and len(set(self.methods)) != len(self.methods):
             raise ValueError(f"--methods repeats a method ({', '.join(self.methods)})")
         if any(not math.isfinite(e) or e < 0 for e in self.eps):

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from drmoo._echo import echo_items, first_repeat
 from drmoo.optim import available, create
 from drmoo.store import UsageError, iter_csv, make_directory, read_json, write_csv, write_json, write_text
 
@@ -106,11 +107,12 @@ class SyntheticConfig:
                 raise ValueError(f"{name} must be an integer >= 1 and <= {bound}, got {value!r}")
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED
                                  for s in self.seeds):
-            raise ValueError(f"seeds must be integers from 0 to {MAX_SEED}, got {list(self.seeds)!r}")
+            raise ValueError(f"seeds must be integers from 0 to {MAX_SEED}, got {echo_items(self.seeds)}")
         # a repeated seed or method would be run once and counted as two independent runs
-        if len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"--seeds repeats a seed ({list(self.seeds)}): a seed given twice is one run counted "
-                             "twice")
+        repeated = first_repeat(self.seeds)
+        if repeated is not None:
+            raise ValueError(f"--seeds repeats seed {repeated} ({echo_items(self.seeds)}): a seed given twice is one "
+                             "run counted twice")
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods repeat: {', '.join(self.methods)}; give each method once")
         for method in self.methods:
