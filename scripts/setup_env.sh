@@ -35,19 +35,24 @@ case "${DRMOO_SETUP:-dev}" in
         # (DRMOO_CPU_TORCH_INDEX; empty: skip): PyPI hosts no local-version build such as 2.14.1+cpu.
         # Where that index cannot be reached or lacks the pins, one line says so and the PyPI build is
         # installed below as before.  `==2.14.1` (the constraints) accepts 2.14.1+cpu: nothing reinstalls.
+        # The attempt is a probe: pip's own complaint when it fails (ResolutionImpossible, a timeout) goes
+        # to a log that is shown only with DRMOO_SETUP_VERBOSE=1, so the normal path prints no pip error.
         cpu_index="${DRMOO_CPU_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
         gpu=$(nvidia-smi -L 2>/dev/null || true)  # setup.py's test too: torch is not installed yet
         if [ -n "$cpu_index" ] && [[ "$gpu" != *GPU* ]]; then
             torch_pin=$(sed -nE 's/^torch==([^ ;#]+).*/\1/p' requirements-dev.txt)
             vision_pin=$(sed -nE 's/^torchvision==([^ ;#]+).*/\1/p' requirements-dev.txt)
             echo "[setup] no GPU visible: trying torch's CPU-only build $torch_pin+cpu from $cpu_index"
+            probe_log=$(mktemp)
             if "$venv/bin/pip" install --quiet --progress-bar off --retries 1 --timeout 30 --index-url "$cpu_index" \
-                    "torch==$torch_pin+cpu" "torchvision==$vision_pin+cpu"; then
+                    "torch==$torch_pin+cpu" "torchvision==$vision_pin+cpu" >"$probe_log" 2>&1; then
                 echo "[setup] installed torch $torch_pin+cpu and torchvision $vision_pin+cpu (CPU only)"
             else
                 echo "[setup] torch $torch_pin+cpu is not available from $cpu_index here: installing PyPI's build" \
-                     "(with its CUDA libraries)"
+                     "(with its CUDA libraries) instead"
+                [ "${DRMOO_SETUP_VERBOSE:-0}" = 1 ] && sed 's/^/[setup]   pip: /' "$probe_log"
             fi
+            rm -f "$probe_log"
         fi
         echo "[setup] installing what the demo needs, pinned as in requirements-dev.txt: $demo_packages"
         # pip takes no extras in a constraints file (`pyright[nodejs]==...` is an error there): the same
