@@ -35,33 +35,53 @@ known only after the last one, when its graph is gone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from ._base import MultiObjectiveOptimizer
+from ._engine import EngineHost, JacobianEngine
 
-__all__ = ["Accumulation", "accumulate_refusal", "reduce_micro_batch"]
+__all__ = ["Accumulation", "accumulate_refusal", "accumulated_rows", "full_batch", "reduce_micro_batch"]
+
+
+class AccumulationHost(EngineHost, Protocol):
+    """What accumulation reads from, and asks of, the optimizer it serves (no import of the optimizer's class)."""
+
+    accumulation: Accumulation | None
+    jacobian_engine: JacobianEngine
+
+    @property
+    def features_engine(self) -> object | None: ...
+
+    @property
+    def eta(self) -> Tensor: ...
+
+    def draw_losses(self, closure: Callable[[], Any] | None, *, need_graph: bool) -> Tensor: ...
+
+    def dual_forward(self, losses: Tensor, eta: Tensor, lam: float, scale: float) -> tuple[Tensor, Tensor, Tensor]: ...
+
+    def check_dual(self, *dual_quantities: Tensor) -> None: ...
 
 # What the first micro-batch's shared parameters looked like, to notice an optimizer step taken between two
 # micro-batches of one accumulated step (param._version: a host-side counter, no device read).
 ParamVersions = tuple[int, ...]
 
 
-def accumulate_refusal(optimizer: MultiObjectiveOptimizer) -> str | None:
-    """Why ``optimizer`` cannot accumulate micro-batches exactly (a one-line reason and what to do), or None."""
-    from ._joint import JointBaseline  # the baselines take every gradient of a step at (theta_t, eta_t)
+def accumulate_refusal(optimizer: AccumulationHost) -> str | None:
+    """Why ``optimizer`` cannot accumulate micro-batches exactly (a one-line reason and what to do), or None.
 
+    Every method takes its step's gradients at (theta_t, eta_t) but those whose class says why not in
+    ``ACCUMULATE_REFUSAL`` (Double-Clip, Double-Loop)."""
     name = type(optimizer).__name__
     if optimizer.features_engine is not None:
         return (f"{name} with jacobian='features' cannot accumulate micro-batches: its one backward through "
                 "the trunk needs the step's final weights, known only after the last micro-batch, when the "
                 "earlier ones' graphs are gone; use jacobian='parameters' (exact, m backward passes per "
                 "micro-batch) or pass the whole batch to one backward")
-    if not isinstance(optimizer, JointBaseline):
-        reason = getattr(type(optimizer), "ACCUMULATE_REFUSAL", "its gradients are not taken at eta_t")
+    reason = getattr(type(optimizer), "ACCUMULATE_REFUSAL", None)
+    if reason is not None:
         return (f"{name} cannot accumulate micro-batches exactly: {reason}; pass the whole batch to one "
                 "backward (torch.cat of the micro-batches' losses keeps their graphs), or use a method that "
                 "accumulates (mgda, modo, sdmgrad, moco, nashmtl, famo)")
@@ -163,7 +183,32 @@ def shared_versions(shared: list[Tensor]) -> ParamVersions:
     return tuple(param._version for param in shared)
 
 
-def reduce_micro_batch(host: MultiObjectiveOptimizer, given: Tensor | tuple[Tensor, ...],
+def full_batch(accumulation: Accumulation | None,
+               outputs: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``dual_forward``'s outputs, or in a step closing ``accumulation`` the full batch's
+    (:meth:`Accumulation.full_batch`)."""
+    return outputs if accumulation is None else accumulation.full_batch(*outputs)
+
+
+def accumulated_rows(host: AccumulationHost, fed: Sequence[Tensor], feed_heads: bool,
+                     jacobian: Tensor | None = None) -> list[Tensor]:
+    """In a step closing an accumulation: the earlier micro-batches' rows added to ``jacobian`` (the last
+    one's, when given: not again for a memoized draw), and, where this draw feeds the heads, their head
+    gradients added too (set aside first, so that a failing step restores them).  Returns the heads to
+    check: ``fed`` (the heads this draw fed) and any others so written."""
+    accumulation = host.accumulation
+    if accumulation is None:
+        return list(fed)
+    if jacobian is not None:
+        accumulation.add_jacobian(jacobian)
+    if not feed_heads:
+        return list(fed)
+    host.set_aside_head_grads(head for head, _ in accumulation.heads.values())
+    fed_ids = {id(head) for head in fed}
+    return [*fed, *(head for head in accumulation.add_heads() if id(head) not in fed_ids)]
+
+
+def reduce_micro_batch(host: AccumulationHost, given: Tensor | tuple[Tensor, ...],
                        accumulation: Accumulation) -> Tensor:
     """Reduce one micro-batch (what a closure returns: losses or (losses, sample_weight)) into
     ``accumulation`` at the step's starting point: its dual means, its m backward passes (graph freed),

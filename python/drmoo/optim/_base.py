@@ -66,7 +66,7 @@ from drmoo.jacobian import check_strategy, feed_head_grads
 from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_backend
 from drmoo_kernels._checks import trusted_arguments, untrusted_arguments
 
-from ._accumulate import Accumulation
+from ._accumulate import Accumulation, accumulated_rows, full_batch
 from ._agreement import agree_on_losses, check_same_problem, equal_shards, global_dual_forward, unequal_shards_error
 from ._engine import JacobianEngine
 from ._features import FeaturesJacobian
@@ -207,7 +207,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             """One iteration of the method; calls ``closure`` as its algorithm needs."""
             ...
 
-
+    accumulation: Accumulation | None = None  # the Balancer's, in a step closing an accumulation (_accumulate)
     # Named paper settings of the method: preset name -> constructor keyword arguments.
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
     # Whether every batch a step draws is taken at the same (theta, eta) (MoDo, SDMGrad: yes; Double-Loop
@@ -261,9 +261,6 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         # value read) is the same matrix, so it is handed out again instead of running m more backward
         # passes (MoDo, SDMGrad: m backward passes instead of 3m).  Cleared by the Balancer after its step.
         self.jacobian_memo: tuple[Tensor, tuple[int, ...], Tensor] | None = None
-        # The micro-batches accumulated before this step's batch (drmoo.optim._accumulate): set by the Balancer
-        # for the step that closes an accumulation, whose dual statistics and gradients are then the full batch's.
-        self.accumulation: Accumulation | None = None
         # A "shared" parameter that only some tasks reach is a head passed by mistake (its gradient
         # would be scaled by w_i): refused at the first Jacobian unless allowed (see
         # _refuse_partly_shared_params).  True keeps such parameters in the multi-objective update.
@@ -314,7 +311,6 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             return
         self._head_grads = None
         self._guard = None
-        self.accumulation = None
         self._shared_reach = SharedReach(self.num_tasks)
         self.batch_weight = None
         self._hyperparameters_passed = []
@@ -557,25 +553,13 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             scale = self.loss_scale
             scaled = cotangent * scale if scale != 1.0 else cotangent
             feed_head_grads(losses, heads, scaled, retain_graph=self.take_graph_reuse())
-            self.check_head_grads([*heads, *self._accumulated_heads(feed_heads, heads)])
+            self.check_head_grads(accumulated_rows(self, heads, feed_heads))
             return memo[2]
         jacobian = engine.task_jacobian(self, losses, cotangent, slot, heads=heads, feed_heads=feed_heads)
-        if self.accumulation is not None:  # the earlier micro-batches' rows: the full batch's Jacobian
-            self.accumulation.add_jacobian(jacobian)
-        self.check_head_grads([*heads, *self._accumulated_heads(feed_heads, heads)])
+        self.check_head_grads(accumulated_rows(self, heads, feed_heads, jacobian))
         self._refuse_partly_shared_params(jacobian)
         self.jacobian_memo = (losses, point, jacobian) if memoize and self.graph_reuses else None
         return jacobian
-
-    def _accumulated_heads(self, feed_heads: bool, fed: Sequence[Tensor]) -> list[Tensor]:
-        """The step that closes an accumulation feeds the heads: the earlier micro-batches' head gradients
-        are added too (set aside first, so that a failing step restores them); the heads so written that
-        are not among ``fed`` (the heads this batch fed, checked anyway)."""
-        if self.accumulation is None or not feed_heads:
-            return []
-        self.set_aside_head_grads(head for head, _ in self.accumulation.heads.values())
-        fed_ids = {id(head) for head in fed}
-        return [head for head in self.accumulation.add_heads() if id(head) not in fed_ids]
 
     def _cotangent_point(self, cotangent: Tensor) -> tuple[int, ...]:
         """Where a DRAWS_SHARE_ONE_POINT method's cotangent was taken -- eta and the sample weights, by
@@ -611,11 +595,8 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         """The ``dual_forward`` op on the latest batch (with its importance weights), over all ranks: the
         per-task objective, z and the loss cotangents of the global batch (:func:`~drmoo.optim._agreement.
         global_dual_forward`)."""
-        objective, z, cotangent = global_dual_forward(self._ops, losses, eta, lam, scale, self.divergence,
-                                                      self.batch_weight)
-        if self.accumulation is not None:  # the step closing an accumulation: the full batch's statistics
-            return self.accumulation.full_batch(objective, z, cotangent)
-        return objective, z, cotangent
+        return full_batch(self.accumulation,  # closing an accumulation: the full batch's (drmoo.optim._accumulate)
+                          global_dual_forward(self._ops, losses, eta, lam, scale, self.divergence, self.batch_weight))
 
     def take_graph_reuse(self) -> bool:
         """Whether the backward about to run must keep the losses' graph (see ``graph_reuses``)."""

@@ -32,6 +32,7 @@ from drmoo import distributed
 from drmoo.jacobian import copy_into_row, head_leaves, require_reached
 from drmoo_kernels.reference import project_simplex
 
+from ._accumulate import accumulated_rows
 from ._base import MultiObjectiveOptimizer
 from ._guards import FiniteValues, finite_entries, flags_of
 from ._hyperparameters import check_count, check_fraction, check_positive
@@ -186,7 +187,7 @@ class JointBaseline(MultiObjectiveOptimizer):
             self.set_aside_head_grads(heads)
             torch.autograd.backward(batch.losses, grad_tensors=(batch.cotangent * scale).to(batch.losses.dtype),
                                     inputs=heads, retain_graph=reuse)
-            self.check_head_grads([*heads, *self._accumulated_heads(True, heads)])
+            self.check_head_grads(accumulated_rows(self, heads, True))
         if scale != 1.0:
             flat.div_(scale)
         if features is not None:
