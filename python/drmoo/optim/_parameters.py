@@ -21,6 +21,7 @@ from drmoo.jacobian import head_leaves, task_jacobian
 
 from ._direction import write_direction
 from ._engine import EngineHost
+from ._guards import finite_each
 
 
 class ParametersJacobian:
@@ -68,6 +69,16 @@ class ParametersJacobian:
         return small  # the rows are already the global batch's
 
     def apply(self, host: EngineHost, rows: Tensor, coefficients: Tensor, factor: Tensor | float) -> None:
+        """``factor * rows^T coefficients`` into theta (or ``.grad``), once the coefficients are known finite.
+
+        The rows are guarded where they are made (their Gram's diagonal: each row's norm is finite), so a
+        finite w and factor make a finite direction (each entry is at most m max|w| |factor| max|J|).  A
+        NaN w (a solver fed an overflowing Gram, MoCo's tracked estimate) would otherwise reach theta:
+        it is guarded with the step's others, in the one host read before the first write."""
+        guarded = (coefficients,) if isinstance(factor, float) else (coefficients, factor)
+        host.require_finite(finite_each(*guarded), lambda _: (
+            f"non-finite task weights (or step factor) in {host.failing_iteration}: {coefficients.tolist()}; "
+            "the step was abandoned and nothing was updated"))
         write_direction(host, rows, coefficients, factor, self._buffers)
 
     def end_step(self) -> None:

@@ -137,6 +137,24 @@ class MoCo(JointBaseline):
             "tracking_eta": torch.zeros(self.num_tasks, device=self.device, dtype=torch.float64),
         }
 
+    def validate_state_dict(self, state_dict: Any) -> None:
+        """As every drmoo optimizer's (the base class's), and refuse a tracked Jacobian whose Gram is not
+        finite (rows too large to square in their dtype): every step from it would overflow.
+
+        Args:
+            state_dict: what was handed to ``load_state_dict``.
+        """
+        super().validate_state_dict(state_dict)
+        tracking = state_dict["state"][STATE_KEY]["tracking"].detach()
+        acc = torch.float64 if tracking.dtype == torch.float64 else torch.float32  # as the ``gram`` op
+        squared_norms = (tracking.to(acc) * tracking.to(acc)).sum(dim=1)
+        if not bool(torch.isfinite(squared_norms).all()):
+            raise ValueError(
+                "state_dict's tracking (MoCo's tracked Jacobian) has rows too large to square in "
+                f"{tracking.dtype}: its Gram is not finite, so every step from it would overflow; it was "
+                "not saved by a MoCo run that stepped normally (or is damaged)"
+            )
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (see the base class); the tracked Jacobian grows by the new shared parameters'
         columns, started at zero as every column was at construction.
@@ -175,22 +193,23 @@ class MoCo(JointBaseline):
         gram = self._ops.gram(batch.jacobian)
         self.raise_unless_finite([("J", finite_entries(torch.diagonal(gram)))])
 
-        # Only now, with J known to be finite, may the persistent tracking state change (in a
-        # capturable step: change unless the step is skipped, decided on the device).
-        # Y <- beta Y + (1 - beta) J as one in-place lerp (one pass over the [m, n] state, no
-        # temporaries); a skipped capturable step lerps towards Y itself, which leaves Y unchanged.
+        # Y <- ema Y + (1 - ema) J, formed in J's buffer (the step's scratch; J's Gram is taken): the
+        # tracked estimate is written only once every guard of the step -- w_{t+1} from the new Y's Gram
+        # among them -- has passed, so that a step that overflows changes nothing.
         tracking: Tensor = state["tracking"]
-        self.settle_guards()  # eager: the step's one host read, before the first write
         with torch.no_grad():
-            target = batch.jacobian if self.found_inf is None else torch.where(self.found_inf, tracking, batch.jacobian)
-            tracking.lerp_(target, 1.0 - h["ema"])
-        self.commit_(state["tracking_eta"], h["ema"] * state["tracking_eta"] + (1.0 - h["ema"]) * batch.z.double())
-        tracking_eta = state["tracking_eta"]
+            new_tracking = torch.lerp(tracking, batch.jacobian, 1.0 - h["ema"], out=batch.jacobian)
+        tracking_eta = h["ema"] * state["tracking_eta"] + (1.0 - h["ema"]) * batch.z.double()
 
-        tracked_gram = joint_gram(self._ops.gram(tracking), tracking_eta)
+        tracked_gram = joint_gram(self._ops.gram(new_tracking), tracking_eta)
+        self.require_finite(finite_entries(torch.diagonal(tracked_gram)), lambda bad: (
+            f"MoCo's tracked Jacobian overflowed (task(s) {bad}: its Gram is not finite) in "
+            f"{self.failing_iteration}; the step was abandoned and nothing was updated"))
         w = self.w.double()
         w_next = simplex_step(w, tracked_gram @ w + h["rho"] * w, h["pref_lr"])
-        self.step_joint(tracking, tracking_eta, w_next)
+        self.step_joint(new_tracking, tracking_eta, w_next)  # its guards (w_{t+1} finite) are read first
+        self.commit_(tracking, new_tracking)
+        self.commit_(state["tracking_eta"], tracking_eta)
         self.set_w(w_next)
         return self.finish_step(
             batch, w_next, joint_norm(gram, w_next), batch.z.double() * w_next,
