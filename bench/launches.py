@@ -26,6 +26,11 @@ Trunks: ``small`` (the full grid: two 3x3 convolutions with GroupNorm and ReLU, 
 batch 8 at 8 px; counts grow with the number of layers, not their sizes) and ``resnet18`` (torchvision's
 ResNet18 with GroupNorm(32), fc removed, d = 512, batch 2 at 32 px: the issue's model; m = 2 and 40, every
 features row, and MGDA's parameters rows).
+
+``--device cuda`` counts the same steps on a GPU (the models and batches on it; ``launches-cuda.{json,md}``
+by default), with a second, independent sync counter beside the dispatch mode's: torch's own
+``torch.cuda.set_sync_debug_mode("warn")``, which warns at every operation that makes the host wait for the
+device (column ``cuda syncs``).  ``--apis``/``--strategies`` narrow the grid (a GPU call has minutes).
 """
 
 from __future__ import annotations
@@ -119,16 +124,16 @@ def build(trunk: str, layout: str, num_tasks: int, seed: int = 0) -> tuple[Any, 
     return body.train(), heads.train(), head_forward, width
 
 
-def batches(trunk: str, num_tasks: int, count: int = 4, seed: int = 1) -> list[tuple[Any, Any]]:
+def batches(trunk: str, num_tasks: int, count: int = 4, seed: int = 1, device: str = "cpu") -> list[tuple[Any, Any]]:
     import torch
 
     size, image = (8, 8) if trunk == "small" else (2, 32)
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(size, 3, image, image, generator=generator),
-             torch.randint(0, 2, (size, num_tasks), generator=generator).float()) for _ in range(count)]
+    return [(torch.randn(size, 3, image, image, generator=generator).to(device),
+             torch.randint(0, 2, (size, num_tasks), generator=generator).float().to(device)) for _ in range(count)]
 
 
-def make_step(variant: Variant, trunk: str, layout: str, num_tasks: int) -> Callable[[], None]:
+def make_step(variant: Variant, trunk: str, layout: str, num_tasks: int, device: str = "cpu") -> Callable[[], None]:
     """One training step of ``variant`` (zero_grad, forward, backward, optimizer steps), on a cycle of batches."""
     import torch
     import torch.nn.functional as F
@@ -137,7 +142,8 @@ def make_step(variant: Variant, trunk: str, layout: str, num_tasks: int) -> Call
     from drmoo.optim import create
 
     body, heads, head_forward, _ = build(trunk, layout, num_tasks)
-    pool = itertools.cycle(batches(trunk, num_tasks))
+    body, heads = body.to(device), heads.to(device)
+    pool = itertools.cycle(batches(trunk, num_tasks, device=device))
 
     def forward(x: Any, y: Any) -> tuple[Any, Any]:
         z = body(x)
@@ -192,17 +198,38 @@ def make_step(variant: Variant, trunk: str, layout: str, num_tasks: int) -> Call
     return optimizer_step
 
 
-def count(variant: Variant, trunk: str, layout: str, num_tasks: int) -> dict[str, Any]:
-    """The counts of one steady-state step of ``variant`` (after WARMUP_STEPS)."""
+def cuda_sync_warnings(step: Callable[[], None]) -> int:
+    """How many times ``step`` made the host wait for the device, by ``torch.cuda.set_sync_debug_mode``."""
+    import warnings
+
+    import torch
+
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum("synchronizing" in str(warning.message) for warning in caught)
+
+
+def count(variant: Variant, trunk: str, layout: str, num_tasks: int, device: str = "cpu") -> dict[str, Any]:
+    """The counts of one steady-state step of ``variant`` (after WARMUP_STEPS); on CUDA, torch's count too."""
     import torch
 
     torch.set_num_threads(1)
-    step = make_step(variant, trunk, layout, num_tasks)
+    step = make_step(variant, trunk, layout, num_tasks, device)
     for _ in range(WARMUP_STEPS):
         step()
     with OpCounter() as counter:
         step()
-    return {"trunk": trunk, "layout": layout, "m": num_tasks, "method": variant.method, "mode": variant.mode,
+    # torch's own counter, on the step after (the same work: a steady state)
+    cuda_syncs = cuda_sync_warnings(step) if device.startswith("cuda") else None
+    return {"device": device, "cuda_syncs": cuda_syncs,
+            "trunk": trunk, "layout": layout, "m": num_tasks, "method": variant.method, "mode": variant.mode,
             "api": variant.api, "strategy": variant.strategy,
             "default_strategy": variant.strategy == DEFAULT_STRATEGY,
             "ops": counter.ops_total, "views": counter.views, "syncs": len(counter.syncs),
@@ -234,6 +261,9 @@ def table(data: dict[str, Any]) -> str:
         "above plain as a multiple of plain's (`(-x.xx)`: below it; the `step` rows update the trunk with one "
         "`combine` op where plain's SGD takes one op per parameter).",
         "",
+        *([f"Device: {data['device_name']}. Cells: `ops / syncs / cuda syncs`, the last being torch's own count "
+           "of the operations that made the host wait (`torch.cuda.set_sync_debug_mode(\"warn\")`), on the "
+           "step after the counted one.", ""] if data.get("device", "cpu") != "cpu" else []),
         "Rows: method, `jacobian=` mode, API (`balancer`: `drmoo.Balancer(...).backward` then SGD; `step`: the "
         "optimizer's `step(closure)`, which in parameters mode draws a fresh batch per closure call, the method's "
         "multi-batch form), `jacobian_strategy` (`loop`: one backward per task; `batched`: one vmapped backward; "
@@ -268,6 +298,8 @@ def table(data: dict[str, Any]) -> str:
                         texts.append("")
                         continue
                     text = f"{record['ops']:,} / {record['syncs']}"
+                    if record.get("cuda_syncs") is not None:  # torch's own count, on a GPU
+                        text += f" / {record['cuda_syncs']}"
                     if method != "plain" and m in plain:
                         text += f" ({(record['ops'] - plain[m]) / plain[m]:+.2f})"
                     texts.append(text + ("\\*" if record["default_strategy"] else ""))
@@ -299,7 +331,13 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--methods", nargs="+", default=None, choices=("plain", *METHODS),
                         help="only these rows (plain is always counted: the floor)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "launches", help="output path without suffix")
+    parser.add_argument("--apis", nargs="+", default=list(APIS), choices=APIS, help="only these APIs' rows")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES,
+                        help="only these jacobian_strategy rows")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda[:index]: the steps on a GPU, with torch's own "
+                                                         "sync count beside (default out: launches-cuda)")
+    parser.add_argument("--out", type=Path, default=None, help="output path without suffix (default "
+                                                               "bench/results/launches[-cuda])")
     parser.add_argument("--summary-only", type=Path, metavar="JSON", help="only rebuild the .md table of this JSON")
     args = parser.parse_args()
     if args.summary_only is not None:
@@ -312,22 +350,35 @@ def main() -> None:
         sys.path.insert(0, str(ROOT / "python"))
     import torch
 
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device on this machine")
+    if not on_gpu and args.device != "cpu":
+        parser.error(f"--device must be cpu or cuda[:index], not {args.device!r}")
+    default_out = RESULTS / ("launches-cuda" if on_gpu else "launches")
+    args.out = default_out if args.out is None else args.out
     warnings.filterwarnings("ignore", category=UserWarning)
     arguments = [f"--{name} {' '.join(map(str, value))}" for name, value, default in (
         ("trunks", args.trunks, list(TRUNKS)), ("tasks", args.tasks, list(TASKS)),
-        ("layouts", args.layouts, list(LAYOUTS)), ("methods", args.methods, None)) if value != default]
-    if args.out.resolve() != (RESULTS / "launches").resolve():
+        ("layouts", args.layouts, list(LAYOUTS)), ("methods", args.methods, None), ("apis", args.apis, list(APIS)),
+        ("strategies", args.strategies, list(STRATEGIES)), ("device", [args.device], ["cpu"])) if value != default]
+    if args.out.resolve() != default_out.resolve():
         out = args.out.resolve()
         arguments.append(f"--out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     data: dict[str, Any] = {"command": " ".join(["python bench/launches.py", *arguments]), "torch": torch.__version__,
-                            "trunks": args.trunks, "layouts": args.layouts, "records": []}
+                            "trunks": args.trunks, "layouts": args.layouts, "device": args.device,
+                            "device_name": torch.cuda.get_device_name(args.device) if on_gpu else "cpu",
+                            "records": []}
     for trunk in args.trunks:
         for layout in args.layouts:
             for m in (args.tasks if trunk == "small" else RESNET_TASKS):
                 for variant in variants(trunk):
                     if args.methods is not None and variant.method not in ("plain", *args.methods):
                         continue
-                    record = count(variant, trunk, layout, m)
+                    if variant.method != "plain" and (variant.api not in args.apis
+                                                      or variant.strategy not in args.strategies):
+                        continue
+                    record = count(variant, trunk, layout, m, args.device)
                     data["records"].append(record)
                     print(trunk, layout, m, variant.label, record["ops"], record["syncs"], flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)

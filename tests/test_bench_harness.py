@@ -178,3 +178,47 @@ def test_tasks_scaling_batched_parameters_variant_takes_the_same_step() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="parameters-batched"):
         scaling.make_step("parameters-vmap", trunk, heads, 3)
+
+
+def test_rep_grad_baseline_is_mgda_on_the_representation() -> None:
+    """The hand-written rep-grad baseline: trunk gradient = J^T (w_1 g_1 + w_2 g_2), w the min-norm weights of the
+    gradients g_i w.r.t. z (closed form for m = 2, which Frank-Wolfe with exact line search reaches in one
+    iteration); each head gets its own task's gradient."""
+    scaling = _load("drmoo_tasks_scaling_rep_grad", BENCH / "tasks_scaling.py")
+    torch.manual_seed(0)
+    trunk = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 512), torch.nn.Tanh())
+    heads = torch.nn.ModuleList(torch.nn.Linear(512, 1) for _ in range(2))
+    x, y = scaling.batch(2, size=4)
+    losses, rep = scaling.forward_of("rep-grad", trunk, heads, 2)(x, y)
+    scaling.rep_grad_backward(losses, rep, list(heads.parameters()))
+    got = [p.grad.clone() for p in (*trunk.parameters(), *heads.parameters())]
+
+    for p in (*trunk.parameters(), *heads.parameters()):
+        p.grad = None
+    z = trunk(x)
+    task_losses = torch.nn.functional.binary_cross_entropy_with_logits(
+        torch.cat([head(z) for head in heads], dim=1), y, reduction="none").mean(0)
+    g1, g2 = (torch.autograd.grad(loss, z, retain_graph=True)[0].flatten() for loss in task_losses)
+    w1 = ((g2 - g1) @ g2 / (g1 - g2).square().sum()).clamp(0, 1)
+    trunk_grads = torch.autograd.grad(w1 * task_losses[0] + (1 - w1) * task_losses[1], list(trunk.parameters()),
+                                      retain_graph=True)
+    head_grads = torch.autograd.grad(task_losses.sum(), list(heads.parameters()))
+    # float32 sums of O(1) terms over 3,072 x 512 entries: rounding ~1e-6 relative; a wrong weight moves it by ~w1
+    for a, b in zip(got, (*trunk_grads, *head_grads)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_tasks_scaling_runs_without_torchjd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without TorchJD its variants are left out, and the table says so, instead of a crash at the version lookup."""
+    scaling = _load("drmoo_tasks_scaling_no_torchjd", BENCH / "tasks_scaling.py")
+    assert scaling.installed_version("drmoo-no-such-package") is None
+    monkeypatch.setattr(scaling, "installed_version", lambda package: None)
+    out = tmp_path / "scaling"
+    monkeypatch.setattr("sys.argv", ["tasks_scaling.py", "--trunks", "tiny", "--heads", "shared", "--batch", "2",
+                                     "--tasks", "2", "--rounds", "1", "--no-memory", "--all-cells", "--variants",
+                                     "plain", "torchjd-mgda", "--out", str(out)])
+    scaling.main()
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["torchjd"] == "not installed" and data["left_out"] == ["torchjd-mgda"]
+    assert set(data["records"][0]["median_s"]) == {"plain"}
+    assert "Left out: torchjd-mgda (TorchJD is not installed here)." in out.with_suffix(".md").read_text()
