@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from drmoo.data.celeba import ALL_ATTRIBUTES, ATTRIBUTES, CelebA, find_celeba_root, load_celeba
@@ -26,9 +26,18 @@ from drmoo.models import MultiTaskModel, MultiTaskResNet, resolve_weights
 from drmoo.optim import available
 from drmoo.store import save_result
 
+from .dr_tables import dr_comparison
 from .evaluation import load_trained_run
 from .registry import Experiment, register
-from .robustness import ensure_trained, prepare_comparison, reusable_result, time_text, write_comparison
+from .robust_eval import collect_logits, json_safe, robustness_report, robustness_tables
+from .robustness import (
+    ensure_trained,
+    has_robustness,
+    prepare_comparison,
+    reusable_result,
+    time_text,
+    write_comparison,
+)
 from .run_config import RunConfig
 from .summaries import mean_std, mean_std_text
 from .training import read_diverged
@@ -110,43 +119,36 @@ def build_celeba(config: RunConfig) -> tuple[MultiTaskModel, CelebA]:
     return model, data
 
 
-@torch.no_grad()
-def predict(model: nn.Module, data: CelebA, batch_size: int, device: torch.device, progress: bool = False
-            ) -> tuple[Tensor, Tensor]:
-    """Hard predictions (argmax) and positive-class probabilities ``[N, m]`` on the test split."""
-    model.eval()
-    predictions, scores = [], []
-    for start in tqdm(range(0, len(data.test_images), batch_size), desc="test", disable=not progress):
-        logits = model(data.images(data.test_images[start : start + batch_size]).to(device))
-        predictions.append(torch.stack([z.argmax(1) for z in logits], dim=1).cpu())
-        scores.append(torch.stack([z.float().softmax(1)[:, 1] for z in logits], dim=1).cpu())
-    return torch.cat(predictions), torch.cat(scores)
+def predictions_and_scores(logits: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Hard predictions (argmax) and positive-class probabilities ``[N, m]`` of every two-class task's logits."""
+    predictions = torch.stack([z.argmax(1) for z in logits], dim=1)
+    scores = torch.stack([z.float().softmax(1)[:, 1] for z in logits], dim=1)
+    return predictions, scores
 
 
-def _json_safe(value: Any) -> Any:
-    """NaN (an undefined AUC) -> null, so eval.json is strict JSON."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    return value
+_json_safe = json_safe  # NaN (an undefined AUC) -> null, so eval.json is strict JSON
 
 
 def evaluate_celeba(run_dir: Path, *, eps: list[float] | None = None, progress: bool = True,
-                    device: str | None = None) -> dict[str, Any]:
-    """Test-split accuracy, balanced accuracy and AUC of a trained run; writes and returns eval.json's content.
+                    device: str | None = None, noise_sigmas: list[float] | None = None) -> dict[str, Any]:
+    """Test-split accuracy, balanced accuracy and AUC of a trained run, and its robustness block
+    (:func:`~drmoo.experiments.robust_eval.robustness_report`, with the label-balancing weights' nominal);
+    writes and returns eval.json's content.
 
     ``eps`` is accepted for the common ``Experiment.evaluate`` signature and ignored (Table 2 is clean).
     """
     config, model, data, target, provenance = load_trained_run(run_dir, build_celeba, device)
-    predictions, scores = predict(model, data, 2 * config.batch_size, target, progress)
+    batch = 2 * config.batch_size
+    logits = collect_logits(model, data.test_images, data.test_labels, data.images, batch, target)
+    predictions, scores = predictions_and_scores(logits)
     metrics = task_metrics(data.test_labels, predictions, scores, names=list(data.attributes))
     report = {"run": str(run_dir), "method": config.method, "seed": config.seed, "experiment": config.experiment,
               "split": "test", "train_samples": int(data.train_labels.shape[0]),
-              "test_samples": int(data.test_labels.shape[0]), **provenance, **metrics}
-    save_result(run_dir / "eval.json", _json_safe(report))  # strict JSON, written atomically
+              "test_samples": int(data.test_labels.shape[0]), **provenance, **metrics,
+              "robustness": robustness_report(model, data.test_images, data.test_labels, data.images, batch, target,
+                                              config, logits, label_balancing_weights, noise_sigmas)}
+    report = json_safe(report)
+    save_result(run_dir / "eval.json", report)  # strict JSON, written atomically
     return report
 
 
@@ -170,7 +172,7 @@ def metrics_table(report: dict[str, Any]) -> str:
     if report["auc_undefined_tasks"]:
         lines += ["", f"AUC undefined (one class in the test labels), left out of the average: "
                       f"{', '.join(report['auc_undefined_tasks'])}"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + ("\n" + robustness_tables(report) if "robustness" in report else "")
 
 
 def table_two(reports: list[dict[str, Any]], header: str) -> tuple[str, list[dict[str, Any]]]:
@@ -194,6 +196,7 @@ def table_two(reports: list[dict[str, Any]], header: str) -> tuple[str, list[dic
 
 def _celeba_report_fits(report: dict[str, Any]) -> bool:
     return (isinstance(report["train_samples"], int) and isinstance(report["test_samples"], int)
+            and has_robustness(report)
             and all(report[key] is None or isinstance(report[key], float) for key, _ in METRICS)
             and all(isinstance(report[key], list) for key in ("tasks", "accuracy", "balanced_accuracy", "auc")))
 
@@ -228,7 +231,8 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
         f"{time_text(out, names, started)}"
     )
     table, rows = table_two(reports, header)
-    return write_comparison(out, table, rows, reports)
+    robust = dr_comparison(reports, "double-clip", out)
+    return write_comparison(out, table + ("\n" + robust if robust else ""), rows, reports)
 
 
 CELEBA, CELEBA40 = (

@@ -90,23 +90,42 @@ def check_eps(eps_values: Iterable[float]) -> list[float]:
 def evaluate_robustness(
     run_dir: Path, build: Build, eps_values: list[float],
     progress: bool = True, device: str | None = None, eps_space: str = "pixel",
+    noise_sigmas: list[float] | None = None,
 ) -> dict[str, Any]:
-    """FGSM accuracy per task and on average for each eps; writes and returns eval.json's content.
+    """FGSM accuracy and the robustness metrics per task and on average for each eps; writes and returns
+    eval.json's content.
+
+    Each eps's result carries :func:`~drmoo.experiments.robust_eval.metrics_block` (tail, worst case,
+    calibration, worst digit) beside its accuracy; ``robustness`` holds the clean metrics with the fitted
+    temperature and under graded shift (:func:`~drmoo.experiments.robust_eval.robustness_report`, Gaussian
+    noise at ``noise_sigmas``, default :data:`~drmoo.experiments.shifts.NOISE_SIGMAS`).
 
     eval.json also records the eps space, the training budget spent (iterations, samples drawn) and the
     checkpoint evaluated (step, payload SHA-256), all read from the checkpoint the weights came from.
     When eval.json cannot be written, :class:`drmoo.store.ResultNotSaved` carries the report.
     """
+    from .robust_eval import collect_logits, json_safe, metrics_block, robustness_report, run_ball
+
     eps_values = check_eps(eps_values)
     config, model, data, target, provenance = load_trained_run(run_dir, build, device)
-    results = []
+    batch, labels, ball = 2 * config.batch_size, data.test_labels, run_ball(config)
+    step_scale = pixel_step(model, eps_space)
+    results, clean = [], None
     for eps in tqdm(eps_values, desc="FGSM", disable=not progress):
-        task_acc = accuracy(model, data.test_images, data.test_labels, 2 * config.batch_size, target, data.images, eps,
-                            eps_space)
-        results.append({"eps": eps, "mean_acc": sum(task_acc) / len(task_acc), "task_acc": task_acc})
+        logits = collect_logits(model, data.test_images, labels, data.images, batch, target, eps=eps,
+                                step_scale=step_scale)
+        task_acc = [float((z.argmax(1) == labels[:, i]).double().mean()) for i, z in enumerate(logits)]
+        results.append({"eps": eps, "mean_acc": sum(task_acc) / len(task_acc), "task_acc": task_acc,
+                        "metrics": metrics_block(logits, labels, ball)})
+        clean = logits if eps == 0 else clean
+    if clean is None:
+        clean = collect_logits(model, data.test_images, labels, data.images, batch, target)
     report = {"run": str(run_dir), "method": config.method, "label": config.name, "seed": config.seed,
               "experiment": config.experiment, "model": config.model, "eval_split": config.eval_split,
-              "attack": "fgsm", "eps_space": eps_space, "test_samples": int(data.test_labels.shape[0]),
-              **provenance, "results": results}
+              "attack": "fgsm", "eps_space": eps_space, "test_samples": int(labels.shape[0]),
+              **provenance, "results": results,
+              "robustness": robustness_report(model, data.test_images, labels, data.images, batch, target, config,
+                                              clean, noise_sigmas=noise_sigmas)}
+    report = json_safe(report)
     save_result(run_dir / "eval.json", report)
     return report

@@ -39,11 +39,20 @@ from drmoo.store import read_json, save_result, write_csv, write_text
 
 from . import celeba, multimnist
 from .celeba import label_balancing_weights
+from .dr_tables import dr_comparison
 from .evaluation import load_trained_run
 from .jobs import run_in_workers
 from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
-from .robustness import ensure_trained, prepare_comparison, reusable_result, time_text, write_comparison
+from .robust_eval import collect_logits, json_safe, robustness_report, robustness_tables
+from .robustness import (
+    ensure_trained,
+    has_robustness,
+    prepare_comparison,
+    reusable_result,
+    time_text,
+    write_comparison,
+)
 from .run_config import RunConfig
 from .summaries import mean_std, mean_std_text
 from .training import read_diverged
@@ -136,14 +145,18 @@ def balanced_set_metrics(data: MnistAttributes, predictions: Tensor, scores: Ten
 
 
 def evaluate_attributes(run_dir: Path, *, eps: list[float] | None = None, progress: bool = True,
-                        device: str | None = None) -> dict[str, Any]:
-    """Both evaluation sets' metrics of a trained run; writes and returns eval.json's content.
+                        device: str | None = None, noise_sigmas: list[float] | None = None) -> dict[str, Any]:
+    """Both evaluation sets' metrics of a trained run, and the prevalence set's robustness block
+    (:func:`~drmoo.experiments.robust_eval.robustness_report`, with the label-balancing weights' nominal
+    for both experiments: it is the same yardstick whether or not training used the weights); writes and
+    returns eval.json's content.
 
     ``eps`` is accepted for the common ``Experiment.evaluate`` signature and ignored (Table 2 is clean).
     """
     config, model, data, target, provenance = load_trained_run(run_dir, build_mnist_attributes, device)
     batch = 2 * config.batch_size
-    predictions, scores = predict(model, data.test_images, data.images, batch, target)
+    logits = collect_logits(model, data.test_images, data.test_labels, data.images, batch, target)
+    predictions, scores = celeba.predictions_and_scores(logits)
     prevalence = task_metrics(data.test_labels, predictions, scores, names=list(data.attributes))
     prevalence["worst_balanced_accuracy"] = min(prevalence["balanced_accuracy"])
     pool_predictions, pool_scores = predict(model, data.balanced_images, data.images, batch, target)
@@ -151,8 +164,12 @@ def evaluate_attributes(run_dir: Path, *, eps: list[float] | None = None, progre
               "experiment": config.experiment, "split": config.eval_split,
               "train_samples": int(data.train_labels.shape[0]), "test_samples": int(data.test_labels.shape[0]),
               "train_positive_rate": data.train_labels.double().mean(0).tolist(), **provenance,
-              "prevalence": prevalence, "balanced": balanced_set_metrics(data, pool_predictions, pool_scores)}
-    save_result(run_dir / "eval.json", celeba._json_safe(report))
+              "prevalence": prevalence, "balanced": balanced_set_metrics(data, pool_predictions, pool_scores),
+              # on the prevalence set; both experiments are also measured under the label-balancing nominal
+              "robustness": robustness_report(model, data.test_images, data.test_labels, data.images, batch, target,
+                                              config, logits, label_balancing_weights, noise_sigmas)}
+    report = json_safe(report)
+    save_result(run_dir / "eval.json", report)
     return report
 
 
@@ -179,7 +196,7 @@ def metrics_table(report: dict[str, Any]) -> str:
                  f"{_percent(balanced['mean_accuracy'])} | {_percent(balanced['mean_auc'])} |")
     lines.append(f"| **worst task** | | | {_percent(prevalence['worst_balanced_accuracy'])} | | "
                  f"{_percent(balanced['worst_balanced_accuracy'])} | |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + ("\n" + robustness_tables(report) if "robustness" in report else "")
 
 
 def _value(report: dict[str, Any], column: str) -> float:
@@ -228,7 +245,7 @@ def paired_table(reports: Sequence[dict[str, Any]], reference: str) -> tuple[str
 
 
 def _report_fits(report: dict[str, Any]) -> bool:
-    return (isinstance(report["label"], str) and isinstance(report["seed"], int)
+    return (isinstance(report["label"], str) and isinstance(report["seed"], int) and has_robustness(report)
             and all(isinstance(report[split][key], float) for split in SETS for key, _ in METRICS))
 
 
@@ -275,7 +292,8 @@ def compare_attributes(configs: list[RunConfig], out: Path, *, eps: list[float] 
     if paired_text:
         table += "\n" + paired_text
         write_csv(out / "paired.csv", paired)
-    return write_comparison(out, table, rows, reports)
+    robust = dr_comparison(reports, reference, out)
+    return write_comparison(out, table + ("\n" + robust if robust else ""), rows, reports)
 
 
 def read_reports(folder: Path, prefix: str = "") -> list[dict[str, Any]]:

@@ -59,14 +59,19 @@ def paired_differences(
     return rows
 
 
-def paired_markdown(rows: Sequence[Mapping[str, Any]], labels: Mapping[Any, str], unit: str = "points") -> str:
-    """One line per other row: per column, the mean difference, its 95 % CI and the reference's wins."""
+def paired_markdown(rows: Sequence[Mapping[str, Any]], labels: Mapping[Any, str], unit: str = "points",
+                    sense: str = "better") -> str:
+    """One line per other row: per column, the mean difference, its 95 % CI and the reference's wins.
+
+    ``sense`` says what a positive difference means: "better" (every column higher-is-better) or "higher"
+    (columns of both senses, e.g. losses beside accuracies)."""
     if not rows:
         return ""
     reference = rows[0]["reference"]
     columns = list(dict.fromkeys(row["column"] for row in rows))
+    meaning = f"{reference} is better" if sense == "better" else f"{reference} is higher (on a loss or ECE: worse)"
     lines = [
-        f"Paired differences, {reference} minus each row ({unit}; positive: {reference} is better): mean over the "
+        f"Paired differences, {reference} minus each row ({unit}; positive: {meaning}): mean over the "
         "seeds both ran, [95 % confidence interval, Student's t], and the seeds on which "
         f"{reference} is higher. An interval that contains 0 is no evidence of a difference.",
         "",

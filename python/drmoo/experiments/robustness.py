@@ -31,19 +31,21 @@ from drmoo.store import (
 
 from . import multimnist
 from .checkpoints import CHECKPOINT, result_matches_checkpoint
+from .dr_tables import dr_comparison
 from .evaluation import evaluate_robustness
 from .jobs import run_in_workers
 from .multimnist import build_multimnist
 from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
+from .robust_eval import robustness_tables
 from .run_config import RunConfig, config_differences, read_run_config
 from .summaries import fgsm_comparison, mean_std, mean_std_text
 from .training import DIVERGED, Build, check_fresh_directory, check_run_names, read_diverged, train
 from .variants import run_dir_name
 
 __all__ = ["MAX_JOBS", "balancing_table", "check_distinct", "compare", "ensure_trained", "eval_table",
-           "preference_trace", "prepare_comparison", "robustness_figure", "robustness_table", "train_and_evaluate",
-           "write_comparison"]
+           "has_robustness", "preference_trace", "prepare_comparison", "robustness_figure", "robustness_table",
+           "train_and_evaluate", "write_comparison"]
 
 
 MAX_JOBS = 256  # worker processes of one comparison (drmoo.cli.MAX_JOBS checks the option against it)
@@ -62,7 +64,7 @@ def eval_table(report: dict[str, Any]) -> str:
     for row in report["results"]:
         cells = " | ".join(f"{100 * a:.2f}" for a in row["task_acc"])
         lines.append(f"| {row['eps']:g} | {cells} | {100 * row['mean_acc']:.2f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + ("\n" + robustness_tables(report) if "robustness" in report else "")
 
 
 def robustness_table(reports: list[dict[str, Any]], eps_values: list[float], header: str
@@ -149,6 +151,12 @@ def _finished(run_dir: Path, config: RunConfig) -> bool:
 WEIGHTS_ABSENT = "weights_absent"
 
 
+def has_robustness(report: dict[str, Any]) -> bool:
+    """A report with the robustness block, or one that cannot be recomputed (its weights are absent): an
+    eval.json of an older drmoo, without the block, is recomputed where its checkpoint is there."""
+    return isinstance(report.get("robustness"), dict) or bool(report.get(WEIGHTS_ABSENT))
+
+
 def reusable_result(run_dir: Path, valid: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
     """``run_dir``'s eval.json when it is readable, ``valid`` and computed from the checkpoint there now; else None.
 
@@ -188,6 +196,7 @@ def _shared_without_weights(run_dir: Path, report: dict[str, Any]) -> bool:
 def _fgsm_report_fits(report: dict[str, Any], eps_values: list[float], eps_space: str) -> bool:
     results = report["results"]
     return (isinstance(results, list) and [r["eps"] for r in results] == list(eps_values)
+            and has_robustness(report)
             and all(isinstance(r["mean_acc"], float) and isinstance(r["task_acc"], list) for r in results)
             and report.get("eps_space", "pixel") == eps_space
             and all(isinstance(report[key], int) for key in ("test_samples", "iterations", "samples_seen")))
@@ -470,6 +479,9 @@ def compare(configs: list[RunConfig], out: Path, eps_values: list[float], progre
         write_csv(out / "paired.csv", paired)
     else:  # no paired differences in this comparison: one left by an earlier one would be read as its own
         remove_file(out / "paired.csv")
+    robust = dr_comparison(reports, reference, out)
+    if robust:
+        table += "\n" + robust
     note = run_notes(reports)
     if note:
         table += "\n" + note
@@ -485,9 +497,9 @@ def _multimnist_experiment(name: str) -> Experiment:
     """Multi-MNIST with ``name``'s digit count: built by multimnist.py, FGSM-evaluated and compared here."""
 
     def evaluate(run_dir: Path, *, eps: list[float], progress: bool = True, device: str | None = None,
-                 eps_space: str = "pixel") -> dict[str, Any]:
+                 eps_space: str = "pixel", noise_sigmas: list[float] | None = None) -> dict[str, Any]:
         return evaluate_robustness(run_dir, build_multimnist, eps, progress=progress, device=device,
-                                   eps_space=eps_space)
+                                   eps_space=eps_space, noise_sigmas=noise_sigmas)
 
     def compare_runs(configs: list[RunConfig], out: Path, *, eps: list[float], progress: bool = True,
                      eps_space: str = "pixel", reference: str = "double-clip", jobs: int = 1) -> str:
