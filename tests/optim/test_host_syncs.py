@@ -324,3 +324,28 @@ def test_pieces_of_z_that_are_disjoint_views_of_one_tensor_read_the_host_once(to
     with counting_syncs(monkeypatch) as counter:
         step()
     assert len(counter.reads) == 1, counter.reads
+
+
+def test_ranks_agree_on_the_losses_without_a_host_to_device_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every data-parallel step (capturable included) agrees on the losses' finite flags and the shard size B in
+    one collective; its payload is built on the device -- a tensor made from host numbers (``aten.lift_fresh``)
+    would be a blocking host-to-device copy in every step on a GPU."""
+    from drmoo.optim import _agreement
+
+    monkeypatch.setattr(_agreement.distributed, "all_reduce_max", lambda values: values)  # one rank
+    losses, finite = torch.ones(5, 3), torch.tensor([True, False, True])
+
+    class FromHost(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy, aten.scalar_tensor):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with FromHost() as from_host:
+        flags, rows = _agreement.agree_on_losses(losses, finite)
+    assert from_host.ops == []
+    assert flags.tolist() == [True, False, True] and rows.tolist() == [5, -5]

@@ -60,8 +60,11 @@ def agree_on_losses(losses: Tensor, finite: Tensor) -> tuple[Tensor, Tensor]:
     values, so every rank raises :func:`unequal_shards_error`, or none).
     """
     rows = losses.shape[0]
-    flags = torch.cat([(~finite).to(torch.int64),
-                       torch.tensor([rows, -rows], dtype=torch.int64, device=finite.device)])
+    # [B, -B] filled on the device: a tensor built from host numbers would be a blocking host-to-device copy
+    # in every step (capturable ones included)
+    shard_rows = torch.full((2,), rows, dtype=torch.int64, device=finite.device)
+    shard_rows[1:].neg_()
+    flags = torch.cat([(~finite).to(torch.int64), shard_rows])
     flags = distributed.all_reduce_max(flags)
     return flags[:-2] == 0, flags[-2:]
 
