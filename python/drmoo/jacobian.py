@@ -19,7 +19,9 @@ between them (``jacobian_strategy`` on the optimizers and the Balancer: ``"auto"
 * ``auto`` (the default) - :func:`resolve_strategy`: parameters mode takes ``batched`` on a GPU and
   ``loop`` on the CPU (the least memory traffic); features mode takes the rows of separate heads from
   one ordinary pass when the graph has them (:mod:`drmoo._head_split`), else ``batched`` on a GPU or
-  above 4 tasks, ``loop`` otherwise.
+  above 4 tasks, ``loop`` otherwise.  Never ``batched`` through a ``torch.compile``'d backward, which torch
+  cannot run under vmap (:func:`without_vmap_over_compiled`: ``auto`` takes ``loop`` there, an explicit
+  ``batched`` is refused).
 
 With ``feed_heads`` every other leaf of the graph (the task-specific heads) also accumulates the
 gradient of sum_i L^i in its ``.grad`` - head i sees only task i - in the same passes (``loop``) or
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STRATEGIES", "accumulate_into_grad", "check_strategy", "column_views", "copy_into_row", "feed_head_grads",
            "gradients_arriving_at", "graph_leaves", "head_leaves", "heads_above_features", "require_reached",
-           "resolve_strategy", "task_jacobian"]
+           "resolve_strategy", "task_jacobian", "without_vmap_over_compiled"]
 
 STRATEGIES: tuple[str, ...] = ("auto", "loop", "batched")
 # Features mode on the CPU: the rows above z by one vmapped pass above this many tasks, else per-task passes
@@ -63,6 +65,40 @@ def resolve_strategy(strategy: str, device: torch.device, num_tasks: int, *, fea
     if device.type != "cpu":  # launches dominate: the fewest
         return "batched"
     return "batched" if features and num_tasks > BATCHED_ABOVE_TASKS else "loop"
+
+
+def compiled_backward_in(losses: Tensor, above: Sequence[Tensor] = ()) -> str | None:
+    """The name of a ``torch.compile``'d backward node in the graph of ``losses`` (None if it has none),
+    not looking below the tensors ``above`` (features mode: only the heads, above z, are vmapped)."""
+    stops = {id(t.grad_fn) for t in above if t.grad_fn is not None}
+    held = [t.grad_fn for t in above]  # their wrappers, so that the walk meets these very ids
+    visited: dict[int, Any] = {}
+    stack: list[Any] = [losses.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in visited or id(node) in stops:
+            continue
+        visited[id(node)] = node
+        name = node.name()
+        if name.startswith("CompiledFunction"):  # AOTAutograd's autograd.Function (every torch.compile backend)
+            return str(name)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    del held
+    return None
+
+
+def without_vmap_over_compiled(asked: str, resolved: str, losses: Tensor, above: Sequence[Tensor] = ()) -> str:
+    """``resolved``, unless it is ``"batched"`` and the graph holds a compiled backward, which torch cannot run
+    under vmap: then ``"loop"`` for ``asked == "auto"``, a ValueError naming the fix for an explicit ``"batched"``."""
+    if resolved != "batched" or (compiled := compiled_backward_in(losses, above)) is None:
+        return resolved
+    if asked == "auto":
+        return "loop"
+    raise ValueError(
+        f"jacobian_strategy='batched' runs the per-task backward passes under torch.func.vmap, and torch cannot "
+        f"run a torch.compile'd backward there (these losses' graph holds one: {compiled}); use "
+        "jacobian_strategy='loop', or 'auto', which picks it for compiled code"
+    )
 
 
 def graph_leaves(losses: Tensor) -> Iterator[Tensor]:
@@ -182,7 +218,8 @@ def task_jacobian(
     heads the leaves above z (:func:`heads_above_features`).
     """
     num_tasks = losses.shape[1]
-    strategy = resolve_strategy(strategy, out.device, num_tasks, features=False)
+    strategy = without_vmap_over_compiled(strategy, resolve_strategy(strategy, out.device, num_tasks, features=False),
+                                          losses, shared)
     n = sum(p.numel() for p in shared)
     if tuple(out.shape) != (num_tasks, n):
         raise ValueError(f"Jacobian buffer has shape {tuple(out.shape)}, expected ({num_tasks}, {n})")

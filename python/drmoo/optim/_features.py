@@ -60,6 +60,7 @@ from drmoo.jacobian import (
     require_reached,
     resolve_strategy,
     task_jacobian,
+    without_vmap_over_compiled,
 )
 
 from ._direction import write_direction
@@ -266,7 +267,8 @@ class FeaturesJacobian:
                 accumulate_into_grad(heads, head_grads)
                 jacobian = out
             else:
-                strategy = resolve_strategy(strategy, out.device, host.num_tasks, features=True)
+                resolved = resolve_strategy(strategy, out.device, host.num_tasks, features=True)
+                strategy = without_vmap_over_compiled(strategy, resolved, losses, self.features)
                 jacobian = task_jacobian(losses, scaled, self.features, out, strategy=strategy,
                                          feed_heads=bool(heads), retain_graph=True, heads=heads)
         if scale != 1.0:
