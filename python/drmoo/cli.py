@@ -588,11 +588,14 @@ def _refuse_contradictions(args: argparse.Namespace, config: Any, run_dir: Any) 
 def _add_eval(sub: argparse._SubParsersAction[_Parser]) -> None:
     parser = sub.add_parser(
         "eval", help="evaluate a trained run: FGSM accuracy per task and eps (Multi-MNIST); accuracy, balanced "
-        "accuracy and AUC per attribute (CelebA)",
+        "accuracy and AUC per attribute (CelebA); tail loss, worst case, calibration and graded shift (all)",
         description="Load the weights saved in a run directory of drmoo train and evaluate them on the run's test "
         "split: Multi-MNIST under the FGSM attack at each --eps (per-task and mean accuracy), CelebA clean "
-        "(accuracy, balanced accuracy and AUC per attribute). Prints the table and writes eval.json in the run, "
-        "which records the checkpoint it evaluated.",
+        "(accuracy, balanced accuracy and AUC per attribute); and for every experiment, per task and averaged, "
+        "the robustness metrics (mean loss, CVaR, the f-divergence worst case, ECE, the loss on errors, the "
+        "worst class), with a fitted temperature, under each FGSM eps, label shift and Gaussian pixel noise "
+        "(docs/robustness-metrics.md). Prints the tables and writes eval.json in the run, which records the "
+        "checkpoint it evaluated; a finished run evaluated before is evaluated again, eval.json replaced whole.",
     )
     parser.add_argument("--run", type=_path, required=True, metavar="RUN_DIR", help="the run directory of drmoo train")
     parser.add_argument("--attack", default="fgsm", choices=ATTACKS, help="the paper's attack (default: %(default)s)")
@@ -600,9 +603,20 @@ def _add_eval(sub: argparse._SubParsersAction[_Parser]) -> None:
                         help="FGSM budgets, comma-separated (Multi-MNIST; CelebA is evaluated clean; "
                         "default: 0,0.01,0.03,0.05,0.08)")
     _add_eps_space(parser)
+    parser.add_argument("--noise", type=_noise_list, metavar="SIGMAS",
+                        help="standard deviations of the Gaussian pixel noise (covariate shift), comma-separated, "
+                        "each in (0, 1] on the [0, 1] image (default: 0.1,0.2,0.3)")
     parser.add_argument("--device", help="override the run's device (default: the run's)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=_run_eval)
+
+
+def _noise_list(text: str) -> list[float]:
+    """``eval --noise``: pixel-noise standard deviations, each in (0, 1], none repeated."""
+    values = _float_list(text)
+    if not values or any(not 0 < value <= 1 for value in values):
+        raise argparse.ArgumentTypeError(f"expected standard deviations in (0, 1], got {echo(text)}")
+    return _distinct(values, text)
 
 
 def _run_eval(args: argparse.Namespace) -> int:
@@ -621,8 +635,9 @@ def _run_eval(args: argparse.Namespace) -> int:
     if eps_given and "eps_space" not in inspect.signature(experiment.evaluate).parameters:
         raise UsageError(f"--eps: the {experiment.name} evaluation is clean (no FGSM attack); leave --eps out")
     try:
+        noise = {} if args.noise is None else {"noise_sigmas": args.noise}
         report = experiment.evaluate(Path(args.run), eps=args.eps, progress=not args.quiet, device=args.device,
-                                     **_eps_space_option(args, experiment.evaluate, experiment.name))
+                                     **_eps_space_option(args, experiment.evaluate, experiment.name), **noise)
     except ResultNotSaved as error:  # computed: show it, then say (one line, status 2) that it was not saved
         print(experiment.eval_table(error.result))
         raise

@@ -130,3 +130,14 @@ def test_compare_tables_carry_every_robustness_column_with_paired_differences(tm
     assert "on a loss or ECE: worse" in text
     table = list(csv.DictReader((tmp_path / "dr-table.csv").open()))
     assert any(r["column"] == "noise=0.2:cvar_0.05" and r["method"] == "mgda" for r in table)
+
+
+def test_eval_noise_option_sets_the_covariate_grid(multimnist_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", "--run", str(multimnist_run), "--eps", "0", "--noise", "0.5", "--quiet"]) == 0
+    report = json.loads((multimnist_run / "eval.json").read_text())
+    assert [p["sigma"] for p in report["robustness"]["noise"]["points"]] == [0.5]
+    capsys.readouterr()
+    for bad in ("0", "1.5", "0.1,0.1", "nan"):
+        with pytest.raises(SystemExit):
+            main(["eval", "--run", str(multimnist_run), "--noise", bad, "--quiet"])
+        assert "--noise" in capsys.readouterr().err
