@@ -106,6 +106,7 @@ from typing import Any, Literal, cast, get_args, overload
 import torch
 from torch import Tensor
 
+from ._fsdp import ALTERNATIVE
 from ._grad_watch import GradientAccumulationWarning, GradWatch
 from .jacobian import graph_leaves
 from .optim import NonFiniteStepError, available, create
@@ -173,6 +174,23 @@ def _reaches(losses: Tensor, params: Iterable[Tensor]) -> bool:
     if losses.grad_fn is None:
         return id(losses) in wanted
     return any(id(leaf) in wanted for leaf in graph_leaves(losses))
+
+
+def _refuse_scaled_losses(losses: Any, scaler: torch.amp.GradScaler | None) -> None:
+    """Refuse ``scaler.scale(losses)``: the losses' values set the DR weights, so they must be the unscaled
+    ones (the scale is applied to the backward passes instead).  Known from the graph, no value read: the
+    losses' last op multiplies by the very scale tensor of the ``scaler`` given."""
+    tensor = losses[0] if isinstance(losses, tuple) and losses else losses
+    scale = getattr(scaler, "_scale", None)
+    node = getattr(tensor, "grad_fn", None)
+    if scale is None or node is None or node.name() != "MulBackward0":
+        return
+    if getattr(node, "_saved_other", None) is scale or getattr(node, "_saved_self", None) is scale:
+        raise ValueError(
+            "Balancer.backward takes the unscaled losses and the scaler itself: pass "
+            "backward(losses, scaler=scaler), not scaler.scale(losses) (the losses' values set the DR weights; "
+            "the balancer applies the scale to its backward passes)"
+        )
 
 
 class Balancer:
@@ -396,6 +414,7 @@ class Balancer:
         if finding is not None:
             warnings.warn(finding, GradientAccumulationWarning, stacklevel=2)
         scale = self._scale_of(scaler)
+        _refuse_scaled_losses(losses, scaler)
         if check_flag("accumulate", accumulate):
             return self._reduce_micro_batch(losses, features, scale, scaler)
         drawn: list[Any] = []  # what every draw of this step returned (the overflow marker finds the heads in it)
@@ -586,6 +605,9 @@ class Balancer:
             raise ValueError(
                 "the losses do not depend on the balancer's shared parameters: pass the parameters the "
                 "losses are computed from (e.g. model.trunk.parameters()) to drmoo.Balancer"
+                + (f" (or, if the model was wrapped by FSDP or fully_shard after the balancer was built: FSDP "
+                   f"replaced those parameters, and FSDP-sharded ones are not supported; {ALTERNATIVE})"
+                   if torch.distributed.is_available() and torch.distributed.is_initialized() else "")
             )
 
     def _hand_overflow_to(self, scaler: torch.amp.GradScaler, drawn: list[Any]) -> None:

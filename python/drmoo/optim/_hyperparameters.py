@@ -9,12 +9,15 @@ device and dtype (they share one flat gradient buffer).
 
 from __future__ import annotations
 
+import inspect
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from drmoo._fsdp import refuse_sharded
 from drmoo_kernels import get_divergence
 from drmoo_kernels._checks import check_positive as check_positive  # re-exported: the methods' modules use it
 
@@ -194,6 +197,23 @@ def check_new_params(groups: Sequence[dict[str, Any]], shared: Sequence[Tensor],
     return new_params
 
 
+def check_params_argument(params: Any) -> Any:
+    """The shared parameters as given, unless they are a mistake torch would name obscurely: a module itself
+    ("'Linear' object is not iterable") or a generator already consumed ("an empty parameter list")."""
+    if isinstance(params, torch.nn.Module):
+        raise TypeError(
+            f"the shared parameters must be tensors, got the module {type(params).__name__} itself: pass its "
+            "parameters, e.g. model.trunk.parameters()"
+        )
+    if isinstance(params, types.GeneratorType) and inspect.getgeneratorstate(params) == inspect.GEN_CLOSED:
+        raise ValueError(
+            f"the shared parameters are a generator that is already exhausted ({params.__qualname__}(), consumed "
+            "by whatever iterated it first, e.g. another optimizer built from the same call): call "
+            "model.trunk.parameters() again for each optimizer, or pass a list"
+        )
+    return params
+
+
 def check_num_tasks(num_tasks: int) -> int:
     """The number of tasks m: an int in [1, MAX_TASKS]."""
     if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or not 1 <= num_tasks <= MAX_TASKS:
@@ -205,6 +225,7 @@ def shared_device(shared: Sequence[Tensor]) -> torch.device:
     """The device of the shared parameters (one, see :func:`check_new_params`): there must be some, with data."""
     if not shared:
         raise ValueError("the optimizer got no parameters that require grad")
+    refuse_sharded(shared)  # FSDP: one line naming it and the alternative (drmoo._fsdp)
     device = shared[0].device
     if device.type == "meta":
         raise ValueError(
