@@ -32,6 +32,7 @@ ABLATIONS = ("lambda", "lr", "batch", "inner")  # drmoo.experiments.ablations.WH
 ABLATION_EXPERIMENTS = ("linear", "wine", "multimnist2")  # drmoo.experiments.ablations.EXPERIMENTS
 BACKENDS = ("reference", "cpp", "cuda", "triton")  # drmoo_kernels.BACKENDS
 JACOBIAN_STRATEGIES = ("auto", "loop", "batched")  # drmoo.jacobian.STRATEGIES
+JACOBIAN_MODES = ("parameters", "features")  # drmoo.optim._base.JACOBIANS: a method's --hp jacobian=...
 AMP_MODES = ("none", "bf16", "fp16")  # = drmoo.experiments.run_config.AMP_MODES (a test checks it)
 ATTACKS = ("fgsm",)
 EPS_SPACES = ("pixel", "normalized")  # drmoo.attacks.EPS_SPACES
@@ -361,9 +362,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
     parser.add_argument("--backend", choices=BACKENDS, help="kernel backend (default: automatic, by device)")
     # --jacobian-strategy: how the per-task gradients are computed; not the Jacobian's coordinates, which a
-    # method variant sets (--hp jacobian=features).  --jacobian is its former name, still accepted.
-    parser.add_argument("--jacobian-strategy", "--jacobian", dest="jacobian", default="loop",
-                        choices=JACOBIAN_STRATEGIES,
+    # method variant sets (--hp jacobian=features).  Its former name --jacobian is refused by main with both.
+    parser.add_argument("--jacobian-strategy", default="loop", choices=JACOBIAN_STRATEGIES,
                         help="how the per-task gradients are computed: loop (m backward passes) | batched (one "
                         "vmapped pass) | auto (batched on a GPU, loop on the CPU; in features mode separate heads "
                         "in one pass) (default: %(default)s; not --hp jacobian=features, the coordinates)")
@@ -403,7 +403,8 @@ def _run_config(args: argparse.Namespace, method: str, seed: int, variant: Any =
     config = RunConfig(
         experiment=args.experiment, method=method, preset=args.preset, seed=seed,
         data_root=args.data_root, cache_dir=args.cache_dir,
-        device=str(resolve_device(args.device)), backend=args.backend, jacobian=args.jacobian, amp=args.amp,
+        device=str(resolve_device(args.device)), backend=args.backend, jacobian_strategy=args.jacobian_strategy,
+        amp=args.amp,
         hparams=experiment.method_hparams(method, overrides, preset=args.preset), eval_split=args.eval_split,
         label=variant.label, **preset,
     )
@@ -456,6 +457,9 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
                         "graph (drmoo.cuda_graph.GraphedStep): CUDA only, one process, not with --amp fp16 nor "
                         "Double-Loop or Nash-MTL with update_every > 1; not yet run on a GPU in this project "
                         "(default: off; a resume keeps the run's setting unless given)")
+    parser.add_argument("--log-dir", metavar="DIR", type=_path,
+                        help="also write each step's and each epoch's metrics as TensorBoard event files in DIR "
+                        "(needs the tensorboard package: pip install 'drmoo[tensorboard]'; default: none)")
     parser.set_defaults(handler=_run_train)
 
 
@@ -481,27 +485,29 @@ def _launch_torchrun(nproc: int, argv: list[str]) -> int:
 
 
 def _with_config_file(argv: list[str], args: argparse.Namespace) -> tuple[list[str], str | None]:
-    """``argv`` with the settings of ``--config FILE`` inserted as options right after ``train``, before the
-    typed ones (which thereby override them), and the file's run label."""
+    """``argv`` with the settings of ``--config FILE`` inserted as options right after the command (``train``
+    or ``compare``), before the typed ones (which thereby override them), and the file's run label."""
     from drmoo.experiments.config_file import options_from_config_file
     from drmoo.store import UsageError
 
-    if args.resume:
+    if getattr(args, "resume", None):  # (train's)
         raise UsageError("--config starts a run from a file's settings and --resume continues a saved run as it "
                          "was: give one")
     position = argv.index(args.command) + 1
-    options, label = options_from_config_file(args.config, argv[position:])
+    options, label = options_from_config_file(args.config, argv[position:], args.command)
     return [*argv[:position], *options, *argv[position:]], label
 
 
 def _run_train(args: argparse.Namespace) -> int:
     import os
+    from contextlib import nullcontext
     from pathlib import Path
 
     from drmoo.experiments.registry import get_experiment
     from drmoo.experiments.run_config import read_run_config
     from drmoo.experiments.training import train
 
+    logger = _metrics_logger(args.log_dir)  # a missing tensorboard package is refused before anything else
     if args.resume:
         run_dir = Path(args.resume)
         config_path = run_dir / "config.json"
@@ -535,16 +541,32 @@ def _run_train(args: argparse.Namespace) -> int:
     _check_data(experiment, [config])
     if args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_torchrun(args.nproc, args.argv)
-    summary = train(config, run_dir, experiment.build, resume=bool(args.resume), progress=not args.quiet,
-                    sample_weight=experiment.sample_weight)
+    with logger if logger is not None else nullcontext():
+        summary = train(config, run_dir, experiment.build, resume=bool(args.resume), progress=not args.quiet,
+                        sample_weight=experiment.sample_weight, on_log=logger)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one report
         print(json.dumps(summary, indent=2))
         print(f"run saved in {run_dir}")
     return 0
 
 
+def _metrics_logger(log_dir: str | None) -> Any:
+    """``--log-dir``'s TensorBoard logger (None without it); refused in one line when tensorboard is missing
+    or a file stands at DIR.  The event file is written from the first step on, by rank 0 only."""
+    from pathlib import Path
+
+    if log_dir is None:
+        return None
+    from drmoo.experiments.loggers import TensorBoardLogger
+    from drmoo.store import UsageError
+
+    if Path(log_dir).exists() and not Path(log_dir).is_dir():
+        raise UsageError(f"--log-dir {log_dir} is a file, not a directory: pick a directory for the event files")
+    return TensorBoardLogger(log_dir)
+
+
 # Options of ``train`` that a resume may take without contradicting the saved run.
-_RESUME_MAY_CHANGE = {"epochs", "max_steps", "quiet", "resume", "nproc", "device", "cuda_graph"}
+_RESUME_MAY_CHANGE = {"epochs", "max_steps", "quiet", "resume", "nproc", "device", "cuda_graph", "log_dir"}
 
 
 def _given_options(args: argparse.Namespace) -> set[str]:
@@ -690,6 +712,11 @@ def _add_compare(sub: argparse._SubParsersAction[_Parser]) -> None:
                         "each showing its progress, all ending with the comparison (default 1; small models on a CPU: "
                         "the number of cores)")
     _add_eps_space(parser)
+    parser.add_argument("--config", metavar="FILE", type=_path,
+                        help="settings from a .toml or .json file: the keys of a run's config.json that every row "
+                        "shares (not method, seed, label) and compare's own methods, seeds, eps (lists or "
+                        "comma-separated), reference, jobs, eps_space; options on the command line override the "
+                        "file (default: none)")
     parser.add_argument("--out", type=_path, required=True, help="output directory (finished runs in it are reused)")
     parser.set_defaults(handler=_run_compare)
 
@@ -921,6 +948,25 @@ def _attach_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _removed_jacobian_option(argv: list[str]) -> str | None:
+    """The message for ``--jacobian VALUE``, the Jacobian strategy's former option (None: not given).
+
+    It read as the Jacobian's coordinates, which are a method's ``--hp jacobian=...``: an old command line
+    is told the new spelling of what it meant instead of being read as either (argparse would also take
+    ``--jacobian`` for an abbreviation of ``--jacobian-strategy``)."""
+    for index, item in enumerate(argv):
+        if item != "--jacobian" and not item.startswith("--jacobian="):
+            continue
+        value = item.partition("=")[2] if "=" in item else (argv[index + 1] if index + 1 < len(argv) else "")
+        if value in JACOBIAN_MODES:
+            return (f"--jacobian is no longer an option: the coordinates the task gradients are taken in are a "
+                    f"method hyperparameter, --hp jacobian={value} (--jacobian-strategy says how they are computed)")
+        strategy = value if value in JACOBIAN_STRATEGIES else "|".join(JACOBIAN_STRATEGIES)
+        return (f"--jacobian is no longer an option: how the task gradients are computed is --jacobian-strategy "
+                f"{strategy}; the coordinates they are taken in are --hp jacobian={'|'.join(JACOBIAN_MODES)}")
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="drmoo", description="Distributionally robust multi-objective optimization: experiments and tools."
@@ -948,11 +994,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     # --help and --version exit here, before anything imports torch.  Options no sub-command knows are
     # reported by that sub-command's parser ("drmoo train: error: unrecognized arguments: ..."), not the top one.
+    removed = _removed_jacobian_option(argv)
+    if removed is not None:
+        command = next((item for item in argv if item in COMMAND_EXTRAS), None)
+        print(f"drmoo{f' {command}' if command else ''}: error: {removed}", file=sys.stderr)
+        return 2
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.file_label = None
-    if getattr(args, "config", None) is not None:  # train --config FILE: the file's settings, then the typed ones
+    if getattr(args, "config", None) is not None:  # train/compare --config FILE: the file's settings, then the typed
         try:
             argv, args.file_label = _with_config_file(argv, args)
         except (ValueError, FileNotFoundError) as error:

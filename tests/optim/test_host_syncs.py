@@ -349,3 +349,17 @@ def test_ranks_agree_on_the_losses_without_a_host_to_device_copy(monkeypatch: py
         flags, rows = _agreement.agree_on_losses(losses, finite)
     assert from_host.ops == []
     assert flags.tolist() == [True, False, True] and rows.tolist() == [5, -5]
+
+
+@pytest.mark.parametrize(("mode", "api"), [(mode, api) for mode in MODES for api in APIS])
+@pytest.mark.parametrize("capturable", [False, True])
+def test_min_norm_above_the_face_enumeration_reads_once(toy, monkeypatch, mode: str, api: str,
+                                                        capturable: bool) -> None:
+    """MGDA's exact weights for m > 10 (Wolfe's active set): eagerly the Gram reaches the host in the step's one
+    read, with the guards' verdict, and the walk stops there once exact (it read a "done" flag every 8 steps on
+    the device: 6 reads at m = 40); capturable, a fixed count of steps on the device and no read.  Features
+    mode reads once more: the trunk's gradients, lifted from the rows with those weights, are guarded before
+    theta is written."""
+    driver = Driver(toy(num_tasks=14), "mgda", mode, api, solver="min_norm", capturable=capturable)
+    reads = steady_step_reads(driver, monkeypatch)
+    assert len(reads) == (0 if capturable else 1 if mode == "parameters" else 2), reads

@@ -37,6 +37,7 @@ from drmoo.experiments.summaries import style_norm_axes
 from drmoo.store import UsageError, make_directory, read_csv, read_json, write_csv, write_figure, write_json, write_text
 from drmoo_kernels import resolve_backend
 
+from .run_config import upgrade_config_dict
 from .summaries import aggregate_curves
 from .synthetic import PAPER_PRESETS, SyntheticConfig, run_synthetic
 
@@ -226,7 +227,16 @@ def _point_done(directory: Path, settings: dict[str, Any]) -> dict[str, Any] | N
         saved = read_json(marker, what="grid point marker")
     except UsageError:
         return None  # damaged: the point is run again
-    return saved if isinstance(saved, dict) and saved.get("settings") == settings else None
+    if not isinstance(saved, dict):
+        return None
+    recorded = saved.get("settings")
+    if isinstance(recorded, dict) and isinstance(recorded.get("runs"), list):  # Multi-MNIST: each run's config
+        try:  # a config key renamed since (RENAMED_KEYS) still matches under its former name
+            recorded = {**recorded, "runs": [upgrade_config_dict(run) if isinstance(run, dict) else run
+                                             for run in recorded["runs"]]}
+        except UsageError:
+            return None
+    return saved if recorded == settings else None
 
 
 def _mark_done(directory: Path, settings: dict[str, Any], outcome: dict[str, Any]) -> None:

@@ -1,11 +1,16 @@
-"""``drmoo train --config FILE``: a run's settings from a TOML or JSON file with the keys of ``config.json``.
+"""``drmoo train --config FILE`` and ``drmoo compare --config FILE``: settings from a TOML or JSON file.
+
+``train``'s file has the keys of a run's ``config.json``.  ``compare``'s has the same keys but those
+that name one run (``method``, ``seed``, ``label``; and ``cuda_graph``, which compare does not take),
+plus compare's own (:data:`COMPARE_KEYS`): ``methods`` and ``seeds`` (lists or comma-separated text),
+``eps``, ``reference``, ``jobs``, ``eps_space``.
 
 A run's own ``config.json`` replays it: ``drmoo train --config runs/x/config.json --out runs/y`` trains
 the same run again.  The file's settings become command-line options placed *before* the ones typed,
 so that an option on the command line overrides the file (argparse keeps an option's last value) and
 every value goes through the same parsing and checks as when it is typed.  ``hparams`` become
 ``--hp KEY=VALUE`` options, except those the command line sets itself (``--hp KEY=...``, or ``--lr``
-for ``lr``).  A key that is not a field of :class:`~drmoo.experiments.run_config.RunConfig` is refused.
+for ``lr``).  A key that is not a setting of the command is refused, naming the keys it takes.
 Imports no torch (the CLI reads the file before anything else).
 """
 
@@ -17,7 +22,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from drmoo.experiments.run_config import MAX_CONFIG_BYTES, RunConfig
+from drmoo.experiments.run_config import MAX_CONFIG_BYTES, RunConfig, upgrade_config_dict
 from drmoo.store import UsageError, parse_json, read_bytes
 
 __all__ = ["options_from_config_file"]
@@ -26,6 +31,14 @@ __all__ = ["options_from_config_file"]
 NOT_OPTIONS = ("hparams", "label")
 # Keys of config.json that are on/off options (``--KEY`` / ``--no-KEY``).
 FLAGS = ("cuda_graph",)
+# compare's own options, and those of them given as lists (a TOML/JSON array or comma-separated text).
+COMPARE_KEYS = ("methods", "seeds", "eps", "reference", "jobs", "eps_space")
+LIST_KEYS = ("methods", "seeds", "eps")
+# Run settings that compare does not take, and what it takes instead.
+NOT_COMPARE = {"method": "methods (a list of the rows)", "seed": "seeds (a list)",
+               "label": "methods (a row NAME[KEY=VALUE] is labelled by its text)",
+               "cuda_graph": "drmoo train --cuda-graph (compare runs each step eagerly)"}
+COMMANDS = ("train", "compare")
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -49,29 +62,51 @@ def _load(path: Path) -> dict[str, Any]:
         raise UsageError(f"--config {path}: expected a .toml or .json file (the keys of a run's config.json)")
     if not isinstance(values, dict):
         raise UsageError(f"--config {path}: expected a table of settings (the keys of a run's config.json)")
-    return values
+    return upgrade_config_dict(values, f"--config {path}")  # an older run's config.json replays too
 
 
 def _option_value(key: str, value: Any, path: Path) -> str:
+    if key in LIST_KEYS and isinstance(value, list):  # compare's lists: what --methods / --seeds / --eps take
+        if not value or any(isinstance(item, (dict, list, bool)) or item is None for item in value):
+            raise UsageError(f"--config {path}: {key} = {value!r} is not a list of {key}")
+        return ",".join(str(item) for item in value)
     if isinstance(value, (dict, list, bool)):  # no run setting is a table, a list or a flag
         raise UsageError(f"--config {path}: {key} = {value!r} is not a setting's value")
     return str(value)
 
 
-def options_from_config_file(path: str | Path, typed: list[str]) -> tuple[list[str], str | None]:
-    """The options that stand for the settings of ``path``, to be placed before ``typed`` (the options
-    given on the command line after ``train``), and the file's run label (None: none).
-
-    Raises:
-        UsageError: the file cannot be read, is not TOML/JSON, or holds a key that is not a run setting.
-    """
-    path = Path(path)
-    values = _load(path)
-    known = {field.name for field in fields(RunConfig)}
+def _check_keys(values: dict[str, Any], path: Path, command: str) -> None:
+    """Refuse a key that is not a setting of ``command`` (train: a run's config.json; compare: see above)."""
+    run_keys = {field.name for field in fields(RunConfig)}
+    if command == "train":
+        known, where = run_keys, "the keys of a run's config.json"
+    else:
+        misplaced = sorted(set(values) & set(NOT_COMPARE))
+        if misplaced:
+            raise UsageError(f"--config {path}: {misplaced[0]} is a setting of one run, not of drmoo compare: use "
+                             f"{NOT_COMPARE[misplaced[0]]}")
+        known = (run_keys - set(NOT_COMPARE)) | set(COMPARE_KEYS)
+        where = "the keys of a run's config.json but method, seed, label and cuda_graph, and compare's own"
     unknown = sorted(set(values) - known)
     if unknown:
-        raise UsageError(f"--config {path}: unknown setting(s) {', '.join(unknown)}; the settings are the keys of "
-                         f"a run's config.json: {', '.join(sorted(known))}")
+        raise UsageError(f"--config {path}: unknown setting(s) {', '.join(unknown)}; the settings of drmoo {command} "
+                         f"are {where}: {', '.join(sorted(known))}")
+
+
+def options_from_config_file(path: str | Path, typed: list[str], command: str = "train"
+                             ) -> tuple[list[str], str | None]:
+    """The options that stand for the settings of ``path``, to be placed before ``typed`` (the options
+    given on the command line after ``command``, ``train`` or ``compare``), and the file's run label
+    (None: none; compare's files have none).
+
+    Raises:
+        UsageError: the file cannot be read, is not TOML/JSON, or holds a key that is not a setting of ``command``.
+    """
+    if command not in COMMANDS:
+        raise ValueError(f"--config is an option of {' and '.join(COMMANDS)}, not of {command}")
+    path = Path(path)
+    values = _load(path)
+    _check_keys(values, path, command)
     options: list[str] = []
     for key, value in values.items():
         if key in NOT_OPTIONS or value is None:  # None: the option's default (e.g. the preset's size)

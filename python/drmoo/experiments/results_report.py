@@ -66,6 +66,7 @@ from drmoo.store import (
 
 from .checkpoints import CHECKPOINT, result_matches_checkpoint
 from .environment import ENVIRONMENT, same_arithmetic
+from .run_config import upgrade_config_dict
 
 __all__ = ["SCHEMAS", "Section", "collect", "render", "write_report"]
 
@@ -121,7 +122,7 @@ SCHEMAS: dict[str, Any] = {
     "config.json": {"experiment": Required(str), "method": Required(str), "seed": Required(int),
                     "hparams": MapOf(ANY_JSON), "device": str, "backend": str, "preset": str, "epochs": int,
                     "max_steps": int, "batch_size": int, "input_size": int, "train_size": int, "test_size": int,
-                    "weights": str, "jacobian": str, "amp": str, "label": str},
+                    "weights": str, "jacobian_strategy": str, "jacobian": str, "amp": str, "label": str},
     "eval.json": {"results": Required([{"eps": Required(NUMBER), "mean_acc": Required(NUMBER),
                                         "task_acc": Required([NUMBER])}]),
                   "test_samples": Required(int), "experiment": Required(str), "method": Required(str),
@@ -374,10 +375,11 @@ def _run_provenance(configs: list[dict[str, Any]], runs: list[Path]) -> dict[str
     """Machine, backend and settings from the config.json of one or more training runs, and where they ran."""
     if not configs:
         return {"settings": "no run config.json found"}
+    configs = [upgrade_config_dict(config) for config in configs]  # an older run's "jacobian": the strategy
     first = configs[0]
     backends = sorted({str(c.get("backend") or "automatic") for c in configs})
     keys = ("experiment", "preset", "epochs", "max_steps", "batch_size", "input_size", "train_size", "test_size",
-            "weights", "jacobian", "amp")
+            "weights", "jacobian_strategy", "amp")
     provenance = {
         "environment": _environments(runs),
         "backend": _escape(", ".join(backends)),

@@ -3,7 +3,9 @@
 A config is validated as a whole (:meth:`RunConfig.validate`) before any command uses it, so a
 refused setting is one line naming the option, and nothing has been written.  A resume may change
 only :data:`RESUMABLE_FIELDS`; :func:`config_differences` names what else two configs disagree on.
-``config.json`` is read through the run store (:mod:`drmoo.store`: bounded, strict JSON).
+``config.json`` is read through the run store (:mod:`drmoo.store`: bounded, strict JSON).  A key that
+was renamed (:data:`RENAMED_KEYS`) is read under its former name too, so older run directories still
+read, resume and compare (:func:`upgrade_config_dict`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import Any
 
 from drmoo.store import UsageError, parse_json, read_bytes
 
-__all__ = ["AMP_MODES", "MAX_COUNTS", "MAX_SEED", "RESUMABLE_FIELDS", "RunConfig", "config_differences",
-           "read_run_config"]
+__all__ = ["AMP_MODES", "MAX_COUNTS", "MAX_SEED", "RENAMED_KEYS", "RESUMABLE_FIELDS", "RunConfig",
+           "config_differences", "read_run_config", "upgrade_config_dict"]
 
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is ~1 KB
 # Upper bounds of every count (a value past them is a typo, and past 2**63 it would overflow torch).
@@ -33,6 +35,9 @@ MODELS = ("resnet18", "lenet")
 EVAL_SPLITS = ("test", "validation")
 MAX_LABEL = 200  # a run's label (a variant's text) names its directory: well below a file name's 255 bytes
 AMP_MODES = ("none", "bf16", "fp16")  # the forward's autocast dtype (training.AMP_DTYPES maps them to torch's)
+# Former names of config.json keys -> their names now.  "jacobian" was the strategy (loop | batched | auto),
+# which read as the Jacobian's coordinates, hparams["jacobian"] (parameters | features), beside it.
+RENAMED_KEYS = {"jacobian": "jacobian_strategy"}
 
 
 @dataclass
@@ -55,7 +60,7 @@ class RunConfig:
     max_steps: int | None = None
     device: str = "cpu"
     backend: str | None = None
-    jacobian: str = "loop"
+    jacobian_strategy: str = "loop"  # how the per-task gradients are computed (not hparams' jacobian, the coordinates)
     amp: str = "none"  # autocast the model's forward: none | bf16 | fp16
     hparams: dict[str, Any] = field(default_factory=dict)
     model: str = "resnet18"  # the experiment's network: resnet18 (the paper's) | lenet (Multi-MNIST's MultiLeNet)
@@ -77,6 +82,7 @@ class RunConfig:
         values = parse_json(text, source)
         if not isinstance(values, dict):
             raise UsageError(f"{source}: expected a JSON object")
+        values = upgrade_config_dict(values, source)
         unknown = sorted(set(values) - {f.name for f in fields(cls)})
         missing = sorted(f.name for f in fields(cls) if f.name in ("experiment", "method", "preset")
                          and f.name not in values)
@@ -89,7 +95,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """Refuse settings that cannot define a run (counts below 1 or past their bound, a non-finite rate, ...)."""
-        for name in ("experiment", "method", "preset", "weights", "device", "jacobian", "amp"):
+        for name in ("experiment", "method", "preset", "weights", "device", "jacobian_strategy", "amp"):
             if not isinstance(getattr(self, name), str):
                 raise UsageError(f"{name} must be a string, got {getattr(self, name)!r}")
         for name in ("data_root", "cache_dir", "backend"):
@@ -104,8 +110,9 @@ class RunConfig:
                 raise UsageError(f"--{name.replace('_', '-')} must be an integer >= 1 and <= {bound}, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"--seed must be an integer >= 0 and <= {MAX_SEED}, got {self.seed!r}")
-        if self.jacobian not in JACOBIANS:
-            raise UsageError(f"unknown --jacobian-strategy {self.jacobian!r}; valid choices: {', '.join(JACOBIANS)}")
+        if self.jacobian_strategy not in JACOBIANS:
+            raise UsageError(f"unknown --jacobian-strategy {self.jacobian_strategy!r}; valid choices: "
+                             f"{', '.join(JACOBIANS)}")
         if isinstance(self.head_lr, bool) or not isinstance(self.head_lr, (int, float)) or not (
                 math.isfinite(self.head_lr) and self.head_lr > 0):
             raise UsageError(f"--head-lr must be a finite number > 0, got {self.head_lr!r}")
@@ -132,11 +139,25 @@ class RunConfig:
                              f"{len(self.label)}: {self.label[:60]!r}...")
 
 
+def upgrade_config_dict(values: dict[str, Any], source: str | Path = "config") -> dict[str, Any]:
+    """``values`` (a config.json's settings) with the keys of :data:`RENAMED_KEYS` under their names now.
+
+    Raises:
+        UsageError: a key is there under both its former name and its name now.
+    """
+    renamed = {old: new for old, new in RENAMED_KEYS.items() if old in values}
+    for old, new in renamed.items():
+        if new in values:
+            raise UsageError(f"{source}: {old} is the former name of {new}: give only {new}")
+    return {renamed.get(key, key): value for key, value in values.items()}
+
+
 def config_differences(saved: RunConfig | dict[str, Any], wanted: RunConfig | dict[str, Any],
                        ignore: Iterable[str] = RESUMABLE_FIELDS) -> list[str]:
-    """``"field: saved -> wanted"`` for every setting (but ``ignore``'s) on which two runs differ."""
-    old = saved if isinstance(saved, dict) else asdict(saved)
-    new = wanted if isinstance(wanted, dict) else asdict(wanted)
+    """``"field: saved -> wanted"`` for every setting (but ``ignore``'s) on which two runs differ (a setting
+    saved under its former name, in an older run, compares under its name now)."""
+    old = upgrade_config_dict(saved) if isinstance(saved, dict) else asdict(saved)
+    new = upgrade_config_dict(wanted) if isinstance(wanted, dict) else asdict(wanted)
     skipped = set(ignore)
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
             if key not in skipped and old.get(key) != new.get(key)]

@@ -10,7 +10,8 @@ A run directory holds:
 * ``environment.json`` - where each training session ran (torch, threads, CPU and its vector ISA, GPU;
   :mod:`~drmoo.experiments.environment`): a retrain is bitwise only in the same environment;
 * ``eval.json`` after ``drmoo eval`` (:mod:`~drmoo.experiments.evaluation`); ``done`` marks a finished run;
-* ``train.lock`` - held (``flock``) by the one process training in the directory.
+* ``train.lock`` - held (``flock``) by the one process training in the directory, removed when it
+  leaves (:func:`drmoo.store.run_lock`).
 
 Every file is written and read through the run store (:mod:`drmoo.store`, which also owns the
 checkpoint format); :mod:`~drmoo.experiments.checkpoints` binds a checkpoint to its run's config.
@@ -70,6 +71,7 @@ from .environment import record_environment
 from .evaluation import Build as Build  # re-exported: the experiments' modules take it from here
 from .evaluation import accuracy
 from .jobs import progress_bar
+from .loggers import MetricsCallback, row_metrics
 from .run_config import RunConfig, check_run_dir, read_run_config
 
 __all__ = ["AMP_DTYPES", "DIVERGED", "IndexStream", "TrainingInterrupted", "check_fresh_directory", "check_run_names",
@@ -198,6 +200,7 @@ class _Run:
     saved_step: int | None = None  # the step of the last save
     started: float = 0.0  # perf_counter() when this process began training: the epochs' wall_time_s
     graphed: GraphedStep | None = None  # --cuda-graph: the step captured on first use (None: eager steps)
+    on_log: MetricsCallback | None = None  # rank 0's logger of every step's and epoch's metrics (train's on_log)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -257,6 +260,7 @@ def train(
     resume: bool = False,
     progress: bool = True,
     sample_weight: Callable[[Tensor], Tensor] | None = None,
+    on_log: MetricsCallback | None = None,
 ) -> dict[str, Any]:
     """Train (or continue) the run in ``run_dir``; returns the last epoch's metrics.
 
@@ -264,6 +268,11 @@ def train(
     ``train_labels``, ``test_images``, ``test_labels``, ``images()``).  ``sample_weight(labels)``,
     when given, maps a batch's labels ``[B, m]`` to importance weights ``[B, m]`` that the closure
     returns with the losses (CelebA's label balancing).
+
+    ``on_log(step, metrics)``, when given, is called by rank 0 after every step with the step's row of
+    ``steps.csv`` (names under ``train/``) and after every epoch's evaluation with its row of
+    ``metrics.csv`` (under ``epoch/``): see :mod:`drmoo.experiments.loggers`, whose
+    :class:`~drmoo.experiments.loggers.TensorBoardLogger` writes them for TensorBoard.
 
     The process holds the directory's lock (:func:`drmoo.store.run_lock`) while it trains: a second
     trainer on the same directory is refused.  A resume may change only ``RESUMABLE_FIELDS`` (extend
@@ -286,6 +295,7 @@ def train(
         # Every setting is checked by building the run before the directory is touched: a refusal
         # (a bad hyperparameter, backend, data root, weights file) leaves no trace on disk.
         run = _build_run(config, run_dir, build, device, is_main)
+        run.on_log = on_log if is_main else None
         if is_main:
             make_directory(run_dir, "run directory")
         with run_lock(run_dir) if is_main else nullcontext():
@@ -301,7 +311,7 @@ def _build_run(config: RunConfig, run_dir: Path, build: Build, device: torch.dev
     model, data = build(config)
     model.to(device)
     optimizer = create(config.method, model.shared_parameters(), data.num_tasks, backend=config.backend,
-                       jacobian_strategy=config.jacobian,  # --jacobian-strategy (--hp refuses it)
+                       jacobian_strategy=config.jacobian_strategy,  # --jacobian-strategy (--hp refuses it)
                        # fp16 scaling needs the eager step's raise on a non-finite step
                        **{"capturable": device.type == "cuda" and config.amp != "fp16", **config.hparams})
     heads = torch.optim.SGD(model.task_parameters(), lr=config.head_lr)
@@ -550,6 +560,8 @@ def _loop(run: _Run, closure: _BatchLosses, progress: bool) -> None:
                 raise _stop_diverged(run, error) from None
             if row is None:  # an fp16 overflow: nothing changed, draw the next batch
                 continue
+            if run.on_log is not None:
+                run.on_log(run.step, row_metrics(row, "train/"))
             bar.update(1)
             bar.set_postfix(loss=f"{row['dual_objective']:.3f}", acc=f"{row['train_acc']:.2f}",
                             bgn=f"{row['balanced_grad_norm']:.3g}", refresh=False)
@@ -560,6 +572,8 @@ def _loop(run: _Run, closure: _BatchLosses, progress: bool) -> None:
                 _save(run)
                 _evaluate_epoch(run, row["epoch"])
                 _save(run)
+                if run.on_log is not None:
+                    run.on_log(run.step, row_metrics(run.epoch_rows[-1], "epoch/"))
             if agreed(stop.raised is not None, run.device):  # every rank stops after the same step
                 _save(run)
                 # A rank that got no signal itself stops with the others (a launcher's SIGTERM).

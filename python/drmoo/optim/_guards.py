@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -103,6 +103,11 @@ def flags_of(flags: Tensor | FiniteValues) -> Tensor:
     return flags.flags() if isinstance(flags, FiniteValues) else flags
 
 
+def _identity(tensor: Tensor) -> tuple[Any, ...]:
+    """A tensor's values' identity: its memory, its in-place version (shared by its detached views) and its layout."""
+    return tensor.data_ptr(), tensor._version, tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device
+
+
 class StepGuard:
     """The guards of one running step (see the module docstring).
 
@@ -120,6 +125,7 @@ class StepGuard:
         self._immediate = immediate
         self._pending: list[tuple[Tensor | FiniteValues, ErrorOf]] = []  # eager: the guards not read yet, in order
         self._undone_by_caller = 0  # > 0: inside deferred_writes
+        self._vouched: set[tuple[Any, ...]] = set()  # eager: tensors checked finite on the host (vouch_finite)
 
     def require(self, flags: Tensor | FiniteValues, describe: Callable[[list[int]], str]) -> None:
         """Stop the step unless every flag is True: :class:`NonFiniteStepError` with ``describe(indices of
@@ -138,6 +144,8 @@ class StepGuard:
         if self.found_inf is not None:
             self.found_inf.logical_or_(~flags_of(flags).all())
             return
+        if isinstance(flags, FiniteValues) and all(_identity(value) in self._vouched for value in flags.values):
+            return  # checked finite on the host already: no read
         self._pending.append((flags, error))
         if self._immediate:
             self.settle()
@@ -158,7 +166,33 @@ class StepGuard:
         pending, self._pending = self._pending, []
         if bool(all_pass([flags for flags, _ in pending])):
             return
-        for flags, error in pending:  # a failing step only: which guard failed, to name it
+        self._raise_first_failing(pending)
+
+    def vouch_finite(self, tensor: Tensor) -> None:
+        """Eager: ``tensor`` was made on the host from values checked there (finite): a later "finite" guard of
+        it alone is met without a read (as long as it is not written in place)."""
+        self._vouched.add(_identity(tensor))
+
+    def settle_reading(self, payload: Tensor) -> list[float]:
+        """Eager: :meth:`settle` and read ``payload``'s values (as float64) in the same host read -- one transfer
+        for both -- for a step that needs values on the host anyway.  Inside :meth:`deferred_writes` the guards
+        stay pending and only ``payload`` is read."""
+        pending: list[tuple[Tensor | FiniteValues, ErrorOf]] = []
+        if not self._undone_by_caller:
+            pending, self._pending = self._pending, []
+        values = payload.detach().reshape(-1).to(torch.float64)
+        if not pending:
+            return values.tolist()
+        verdict = all_pass([flags for flags, _ in pending]).to(device=values.device, dtype=torch.float64)
+        read = torch.cat([verdict.reshape(1), values]).tolist()
+        if not read[0]:
+            self._raise_first_failing(pending)
+        return read[1:]
+
+    @staticmethod
+    def _raise_first_failing(pending: list[tuple[Tensor | FiniteValues, ErrorOf]]) -> NoReturn:
+        """A failing step only: read which guard failed, to name it, and raise its error."""
+        for flags, error in pending:
             values = flags_of(flags).reshape(-1).tolist()
             if not all(values):
                 raise error([index for index, ok in enumerate(values) if not ok])

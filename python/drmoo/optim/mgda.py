@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -11,6 +12,7 @@ from drmoo_kernels.reference import clip_factor
 
 from ._base import configure_jacobian
 from ._features_rate import warn_unless_rate_chosen
+from ._guards import NonFiniteStepError
 from ._hyperparameters import SOLVERS, check_flag, check_positive
 from ._joint import (
     JointBaseline,
@@ -224,6 +226,72 @@ def _min_norm_by_active_set(
     return torch.where(zero.any(), _zero_gradient_vertex(zero, start), w)
 
 
+def min_norm_weights_on_host(K: np.ndarray, start: np.ndarray, *, max_iter: int = 500,
+                             tol: float = 1e-12) -> np.ndarray:
+    """:func:`min_norm_weights`' active set (m > ``EXACT_MAX_TASKS``) on the host, in numpy float64, stopping as
+    soon as the KKT conditions hold (the device version runs ``max_iter`` steps, frozen once done, since
+    stopping there needs a host read per test).  An eager step reads K once -- with its guards, in the step's
+    one host read -- and solves here.  Same iterates as the device version, to the rounding of another LAPACK;
+    a face system that cannot be solved ends the walk at the last iterate.
+    """
+    m = K.shape[0]
+    tiny = float(np.finfo(np.float64).tiny)
+    diagonal = np.clip(np.diagonal(K), 0.0, None)
+    zero = diagonal == 0
+    if zero.any():  # a zero gradient is a minimizer by itself: the vertex nearest start
+        vertex = np.zeros(m)
+        vertex[int(np.argmax(np.where(zero, start, -1.0)))] = 1.0
+        return vertex
+    d = np.sqrt(diagonal)
+    C = (K / d[:, None]) / d[None, :]  # one factor at a time, as in _correlations
+    np.fill_diagonal(C, 1.0)
+    threshold = _kkt_threshold(m, tol)
+    inverse_d = 1.0 / np.maximum(d, tiny)
+    bordered = np.zeros((m + 1, m + 1))
+    bordered[:m, :m], bordered[:m, m], bordered[m, :m] = C, inverse_d, inverse_d
+    rhs = np.zeros(m + 1)
+    rhs[m] = 1.0
+    magnitude_matrix = np.abs(C)
+    w = np.zeros(m)
+    w[int(np.argmin(d))] = 1.0  # the vertex of least norm
+    support = w > 0
+    for _ in range(max_iter):
+        on = support.astype(np.float64)
+        s = float(d[support].min())
+        scaling = np.append(on, s)
+        system = bordered * np.outer(scaling, scaling)
+        system[np.arange(m), np.arange(m)] += 1.0 - on
+        try:
+            solution = np.linalg.solve(system, rhs)
+        except np.linalg.LinAlgError:
+            break
+        if not np.isfinite(solution).all():
+            break
+        u, scaled_nu = solution[:m] * on, s * solution[m]
+        y = s * inverse_d * u
+        y = y / max(float(y.sum()), tiny)
+        interior = float(u[support].min()) > 0
+        residual = u @ C + scaled_nu * inverse_d
+        magnitude = np.abs(u) @ magnitude_matrix + abs(scaled_nu) * inverse_d
+        dual = np.where(support, np.inf, residual / np.maximum(magnitude, tiny))
+        improvable = float(dual.min()) < -threshold
+        if interior:  # a major step: y, and the task with the most negative margin joins, if any
+            w = y
+            if not improvable:
+                break
+            support = support.copy()
+            support[int(np.argmin(dual))] = True
+            continue
+        # a minor step: from w towards y until the first weight reaches 0; that task leaves
+        leaving = support & (y <= 0.0)
+        ratios = np.where(leaving, w / np.maximum(w - y, tiny), 1.0)
+        theta = min(max(float(ratios.min()), 0.0), 1.0)
+        walked = np.where(leaving & (ratios <= theta), 0.0, np.maximum(w + theta * (y - w), 0.0))
+        w = walked / max(float(walked.sum()), tiny)
+        support = support & (walked > 0)
+    return w
+
+
 class MGDA(JointBaseline):
     r"""Stochastic MGDA on the dual of DR-MOO, (theta, eta) updated jointly.
 
@@ -264,8 +332,9 @@ class MGDA(JointBaseline):
 
     Cost per step: 1 closure call (one batch of B samples), m backward passes; ``min_norm`` adds
     one batched solve of 2^m - 1 tiny KKT systems for 3 <= m <= 10, and for m > 10 active-set
-    steps (one (m+1) x (m+1) solve each): eagerly until exact (typically < 2m, one host read per 8
-    steps), with ``capturable`` all ``max_iter`` of them (no host read).  ``pref_lr`` and ``rho``
+    steps (one (m+1) x (m+1) solve each): eagerly on the host until exact (typically < 2m; the Gram
+    travels there in the step's one host read, with its NaN/Inf guards), with ``capturable`` all
+    ``max_iter`` of them on the device (no host read).  ``pref_lr`` and ``rho``
     only enter the one-step solver.
 
     ``stats``: ``w`` (= w_{t+1}), ``eta`` (new), ``dual_objective`` (L^i(theta_t, eta_t) on xi),
@@ -393,10 +462,20 @@ class MGDA(JointBaseline):
         w = self.w.double()
         if h["solver"] == "one_step":
             w_next = simplex_step(w, K @ w + h["rho"] * w, h["pref_lr"])
-        else:
-            w_next = min_norm_weights(
-                K, w, max_iter=h["max_iter"], tol=h["tol"], early_exit=not h.get("capturable", False)
-            )
+        elif K.shape[0] > EXACT_MAX_TASKS and not self.capturable:
+            # The active set stops once exact, which only the host can see: K and w reach it in the step's
+            # one host read (with the guards' verdict), and the walk runs there.
+            m = K.shape[0]
+            host = np.asarray(self.read_with_guards(torch.cat([K.reshape(-1), w])), dtype=np.float64)
+            w_host = min_norm_weights_on_host(host[: m * m].reshape(m, m), host[m * m:], max_iter=h["max_iter"],
+                                              tol=h["tol"])
+            if not np.isfinite(w_host).all():
+                raise NonFiniteStepError(f"the min-norm weights of a finite Gram came out non-finite in "
+                                         f"{self.failing_iteration}: {w_host.tolist()}; nothing was updated")
+            w_next = torch.from_numpy(w_host).to(w.device, non_blocking=True)
+            self.vouch_finite(w_next)  # checked here, on the host: the direction's guard of w reads nothing
+        else:  # m <= EXACT_MAX_TASKS (every face in one solve), or capturable (a fixed count of steps)
+            w_next = min_norm_weights(K, w, max_iter=h["max_iter"], tol=h["tol"])
 
         if h.get("clip_c1") is None:
             self.step_joint(batch.jacobian, z64, w_next)
