@@ -87,10 +87,11 @@
 #        "do the weights help" are asked at tuned rates too.
 # dr-path: what DR changes on 2 digits, metric by metric: Double-Clip at lam 0.1, 0.8 (the paper's) and 100 (DR
 #        off: the chi^2 dual then within a few percent of the mean loss), 5 paired seeds, each at the preset's
-#        rate (the lam 0.8 row's validated 1.0); every run scored by drmoo eval's robustness metrics (tail,
-#        worst case, calibration, worst digit, FGSM, label shift, pixel noise, the fitted temperature), then
-#        scripts/dr_path.py (table.csv; contrasts.csv: each lam against lam 100 and against lam 100 with its
-#        temperature) and Holm's correction over those contrasts; results in results/multimnist2-small/dr-path/.
+#        rate (the lam 0.8 row's validated 1.0); every run scored with drmoo eval's robustness metrics (tail,
+#        worst case, calibration, worst digit, FGSM, label shift, pixel noise, the fitted temperature: compare's
+#        dr-table.csv), then scripts/dr_path.py (contrasts.csv: each lam against lam 100 and against lam 100
+#        with its temperature) and Holm's correction over those contrasts; results in
+#        results/multimnist2-small/dr-path/.
 # Finished runs are reused, so an interrupted call continues where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -305,9 +306,6 @@ dr-path)
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
         --methods "double-clip[lam=0.1],double-clip,double-clip[lam=100]" --reference "double-clip[lam=100]" \
         --device cpu --quiet --out "$out"
-    for run in "$out"/*-seed*/; do  # a run evaluated before the robustness metrics existed is scored again
-        grep -q '"robustness"' "$run/eval.json" || "$drmoo" eval --run "$run" --eps "$eps" --quiet > /dev/null
-    done
     "$python" scripts/dr_path.py "$out"
     "$python" scripts/multiple_comparisons.py "$out" ;;
 sweep)
