@@ -36,6 +36,7 @@ Capturable steps.  Every optimizer takes ``capturable: bool = False``, with the 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from ._base import MultiObjectiveOptimizer
@@ -101,4 +102,20 @@ def create(name: str, params: ParamsT, num_tasks: int, **overrides: Any) -> Mult
         cls = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r}; valid choices: {', '.join(_REGISTRY)}") from None
+    accepted = _keyword_arguments(cls)
+    unknown = sorted(set(overrides) - set(accepted))
+    if unknown:
+        owners = {key: [other for other, c in _REGISTRY.items() if key in _keyword_arguments(c)] for key in unknown}
+        whose = "; ".join(f"{key!r} is a hyperparameter of {', '.join(owners[key])}" for key in unknown if owners[key])
+        raise TypeError(
+            f"{name} has no hyperparameter {', '.join(map(repr, unknown))}; valid: {', '.join(accepted)}"
+            + (f" ({whose})" if whose else "")
+        )
     return cls(params, num_tasks, **overrides)
+
+
+def _keyword_arguments(cls: type[MultiObjectiveOptimizer]) -> list[str]:
+    """The keyword arguments of ``cls``'s constructor after the parameters and m: its hyperparameters and
+    ``capturable``, ``backend``, ``jacobian``, ``jacobian_strategy`` (sorted)."""
+    parameters = inspect.signature(cls.__init__).parameters
+    return sorted(set(parameters) - {"self", "params", "num_tasks"})

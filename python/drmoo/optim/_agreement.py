@@ -51,6 +51,16 @@ def check_same_problem(losses: Tensor, shared: Sequence[Tensor], num_tasks: int,
     }, device=losses.device)
 
 
+def check_same_heads(heads: Sequence[Tensor], device: torch.device) -> None:
+    """Raise ValueError on every rank unless all feed the same heads (their number, shapes and dtypes): their
+    gradients are summed over ranks in one collective per step, which ranks with different heads (a layer
+    more above z on one) would enter with different sizes (a gloo abort).  Called once, before it runs."""
+    distributed.check_same_on_every_rank({
+        "the heads (the trainable parameters the losses reach besides the shared ones): shapes and dtypes":
+            [(tuple(head.shape), str(head.dtype)) for head in heads],
+    }, device=device)
+
+
 def agree_on_losses(losses: Tensor, finite: Tensor) -> tuple[Tensor, Tensor]:
     """The losses' per-task finite flags agreed on by every rank, in one collective that also carries B:
     ``(flags, rows)``, ``rows`` = [the most rows of a rank, minus the fewest], on the device.

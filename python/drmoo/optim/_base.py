@@ -67,7 +67,14 @@ from drmoo_kernels import Divergence, backend_module, get_divergence, resolve_ba
 from drmoo_kernels._checks import trusted_arguments, untrusted_arguments
 
 from ._accumulate import Accumulation, accumulated_rows, full_batch
-from ._agreement import agree_on_losses, check_same_problem, equal_shards, global_dual_forward, unequal_shards_error
+from ._agreement import (
+    agree_on_losses,
+    check_same_heads,
+    check_same_problem,
+    equal_shards,
+    global_dual_forward,
+    unequal_shards_error,
+)
 from ._engine import JacobianEngine
 from ._features import FeaturesJacobian
 from ._guards import FiniteValues, NonFiniteStepError, StepGuard, finite_columns, finite_each, finite_entries
@@ -79,6 +86,7 @@ from ._hyperparameters import (
     check_hyperparameter,
     check_new_params,
     check_num_tasks,
+    check_params_argument,
     recheck_hyperparameters,
     shared_device,
 )
@@ -97,7 +105,7 @@ JACOBIANS: tuple[str, ...] = ("parameters", "features")
 # pickled / deep-copied optimizer (torch.optim.Optimizer keeps only defaults, state and
 # param_groups; drmoo keeps its configuration too, see __getstate__) and reset on unpickling.
 _SCRATCH_ATTRIBUTES = ("_head_grads", "_guard", "_ops", "batch_weight", "_hyperparameters_passed",
-                       "_shared_reach", "_ranks_checked", "accumulation")
+                       "_shared_reach", "_ranks_checked", "_heads_checked", "accumulation")
 
 
 def configure_jacobian(optimizer: MultiObjectiveOptimizer, jacobian: str, strategy: str) -> JacobianEngine:
@@ -275,7 +283,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
         self.num_tasks = check_num_tasks(num_tasks)
         defaults = dict(defaults)
         defaults["divergence"] = str(get_divergence(defaults["divergence"]))
-        super().__init__(params, defaults)
+        super().__init__(check_params_argument(params), defaults)
         shared = self._shared_params()  # one device and dtype: checked by add_param_group
         self.device = shared_device(shared)
         self.backend = resolve_backend(backend, self.device)
@@ -459,6 +467,9 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             if not getattr(self, "_ranks_checked", False):  # once per optimizer (drmoo.optim._agreement)
                 check_same_problem(losses, self._shared_params(), self.num_tasks, self._collective_settings())
                 self._ranks_checked = True
+            if need_graph and not getattr(self, "_heads_checked", False):  # the first draw with a graph
+                check_same_heads(self._heads_to_agree_on(losses), self.device)
+                self._heads_checked = True
             finite, rows = agree_on_losses(losses, finite_columns(losses).flags())
             if not self.capturable:  # equal shards, checked with the guards (a capturable step trusts them)
                 self._step_guard().check(equal_shards(rows), lambda _: unequal_shards_error(rows))
@@ -466,6 +477,14 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             f"non-finite (NaN or Inf) per-sample losses for task(s) {bad} in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))
         return losses
+
+    def _heads_to_agree_on(self, losses: Tensor) -> list[Tensor]:
+        """The heads of ``losses`` for the cross-rank check; none where the graph is refused (the step raises
+        that itself, later, with its own message)."""
+        try:
+            return self.jacobian_engine.heads(losses, self._shared_params(), feed_heads=True)
+        except ValueError:
+            return []
 
     def _collective_settings(self) -> dict[str, Any]:
         """What every rank must agree on before a step's collectives: the method, the Jacobian mode and the
