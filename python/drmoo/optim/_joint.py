@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from drmoo import distributed
-from drmoo.jacobian import copy_into_row, head_leaves, require_reached
+from drmoo.jacobian import copy_into_row, feed_head_grads, head_leaves, require_reached
 from drmoo_kernels.reference import project_simplex
 
 from ._accumulate import accumulated_rows
@@ -185,8 +185,11 @@ class JointBaseline(MultiObjectiveOptimizer):
             del grads
         if heads:
             self.set_aside_head_grads(heads)
-            torch.autograd.backward(batch.losses, grad_tensors=(batch.cotangent * scale).to(batch.losses.dtype),
-                                    inputs=heads, retain_graph=reuse)
+            # autograd.grad and an add into .grad (as every Jacobian pass feeds them), not backward(inputs=heads):
+            # a backward runs the heads' AccumulateGrad hooks, which DistributedDataParallel's reducer counts on,
+            # and a DDP model outside no_sync() then failed its next forward ("Expected to have finished
+            # reduction in the prior iteration").
+            feed_head_grads(batch.losses, heads, batch.cotangent * scale, retain_graph=reuse)
             self.check_head_grads(accumulated_rows(self, heads, True))
         if scale != 1.0:
             flat.div_(scale)
