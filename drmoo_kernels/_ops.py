@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
+from ._blas_gram import BLAS_MIN_TASKS, blas_gram
 from ._warnings import KernelsUnavailableWarning, caller_stacklevel, only_asking_now
 from .divergences import Divergence, divergence_from_code
 
@@ -511,6 +512,8 @@ class CompiledBackend:
         _checks.check_gram(jacobian)
         flat = _flat_jacobian(jacobian)
         _require(self.device_type, "gram", _GRAM_NAMES, flat)
+        if self.device_type == "cpu" and flat.shape[0] >= BLAS_MIN_TASKS:  # many tasks: BLAS is faster
+            return blas_gram(flat)
         return cast(Tensor, _op("gram")(flat))
 
     def combine(self, jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:

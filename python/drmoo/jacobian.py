@@ -14,7 +14,7 @@ between them (``jacobian_strategy`` on the optimizers and the Balancer: ``"auto"
 * ``batched`` - the m passes as one, under ``torch.func.vmap``, then one multi-tensor copy into the
   buffer: a number of kernel launches that does not grow with m (convolutions and norms have batching
   rules there; torch's ``is_grads_batched``, used before, looped them over the tasks: 2,780 ops per
-  step at m = 40 on ResNet18, 1,364 now).  The fewest launches -- what a GPU needs -- but more memory,
+  step at m = 40 on ResNet18, 937 now).  The fewest launches -- what a GPU needs -- but more memory,
   and on the CPU slower through convolutions (functorch batches them as grouped convolutions).
 * ``auto`` (the default) - :func:`resolve_strategy`: parameters mode takes ``batched`` on a GPU and
   ``loop`` on the CPU (the least memory traffic); features mode takes the rows of separate heads from
