@@ -29,9 +29,11 @@ forward, backward, optimizer step):
   ``features-nashmtl``, ``features-modo``, ``features-sdmgrad``, ``features-double-loop``: every other method
   that has a features mode (MoCo refuses it), so that the target "features mode, every method, <= 1.3x
   plain" is measured for each (its own table: ratios and memory);
-* ``parameters-batched`` (not in the default grid): ``parameters`` with the per-task passes vmapped into one
-  (``jacobian_strategy = "batched"``), as TorchJD's autojac does -- on a GPU, where m small passes are
-  launch-bound, the comparison that matters;
+* ``parameters-batched`` and ``parameters-loop`` (not in the default grid): ``parameters`` with the per-task
+  passes vmapped into one (``jacobian_strategy = "batched"``, as TorchJD's autojac does) or run one by one
+  (``"loop"``).  ``parameters`` itself takes the default, ``"auto"``: ``loop`` on the CPU, ``batched`` on a GPU,
+  where it therefore runs what ``parameters-batched`` runs (``parameters-loop`` is the GPU's other strategy:
+  m small passes, launch-bound);
 * ``torchjd-mgda`` / ``torchjd-upgrad``: TorchJD's ``mtl_backward(losses, features=z)`` then
   ``jac_to_grad(trunk parameters, MGDA() / UPGrad())`` (the parameter-space Jacobian, like ``parameters``);
   left out, and the table says so, where TorchJD is not installed.
@@ -88,13 +90,16 @@ FEATURES_METHODS = {"features": "mgda", "features-double-clip": "double-clip", "
 VARIANTS = ("plain", "rep-grad", "parameters", *FEATURES_METHODS, "torchjd-mgda", "torchjd-upgrad")
 TORCHJD_VARIANTS = ("torchjd-mgda", "torchjd-upgrad")  # measured where TorchJD is installed, else skipped
 # Measurable with --variants, outside the default grid (the committed CPU table's command stays the same).
-EXTRA_VARIANTS = ("parameters-batched",)
+EXTRA_VARIANTS = ("parameters-batched", "parameters-loop")
+# The parameters variants' jacobian_strategy: "parameters" takes the default ("auto": loop on the CPU, batched on a
+# GPU -- there it runs what parameters-batched runs), the others pin one.
+PARAMETERS_STRATEGIES = {"parameters": "auto", "parameters-batched": "batched", "parameters-loop": "loop"}
 # The first table's columns (the issue's comparison); every features variant goes to the second.
-COMPARISON = ("plain", "rep-grad", "parameters", "parameters-batched", "features", "features-double-clip",
-              "torchjd-mgda", "torchjd-upgrad")
+COMPARISON = ("plain", "rep-grad", "parameters", "parameters-loop", "parameters-batched", "features",
+              "features-double-clip", "torchjd-mgda", "torchjd-upgrad")
 # Variants a CUDA graph can capture (--cuda-graph): plain and rep-grad whole, drmoo's through GraphedStep.
 # TorchJD reads values on the host inside its step (its MGDA solver), which capture forbids.
-GRAPHABLE = ("plain", "rep-grad", "parameters", "parameters-batched", *FEATURES_METHODS)
+GRAPHABLE = ("plain", "rep-grad", *PARAMETERS_STRATEGIES, *FEATURES_METHODS)
 REP_GRAD_ITERATIONS = 20  # Frank-Wolfe iterations of the rep-grad baseline's min-norm weights
 TASKS = (2, 3, 8, 40, 100)
 TRUNKS = ("groupnorm", "batchnorm")
@@ -108,7 +113,7 @@ IMAGE = 32
 CELLS = tuple((BATCH, m) for m in TASKS) + ((LARGE_BATCH, 40),)
 # Variants that take m passes through the trunk (or TorchJD's m x n Jacobian): only in the cells at batch 32
 # and m <= 40 of the default grid (at m = 100 the Jacobian alone is 4.5 GB and a step takes seconds).
-TRUNK_PER_TASK = ("parameters", "parameters-batched", "torchjd-mgda", "torchjd-upgrad")
+TRUNK_PER_TASK = (*PARAMETERS_STRATEGIES, "torchjd-mgda", "torchjd-upgrad")
 PER_TASK_MAX = 40
 
 
@@ -225,15 +230,14 @@ def make_step(variant: str, trunk: Any, heads: Any, num_tasks: int, *,
 
         def backward(losses: Any, z: Any) -> None:
             rep_grad_backward(losses, z, head_parameters)
-    elif variant in ("parameters", "parameters-batched") or variant in FEATURES_METHODS:
+    elif variant in PARAMETERS_STRATEGIES or variant in FEATURES_METHODS:
         method = FEATURES_METHODS.get(variant, "mgda")
         mode = "features" if variant in FEATURES_METHODS else "parameters"
         with warnings.catch_warnings():  # the rate does not change a step's cost: no rate to choose here
             warnings.simplefilter("ignore", drmoo.optim.FeaturesRateWarning)
             balancer = drmoo.Balancer(drmoo.method_name(method), shared, num_tasks,
                                       jacobian="features" if mode == "features" else "parameters", lr=1e-3)
-        if variant == "parameters-batched":
-            balancer.algorithm.jacobian_strategy = "batched"
+        balancer.algorithm.jacobian_strategy = PARAMETERS_STRATEGIES.get(variant, "auto")
 
         def backward(losses: Any, z: Any) -> None:
             if mode == "features":
@@ -289,8 +293,7 @@ def make_graphed_step(variant: str, trunk: Any, heads: Any, num_tasks: int, x: A
         warnings.simplefilter("ignore", drmoo.optim.FeaturesRateWarning)
         optimizer = drmoo.optim.create(method, trunk.parameters(), num_tasks, jacobian=mode, lr=1e-3,
                                        capturable=True)
-    if variant == "parameters-batched":
-        optimizer.jacobian_strategy = "batched"
+    optimizer.jacobian_strategy = PARAMETERS_STRATEGIES.get(variant, "auto")
     head_sgd = torch.optim.SGD(heads.parameters(), lr=1e-3)
     forward = forward_of(variant, trunk, heads, num_tasks)
 
@@ -575,7 +578,9 @@ def table(data: dict[str, Any]) -> str:
                    "each step's wall-clock time bracketed by `torch.cuda.synchronize()`; a variant's ratio is its "
                    "step's time over the mean of the two plain steps around it, the median over the rounds (the "
                    "range in brackets); then the step's memory: the peak of `torch.cuda.max_memory_allocated()` "
-                   "above what was allocated once the model was built (2 steps).")
+                   "above what was allocated once the model was built (2 steps). `parameters` takes the default "
+                   "`jacobian_strategy` (auto), which on a GPU is `batched`: the strategy `parameters-batched` "
+                   "pins; `parameters-loop` pins the per-task passes.")
     else:
         isa = f", {data['isa']}" if data.get("isa") else ""  # tables before the ISA was recorded lack it
         setting = (f"Machine: {data['machine']}{isa}, {data['cores']} cores, one thread "

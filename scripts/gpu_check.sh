@@ -12,7 +12,7 @@
 #   launches         bench/launches.py --device cuda: ops and host syncs per step, with torch's own
 #                    set_sync_debug_mode count beside (ResNet18, MGDA and Double-Clip, both head layouts),
 #   tasks_scaling    bench/tasks_scaling.py --device cuda --all-cells, batch 256, m = 2, 8, 40, 100, both head
-#                    layouts: plain, rep-grad, parameters (auto and batched), features (MGDA, Double-Clip),
+#                    layouts: plain, rep-grad, parameters (auto, loop, batched), features (MGDA, Double-Clip),
 #                    TorchJD when installed; eager steps interleaved with plain ones,
 #   tasks_graph      the same cells with --cuda-graph: each step eager, its host-issue time and one replay
 #                    of the step captured as a CUDA graph,
@@ -205,7 +205,7 @@ if [ "$what" != tests ]; then
         --out "$results/launches-cuda"
 
     # ---------------------------------------------------------------------------------- tasks scaling
-    scaling_variants=(plain rep-grad parameters parameters-batched features features-double-clip)
+    scaling_variants=(plain rep-grad parameters parameters-loop parameters-batched features features-double-clip)
     if "$python" -c "import torchjd" 2>/dev/null; then
         scaling_variants+=(torchjd-mgda torchjd-upgrad)
     else

@@ -50,7 +50,8 @@ def test_dry_run_walks_every_stage_and_names_the_failing_test(tmp_path: Path) ->
     assert {(r["layout"], r["method"]) for r in launches["records"]} >= {("separate", "mgda"), ("shared", "mgda")}
     # --all-cells: no column dropped in any cell (the batch-256 call once lost parameters and TorchJD silently)
     scaling = json.loads((results / "tasks-scaling-gpu.json").read_text())
-    wanted = {"plain", "rep-grad", "parameters", "parameters-batched", "features", "features-double-clip"}
+    wanted = {"plain", "rep-grad", "parameters", "parameters-loop", "parameters-batched", "features",
+              "features-double-clip"}
     assert {r["heads"] for r in scaling["records"]} == {"separate", "shared"}
     for record in scaling["records"]:
         assert set(record["median_s"]) >= wanted, record["median_s"].keys()
