@@ -128,6 +128,10 @@ def test_compare_tables_carry_every_robustness_column_with_paired_differences(tm
     row = next(r for r in paired if r["other"] == "mgda" and r["column"] == "clean:cvar_0.05")
     assert float(row["mean"]) == pytest.approx(-0.75) and row["seeds"] == "2" and row["wins"] == "0"
     assert "on a loss or ECE: worse" in text
+    # the reference's clean numbers against each row's temperature-scaled ones (here the same values)
+    scaled = next(r for r in paired if r["other"] == "mgda+T" and r["column"] == "clean:cvar_0.05")
+    assert float(scaled["mean"]) == pytest.approx(-0.75)
+    assert any(r["other"] == "double-clip+T" for r in paired)
     table = list(csv.DictReader((tmp_path / "dr-table.csv").open()))
     assert any(r["column"] == "noise=0.2:cvar_0.05" and r["method"] == "mgda" for r in table)
 

@@ -5,7 +5,9 @@ becomes one column, named ``<where>:<metric>``: ``clean:cvar_0.05``, ``T:ece`` (
 temperature), ``eps=0.03:mean_loss`` (under FGSM), ``label=2:accuracy`` (label shift at that strength or
 digit factor), ``noise=0.2:cvar_0.1`` (pixel noise of that sigma).  ``dr-table.csv`` holds every column's
 mean ± std over seeds per row, ``dr-paired.csv`` the reference row minus every other row per column
-(:func:`drmoo.experiments.paired_stats.paired_differences`); table.md shows the clean and
+(:func:`drmoo.experiments.paired_stats.paired_differences`), and also minus every row with its fitted
+temperature (rows ``<row>+T``: that row's ``T:`` numbers paired with the reference's ``clean:`` ones, what a
+recalibration of the other row gives without the reference's training); table.md shows the clean and
 temperature-scaled summary columns.
 """
 
@@ -62,6 +64,15 @@ def _label(report: dict[str, Any]) -> str:
     return str(report.get("label") or report["method"])
 
 
+def _with_temperature_rows(per_seed: dict[str, dict[str, dict[int, float]]]
+                           ) -> dict[str, dict[str, dict[int, float]]]:
+    """``per_seed`` and, per row, a row ``<row>+T``: its temperature-scaled numbers under the clean columns'
+    names, so that the reference's clean numbers are paired with every row's recalibrated ones (and its own)."""
+    scaled = {f"{label}+T": {"clean:" + column[2:]: seeds for column, seeds in values.items()
+                             if column.startswith("T:")} for label, values in per_seed.items()}
+    return {**per_seed, **{label: values for label, values in scaled.items() if values}}
+
+
 def dr_comparison(reports: Sequence[dict[str, Any]], reference: str, out: Path) -> str:
     """Write ``out/dr-table.csv`` and ``out/dr-paired.csv`` (when ``reference`` and another row are there)
     from the reports' robustness blocks; return table.md's part (empty when no report has the block)."""
@@ -97,7 +108,7 @@ def dr_comparison(reports: Sequence[dict[str, Any]], reference: str, out: Path) 
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     if reference in per_seed and len(per_seed) > 1:
-        paired = paired_differences(per_seed, reference, columns)
+        paired = paired_differences(_with_temperature_rows(per_seed), reference, columns)
         write_csv(out / "dr-paired.csv", paired)
         text += "\n" + paired_markdown([row for row in paired if row["column"] in shown], {c: c for c in shown},
                                        unit="nats or %", sense="higher")
