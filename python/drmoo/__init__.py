@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from drmoo_kernels import DIVERGENCE_NAMES, Divergence, get_divergence, project_simplex
 
     from . import optim
+    from ._grad_watch import GradientAccumulationWarning
     from .balancer import Balancer, LossesInput, MethodName, SharedParams, method_name
     from .objective import dual_objective, worst_case_weights
 
@@ -33,6 +34,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "project_simplex": ("drmoo_kernels", "project_simplex"),
     "optim": ("drmoo.optim", None),
     "Balancer": ("drmoo.balancer", "Balancer"),
+    "GradientAccumulationWarning": ("drmoo._grad_watch", "GradientAccumulationWarning"),
     "LossesInput": ("drmoo.balancer", "LossesInput"),
     "MethodName": ("drmoo.balancer", "MethodName"),
     "SharedParams": ("drmoo.balancer", "SharedParams"),
@@ -45,6 +47,7 @@ __all__ = [
     "DIVERGENCE_NAMES",
     "Balancer",
     "Divergence",
+    "GradientAccumulationWarning",
     "LossesInput",
     "MethodName",
     "SharedParams",

@@ -23,9 +23,9 @@ How it is seen, with no device read (nothing that costs a step a synchronisation
   the balancer's own passes take ``torch.autograd.grad`` and set ``.grad`` directly, which fires no
   hook.  The same test then tells whether that gradient is still there.
 
-Either finding is a :class:`GradientAccumulationWarning`; a deliberate sum (a regularizer's gradient
-added first, say) silences it with ``warnings.filterwarnings("ignore",
-category=drmoo.GradientAccumulationWarning)``.
+Either finding is a :class:`GradientAccumulationWarning` (``drmoo.GradientAccumulationWarning``); a
+deliberate sum (a regularizer's gradient added first, say) silences it with
+``warnings.filterwarnings("ignore", category=drmoo.GradientAccumulationWarning)``.
 """
 
 from __future__ import annotations

@@ -90,8 +90,8 @@ depends on the whole batch's losses) and ``jacobian="features"`` (whose one trun
 final weights) are refused with the reason.  A step that raises drops the micro-batches accumulated
 for it.  Without ``accumulate``, a second ``backward`` before the optimizer stepped, or a gradient
 already put into the shared parameters' ``.grad`` by another backward (``loss.backward()``), is added
-to silently by autograd's convention: the balancer warns (:class:`~drmoo._grad_watch.
-GradientAccumulationWarning`; how it tells, with no device read: :mod:`drmoo._grad_watch`).
+to silently by autograd's convention: the balancer warns (``drmoo.GradientAccumulationWarning``;
+how it tells, with no device read: :mod:`drmoo._grad_watch`).
 
 torch.compile.  A compiled model (``torch.compile(model)``) works as it is: the balancer walks the
 autograd graph that the compiled forward builds and runs its backward passes through it.

@@ -26,15 +26,17 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 import drmoo
-from drmoo._grad_watch import GradientAccumulationWarning
+from drmoo import GradientAccumulationWarning, distributed
 from drmoo_kernels import get_divergence
 from drmoo_kernels.reference import dual_forward
 
@@ -101,7 +103,10 @@ def absolute_terms(model: nn.Module, x: Tensor, y: Tensor, eta: Tensor) -> tuple
     return absolute, rows, z_terms
 
 
-def run(case: str, *, accumulate: bool, weighted: bool = False) -> dict[str, Any]:
+def run(case: str, *, accumulate: bool, weighted: bool = False,
+        splits: dict[int, list[int]] = SPLITS) -> dict[str, Any]:
+    """STEPS steps of SGD on the whole batch, or accumulated over micro-batches of ``splits[step]`` rows; under
+    torch.distributed each rank takes its shard of the batch (every W-th row), then its micro-batches."""
     name, hparams = ACCEPTED[case]
     model, stream = TwoTaskNet(), batches()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -119,7 +124,10 @@ def run(case: str, *, accumulate: bool, weighted: bool = False) -> dict[str, Any
             record["z"].append(float(z_terms))
         optimizer.zero_grad()
         if accumulate:
-            start, sizes = 0, SPLITS[step]
+            rows = distributed.shard(torch.arange(BATCH))
+            x, y = x[rows], y[rows]
+            weight = None if weight is None else weight[rows]
+            start, sizes = 0, splits[step]
             for k, size in enumerate(sizes):
                 rows = slice(start, start + size)
                 start += size
@@ -144,8 +152,40 @@ def run(case: str, *, accumulate: bool, weighted: bool = False) -> dict[str, Any
 # Importance weights: with one Jacobian-forming method and the combined-gradient one (FAMO).
 @pytest.mark.parametrize(("case", "weighted"), [*((case, False) for case in ACCEPTED), ("mgda", True), ("famo", True)])
 def test_micro_batches_give_the_full_batch_step(case: str, weighted: bool) -> None:
-    full = run(case, accumulate=False, weighted=weighted)
-    micro = run(case, accumulate=True, weighted=weighted)
+    full, micro = run(case, accumulate=False, weighted=weighted), run(case, accumulate=True, weighted=weighted)
+    assert_full_batch_step(full, micro)
+
+
+# Each rank's shard (32 rows) in micro-batches; the ranks' micro-batches are as large as each other's.
+RANK_SPLITS = {0: [16, 16], 1: [10, 22], 2: [8, 8, 16]}
+
+
+RANK_CASES = ("mgda", "famo")  # a Jacobian-forming method and the combined-gradient one, in one launch
+
+
+def _accumulating_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        runs = {case: run(case, accumulate=True, splits=RANK_SPLITS) for case in RANK_CASES}
+        torch.save(runs, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_accumulating_their_shards_give_the_full_batch_step(tmp_path: Path,
+                                                                       run_ranks: Callable[..., None]) -> None:
+    run_ranks(_accumulating_rank, 2, str(tmp_path / "init"), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+    for case in RANK_CASES:
+        for first, second in zip(ranks[0][case]["grads"], ranks[1][case]["grads"]):
+            assert all(torch.equal(a, b) for a, b in zip(first, second))  # the replicas stay identical
+        assert_full_batch_step(run(case, accumulate=False), ranks[0][case])
+
+
+def assert_full_batch_step(full: dict[str, Any], micro: dict[str, Any]) -> None:
+    """The accumulated run's .grad, eta, w, step count and state are the full batch's, within the bounds of
+    the module docstring."""
     assert micro["steps"] == full["steps"] == [1, 2, 3]  # one dual step per optimizer step
     carried = [torch.zeros_like(b) for b in full["bounds"][0]]
     eta_bound, w_bound = 0.0, 0.0
@@ -298,3 +338,41 @@ def test_the_ordinary_loops_do_not_warn(set_to_none: bool) -> None:
                 balancer.backward(losses_of(model, x, y))
             optimizer.step()
     assert balancer.steps_taken == 4
+
+
+# ------------------------------------------------------------------------------- mixed precision
+def accumulate_under(scaler: torch.amp.GradScaler | None,
+                     poison: int | None = None) -> tuple[nn.Module, drmoo.Balancer]:
+    """One accumulated step (4 x 16 rows) with ``scaler``; ``poison``: that micro-batch's losses get an Inf."""
+    model, stream = TwoTaskNet(), batches()
+    balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, lr=LR, pref_lr=0.3)
+    x, y = next(stream)
+    for k, rows in enumerate(torch.arange(BATCH).split(16)):
+        losses = losses_of(model, x[rows], y[rows])
+        if k == poison:
+            losses = losses * torch.tensor([float("inf"), 1.0], dtype=torch.float64)
+        balancer.backward(losses, scaler=scaler, accumulate=k < 3)
+    return model, balancer
+
+
+def test_under_a_grad_scaler_the_accumulated_grad_is_scaled_and_nothing_else_changes() -> None:
+    plain_model, plain = accumulate_under(None)
+    scale = 2.0**12
+    model, balancer = accumulate_under(torch.amp.GradScaler("cpu", init_scale=scale))
+    for a, b in zip(model.parameters(), plain_model.parameters()):  # a power of 2: scaling is exact
+        torch.testing.assert_close(a.grad / scale, b.grad, rtol=0.0, atol=0.0)
+    assert torch.equal(balancer.eta, plain.eta) and torch.equal(balancer.w, plain.w) and balancer.steps_taken == 1
+
+
+@pytest.mark.parametrize("poison", [0, 3], ids=["an-earlier-micro-batch", "the-last"])
+def test_an_overflowing_micro_batch_skips_the_whole_step_through_the_scaler(poison: int) -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000)
+    model, balancer = accumulate_under(scaler, poison)
+    assert balancer.steps_taken == 0 and torch.equal(balancer.eta, torch.zeros_like(balancer.eta))
+    assert bool(balancer.stats["found_inf"])
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler.step(optimizer)  # skipped: every .grad the step writes holds an Inf
+    scaler.update()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert scaler.get_scale() < 2.0**12
