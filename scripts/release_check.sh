@@ -11,7 +11,8 @@
 #   (torch's own must never ship twice), and metadata of that version; the sdist carries csrc/ and no
 #   compiled file;
 # * `twine check --strict` passes both (the metadata and the README render as PyPI will show them);
-# * `auditwheel show` finds the wheel's symbols within its manylinux tag.
+# * `auditwheel show` finds the wheel's symbols within its manylinux tag, and no shared library outside
+#   that tag but torch's and CUDA's.
 #
 # Needs the venv $DRMOO_VENV (default .venv) with twine, cmarkgfm and auditwheel (requirements-dev.txt).
 set -euo pipefail
@@ -86,12 +87,29 @@ EOF
 "$venv/bin/twine" check --strict "$wheel" "$sdist" >"$out/.twine-check.log" 2>&1 \
     || { cat "$out/.twine-check.log" >&2; fail "twine check --strict refused what would be uploaded"; }
 rm -f "$out/.twine-check.log"
-# auditwheel show: the platform tag the wheel's own symbols allow (torch's libraries, which it links
-# but does not carry, are the user's torch's) must be the one in its file name.
-shown=$(PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" show "$wheel" 2>&1) || { echo "$shown" >&2; fail "auditwheel show failed"; }
-allowed=$(echo "$shown" | tr '\n' ' ' | sed -nE 's/.*constrains the platform tag to "([^"]+)".*/\1/p')
-[ "$allowed" = "$platform" ] \
-    || { echo "$shown" >&2; fail "auditwheel show allows '$allowed', but the wheel is tagged $platform"; }
+# auditwheel show: the platform tag the wheel's own symbols allow must be the one in its file name, and the
+# only shared libraries it needs beyond that tag's must be torch's and CUDA's, which the user's torch
+# brings (scripts/build_wheel.sh keeps them out of the wheel).
+PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" show --json "$wheel" >"$out/.auditwheel.json" 2>&1 \
+    || { cat "$out/.auditwheel.json" >&2; rm -f "$out/.auditwheel.json"; fail "auditwheel show failed"; }
+"$venv/bin/python" - "$out/.auditwheel.json" "$platform" <<'EOF' || { rm -f "$out/.auditwheel.json"; exit 1; }
+import json, re, sys
+
+with open(sys.argv[1]) as report:
+    shown = json.load(report)
+platform = sys.argv[2]
+problems = []
+if shown["sym_tag"] != platform:
+    problems.append(f"auditwheel show allows {shown['sym_tag']}, but the wheel is tagged {platform}")
+torch_or_cuda = re.compile(r"lib(torch\w*|c10\w*|cudart|cuda|nvrtc\w*|nvToolsExt\w*)\.so[.\d]*")
+others = [lib for lib in shown["external_libs"] if not torch_or_cuda.fullmatch(lib)]
+if others:
+    problems.append(f"the wheel needs shared libraries that neither its platform tag nor torch provides: {others}")
+for problem in problems:
+    print(f"[release] error: {problem}", file=sys.stderr)
+sys.exit(1 if problems else 0)
+EOF
+rm -f "$out/.auditwheel.json"
 
 echo "[release] ready to upload (checked in $(( $(date +%s) - start ))s): $(basename "$wheel") (cp310-abi3, $platform)" \
      "and $(basename "$sdist")${tag:+, for the tag $tag}"
