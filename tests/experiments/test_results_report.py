@@ -116,9 +116,11 @@ def test_a_comparison_without_the_paper_block_gets_it_from_table_csv(tmp_path: P
     rows = ["method,seeds,mean_accuracy,std_accuracy,mean_balanced_accuracy,std_balanced_accuracy,mean_auc,std_auc",
             "double-clip,1,80.0,0,70.0,0,75.0,0", "mgda,1,85.0,0,60.0,0,76.0,0", "moco,1,90.0,0,65.0,0,74.0,0"]
     (directory / "table.csv").write_text("\n".join(rows) + "\n")
+    (directory / "dr-table.csv").write_text("method,column,mean,std,seeds\n")  # compare's robustness columns
     report = tmp_path / "report.md"
     assert main(["report", "--runs", str(directory), "--out", str(report)]) == 0
     text = report.read_text()
+    assert (directory / "dr-table.csv").resolve() in [target for _, target in _links(report)]
     assert "Beside the paper (rebuilt by `drmoo report` from table.csv" in text
     assert "| double-clip | 80.00 (3) | 70.00 (1) | 75.00 (2) | 88.41 (1) | 89.55 (1) | 94.63 (1) |" in text
     # accuracy: paper dc > moco > mgda, ours moco > mgda > dc -> tau -1/3; balanced: ours dc > moco > mgda = paper: +1

@@ -468,7 +468,7 @@ def _robustness(directory: Path) -> list[Section]:
         kind="robustness comparison", directory=directory, title=f"Robustness comparison: {_escape(directory.name)}",
         provenance=provenance, tables=tables,
         images=_existing(directory, "robustness.png"),
-        links=_existing(directory, "table.csv", "agreement.json"),
+        links=_existing(directory, "table.csv", "agreement.json", "dr-table.csv", "dr-paired.csv"),
     )]
 
 
