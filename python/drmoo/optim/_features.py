@@ -52,6 +52,7 @@ from torch import Tensor
 
 from drmoo import distributed
 from drmoo._head_split import TaskSplit, split_task_jacobian, task_split
+from drmoo._linear_head import linear_head
 from drmoo.jacobian import (
     accumulate_into_grad,
     copy_into_row,
@@ -65,6 +66,7 @@ from drmoo.jacobian import (
 
 from ._direction import write_direction
 from ._engine import EngineHost
+from ._fsdp import is_sharded, lift_into_shards
 from ._guards import finite_together
 from ._overlap import views_overlap
 
@@ -266,6 +268,13 @@ class FeaturesJacobian:
                                                  retain_graph=True)
                 accumulate_into_grad(heads, head_grads)
                 jacobian = out
+            elif strategy == "auto" and (shared_head := linear_head(losses, self.features)) is not None:
+                # one shared linear head: each row an outer product, from one pass (drmoo._linear_head)
+                head_grads = shared_head.rows_into(losses, scaled, out, inputs=list(heads) or list(self.features),
+                                                   retain_graph=True)
+                if heads:
+                    accumulate_into_grad(heads, head_grads)
+                jacobian = out
             else:
                 resolved = resolve_strategy(strategy, out.device, host.num_tasks, features=True)
                 strategy = without_vmap_over_compiled(strategy, resolved, losses, self.features)
@@ -334,6 +343,9 @@ class FeaturesJacobian:
                 cotangents.append(direction[offset: offset + piece.numel()].view_as(piece).to(piece.dtype))
                 offset += piece.numel()
         shared = host._shared_params()
+        if is_sharded(shared):  # FSDP2: one ordinary backward, FSDP reduces into the shards (drmoo.optim._fsdp)
+            lift_into_shards(host, self.features, cotangents, shared)
+            return None
         grads = list(torch.autograd.grad(self.features, shared, grad_outputs=cotangents, allow_unused=True))
         require_reached(grads)
         with torch.no_grad():

@@ -1,0 +1,105 @@
+"""Features mode's rows of J_z for one shared linear head, as outer products from one pass (drmoo._linear_head).
+
+The rows must be the per-task passes' rows (exactly: those passes only add zeros), the step they drive the
+one the loop strategy drives, and any graph that is not "element-wise loss of one linear layer of z" must be
+left to the generic path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import drmoo
+from drmoo._linear_head import linear_head
+
+TASKS, BATCH, D_Z = 5, 6, 4
+LOSSES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "bce": lambda logits, y: F.binary_cross_entropy_with_logits(logits, y, reduction="none"),
+    "squared": lambda logits, y: (logits - y) ** 2,
+    "scaled-softplus": lambda logits, y: 0.5 * F.softplus(logits.double()).float() * y,
+}
+
+
+def _problem(bias: bool = True, seed: int = 0) -> tuple[nn.Module, nn.Linear, Tensor, Tensor]:
+    torch.manual_seed(seed)
+    trunk = nn.Sequential(nn.Linear(3, D_Z), nn.Tanh())
+    head = nn.Linear(D_Z, TASKS, bias=bias)
+    return trunk, head, torch.randn(BATCH, 3), torch.rand(BATCH, TASKS)
+
+
+def _per_task_rows(losses: Tensor, z: Tensor, cotangent: Tensor) -> Tensor:
+    rows = []
+    for task in range(TASKS):
+        masked = torch.zeros_like(cotangent)
+        masked[:, task] = cotangent[:, task]
+        rows.append(torch.autograd.grad(losses, z, masked, retain_graph=True)[0].reshape(-1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_rows_are_the_per_task_passes_rows(loss: str, bias: bool) -> None:
+    trunk, head, x, y = _problem(bias)
+    z = trunk(x)
+    losses = LOSSES[loss](head(z), y)
+    found = linear_head(losses, [z])
+    assert found is not None and found.weight is head.weight
+    cotangent = torch.rand(BATCH, TASKS)
+    out = torch.empty(TASKS, BATCH * D_Z)
+    grads = found.rows_into(losses, cotangent, out, inputs=list(head.parameters()), retain_graph=True)
+    torch.testing.assert_close(out, _per_task_rows(losses, z, cotangent), rtol=0, atol=0)
+    want = torch.autograd.grad(losses, list(head.parameters()), cotangent, retain_graph=True)
+    for got, expected in zip(grads, want):  # the heads' gradients come from the same pass
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_a_balancer_step_is_the_loop_strategys() -> None:
+    written = []
+    for strategy in ("auto", "loop"):
+        trunk, head, x, y = _problem()
+        balancer = drmoo.Balancer("mgda", trunk.parameters(), TASKS, jacobian="features", lr=0.1,
+                                  jacobian_strategy=strategy)
+        z = trunk(x)
+        balancer.backward(LOSSES["bce"](head(z), y), features=z)
+        written.append([p.grad.clone() for p in (*trunk.parameters(), *head.parameters())])
+    for got, want in zip(*written):
+        # the same rows (tested above), then the same arithmetic: equal to the last bit
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _mixing_loss(trunk: nn.Module, head: nn.Linear, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    z = trunk(x)
+    logits = head(z)
+    return logits - logits.mean(dim=1, keepdim=True), z  # each column reads every logit
+
+
+def _second_reader(trunk: nn.Module, head: nn.Linear, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    z = trunk(x)
+    return (head(z) - y) ** 2 + z.sum(dim=1, keepdim=True), z  # z reaches the losses twice
+
+
+def _two_layers(trunk: nn.Module, head: nn.Linear, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    z = trunk(x)
+    return (head(torch.relu(z)) - y) ** 2, z  # the head does not read z itself
+
+
+def _bias_from_z(trunk: nn.Module, head: nn.Linear, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    z = trunk(x)
+    return (torch.addmm(z[0, :1].expand(TASKS), z, head.weight.T) - y) ** 2, z  # a bias computed from z
+
+
+def _computed_weight(trunk: nn.Module, head: nn.Linear, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    z = trunk(x)
+    return (F.linear(z, 2.0 * head.weight, head.bias) - y) ** 2, z  # W is not a leaf
+
+
+@pytest.mark.parametrize("build", [_mixing_loss, _second_reader, _two_layers, _bias_from_z, _computed_weight])
+def test_other_graphs_are_left_to_the_generic_path(build: Callable[..., tuple[Tensor, Tensor]]) -> None:
+    trunk, head, x, y = _problem()
+    losses, z = build(trunk, head, x, y)
+    assert linear_head(losses, [z]) is None
