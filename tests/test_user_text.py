@@ -1,6 +1,7 @@
-"""User-facing text speaks of the library: README.md, CHANGELOG.md and every page under docs/ name no issue of
-the project's tracker, no test file, no CI anecdote and no internal target; a result is stated as what the
-library does and measures.  Each hit is reported as file:line with the phrase and what to write instead."""
+"""User-facing text speaks of the library: README.md, CHANGELOG.md, every page under docs/ and the files those
+pages include name no issue of the project's tracker, no test file, no CI anecdote and no internal target; a
+result is stated as what the library does and measures.  Each hit is reported as file:line with the phrase and
+what to write instead."""
 
 from __future__ import annotations
 
@@ -10,7 +11,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-USER_TEXT = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").rglob("*.md"))]
+PAGES = sorted((REPO / "docs").rglob("*.md"))
+
+
+def _included(pages: list[Path]) -> list[Path]:
+    """The files the docs pages include (``--8<-- "path"``, pymdownx.snippets): the site shows their text too."""
+    found = {REPO / match.split(":")[0]
+             for page in pages for match in re.findall(r'^--8<-- "([^"]+)"', page.read_text(encoding="utf-8"), re.M)}
+    return sorted(path for path in found if path.is_file())
+
+
+USER_TEXT = [REPO / "README.md", REPO / "CHANGELOG.md", *PAGES, *_included(PAGES)]
 
 # (pattern, what to do instead).  Precise on purpose: "issue" and "target" alone are ordinary words
 # ("the stable-ABI target", "pip's issue tracker"), and a URL such as .../issues/6634 is a citation.
