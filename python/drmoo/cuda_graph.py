@@ -24,8 +24,8 @@ What capture needs, and what this class does for it:
   batch) is refused with a ``ValueError``: drop it (``DataLoader(drop_last=True)``) or build a
   second :class:`GraphedStep` for it.
 
-Not yet run on a GPU in this project: the GPU test (tests/optim/test_cuda_graph.py) is written and
-listed in scripts/gpu_check.sh, but no lent GPU has run it so far.
+Not yet validated on a GPU: the test that compares graphed steps with eager ones from the same start is
+part of scripts/gpu_check.sh, which has not run it on a GPU yet.
 """
 
 from __future__ import annotations
