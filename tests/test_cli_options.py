@@ -369,3 +369,14 @@ def test_train_hands_every_step_and_epoch_to_an_on_log_callback(tmp_path: Path) 
     assert [step for step, _ in calls] == [1, 2, 2, 3, 3]  # 2 steps an epoch: each epoch's row after its step's
     assert all(name.startswith("train/") for name in calls[0][1]) and calls[0][1]["train/samples"] == 16
     assert calls[4][1]["epoch/test_acc"] == summary["test_acc"]
+
+
+def test_a_log_dir_that_is_a_file_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "notes").write_text("mine\n")
+    out = tmp_path / "run"
+    assert cli.main(["train", "--max-steps", "1", *TINY_TRAIN, "--out", str(out), "--log-dir",
+                     str(tmp_path / "notes")]) == 2
+    assert capsys.readouterr().err.strip() == (f"drmoo train: error: --log-dir {tmp_path / 'notes'} is a file, not a "
+                                               "directory: pick a directory for the event files")
+    assert (tmp_path / "notes").read_text() == "mine\n" and not out.exists()
