@@ -40,6 +40,8 @@ FORBIDDEN: list[tuple[re.Pattern[str], str]] = [
                 r"|\bmiss(?:es|ed)? (?:the|its|their) (?:target|goal)\b", re.I),
      "an internal target: state what the library does (the measured figure)"),
     (re.compile(r"\bSW-\d+\b"), "a design-card identifier means nothing to a user"),
+    (re.compile(r"\bin this project\b|\bthis session(?:'s)?\b|\blent GPUs?\b", re.I),
+     "how the project was worked on means nothing to a user: state what the library does"),
 ]
 
 
@@ -63,7 +65,7 @@ def test_user_text_has_no_internal_talk(path: Path) -> None:
     ("as issue 35 asks", True), ("issues 21/26/27", True), ("(Issue #12)", True), ("see test_cli.py", True),
     ("one CI run filled its disk", True), ("the previous table's CPU", True), ("round four", True),
     ("over the 1.3× target", True), ("its goal, 0.3×, is missed", True), ("Two methods miss the target", True),
-    ("(SW-25)", True),
+    ("(SW-25)", True), ("not yet run on a GPU in this project", True), ("this session's changes", True),
     ("pip's tracker: https://github.com/pypa/pip/issues/6634", False), ("its stable-ABI target (2.11)", False),
     ("CI runs `bash scripts/test.sh`", False), ("float32 rounding", False), ("a round trip", False),
     ("the test suite executes it", False), ("overlapping in-place targets", False),
