@@ -219,9 +219,10 @@ def test_the_former_jacobian_option_names_the_new_spelling(argv: list[str], frag
 
 
 def test_the_jacobian_modes_are_the_optimizers() -> None:
+    from drmoo.experiments import run_config
     from drmoo.optim import _base
 
-    assert cli.JACOBIAN_MODES == _base.JACOBIANS
+    assert cli.JACOBIAN_MODES == run_config.COORDINATES == _base.JACOBIANS
 
 
 OLD_CONFIG = {"experiment": "multimnist2", "method": "mgda", "preset": "quick", "jacobian": "batched",
@@ -252,6 +253,9 @@ def test_an_older_config_json_with_the_strategy_under_jacobian_still_reads(tmp_p
     (tmp_path / "config.json").write_text(json.dumps({**OLD_CONFIG, "jacobian_strategy": "loop"}))
     with pytest.raises(UsageError, match="jacobian is the former name of jacobian_strategy: give only"):
         read_run_config(tmp_path)
+    (tmp_path / "run.toml").write_text('experiment = "multimnist2"\nmethod = "mgda"\njacobian = "features"\n')
+    with pytest.raises(UsageError, match=r"jacobian = 'features' is the coordinates .*: put it under hparams"):
+        options_from_config_file(tmp_path / "run.toml", [])
 
 
 def test_a_report_and_an_ablation_point_read_an_older_config(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ MAX_COUNTS = {"epochs": 100_000, "batch_size": 1 << 20, "input_size": 4096, "tra
               "test_size": 1 << 31, "max_steps": 1 << 40}
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 JACOBIANS = ("auto", "loop", "batched")  # drmoo.jacobian.STRATEGIES
+COORDINATES = ("parameters", "features")  # hparams["jacobian"]: drmoo.optim._base.JACOBIANS
 # The settings a resume may change: how far the run goes, and where it runs (a GPU run may be continued
 # on a CPU; the continuation is then not bit-identical to one on the GPU).  Every other field defines the run.
 RESUMABLE_FIELDS = ("epochs", "max_steps", "device", "cuda_graph")  # cuda_graph: how a step runs, not what
@@ -143,12 +144,17 @@ def upgrade_config_dict(values: dict[str, Any], source: str | Path = "config") -
     """``values`` (a config.json's settings) with the keys of :data:`RENAMED_KEYS` under their names now.
 
     Raises:
-        UsageError: a key is there under both its former name and its name now.
+        UsageError: a key is there under both its former name and its name now, or the top-level
+            ``jacobian`` holds a coordinates mode (``features``), which belongs in ``hparams``.
     """
     renamed = {old: new for old, new in RENAMED_KEYS.items() if old in values}
     for old, new in renamed.items():
         if new in values:
             raise UsageError(f"{source}: {old} is the former name of {new}: give only {new}")
+    if values.get("jacobian") in COORDINATES:  # a hand-written file meaning the method's mode
+        raise UsageError(f"{source}: jacobian = {values['jacobian']!r} is the coordinates the task gradients are "
+                         f"taken in, a hyperparameter: put it under hparams (jacobian_strategy, a setting, is one "
+                         f"of {', '.join(JACOBIANS)})")
     return {renamed.get(key, key): value for key, value in values.items()}
 
 
