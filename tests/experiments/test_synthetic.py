@@ -52,6 +52,13 @@ def test_cli_writes_all_outputs_and_reuses_finished_runs(tmp_path: Path, capsys:
     assert clip["hparams"]["c2"] == 0.1 and clip["hparams"]["lr"] == 0.01
     assert clip["final_balanced_grad_norm"]["mean"] < clip["first_balanced_grad_norm"]["mean"]
     assert (out / "convergence.png").read_bytes()[:4] == b"\x89PNG"
+    # the final parameters' per-sample losses: the tail and the worst cases are at least the mean
+    tail = clip["final_loss_metrics"]
+    assert clip["final_loss_metrics_seeds"] == 1
+    assert tail["cvar_0.05"]["mean"] >= tail["cvar_0.1"]["mean"] >= tail["mean_loss"]["mean"] > 0
+    assert tail["robust_chi2_0.1"]["mean"] >= tail["robust_chi2_0.8"]["mean"] >= tail["mean_loss"]["mean"]
+    assert tail["robust_run"]["mean"] >= tail["robust_chi2_0.8"]["mean"]  # the run's lambda 0.6 < 0.8
+    assert "cvar_0.05" in (out / "summary.md").read_text()
 
     # A second invocation with the same settings reuses the finished runs bit for bit.
     before = (out / "metrics.csv").read_text()
@@ -59,6 +66,7 @@ def test_cli_writes_all_outputs_and_reuses_finished_runs(tmp_path: Path, capsys:
     assert main(args) == 0
     assert (out / "runs" / "double-clip-seed0.csv").stat().st_mtime_ns == stamp
     assert (out / "metrics.csv").read_text() == before
+    assert json.loads((out / "summary.json").read_text())["methods"]["double-clip"]["final_loss_metrics"] == tail
 
 
 def test_cli_overrides_and_several_seeds(tmp_path: Path) -> None:

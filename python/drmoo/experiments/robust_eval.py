@@ -43,18 +43,18 @@ from drmoo_kernels import get_divergence
 from . import dr_metrics
 from .run_config import RunConfig
 
-__all__ = ["CVAR_LEVELS", "METRICS", "REFERENCE_BALLS", "WEIGHTED_METRICS", "block_means", "collect_logits",
-           "json_safe", "label_shift_block", "metrics_block", "noise_block", "robustness_report", "run_ball",
+__all__ = ["CVAR_LEVELS", "LOSS_METRICS", "METRICS", "REFERENCE_BALLS", "WEIGHTED_METRICS", "Scored", "block_means",
+           "collect_logits", "json_safe", "label_shift_block", "loss_metrics", "method_ball", "metrics_block",
+           "noise_block", "robustness_report", "robustness_tables", "run_ball", "scored_metrics", "single_thread",
            "task_metrics", "temperature_block"]
 
 _T = TypeVar("_T")
 CVAR_LEVELS = (0.1, 0.05)
 REFERENCE_BALLS: tuple[tuple[str, float], ...] = (("chi2", 0.1), ("chi2", 0.8))
-METRICS: tuple[str, ...] = (
-    "accuracy", "balanced_accuracy", "worst_class_accuracy", "mean_loss",
-    *(f"cvar_{alpha:g}" for alpha in CVAR_LEVELS), "robust_run",
-    *(f"robust_{name}_{lam:g}" for name, lam in REFERENCE_BALLS), "ece", "misclassified_loss",
-)
+LOSS_METRICS: tuple[str, ...] = ("mean_loss", *(f"cvar_{alpha:g}" for alpha in CVAR_LEVELS), "robust_run",
+                                 *(f"robust_{name}_{lam:g}" for name, lam in REFERENCE_BALLS))
+METRICS: tuple[str, ...] = ("accuracy", "balanced_accuracy", "worst_class_accuracy", *LOSS_METRICS, "ece",
+                            "misclassified_loss")
 WEIGHTED_METRICS: tuple[str, ...] = ("weighted_mean_loss", "weighted_robust_run",
                                      *(f"weighted_robust_{name}_{lam:g}" for name, lam in REFERENCE_BALLS))
 
@@ -73,16 +73,21 @@ def json_safe(value: _T) -> _T:
 
 def run_ball(config: RunConfig) -> tuple[str, float]:
     """The run's own divergence and lambda: its hyperparameters, else its optimizer's defaults (chi2, 0.8)."""
+    return method_ball(config.method, config.hparams)
+
+
+def method_ball(method: str, hparams: dict[str, Any]) -> tuple[str, float]:
+    """``method``'s divergence and lambda with ``hparams``: given there, else the optimizer's defaults."""
     from drmoo.optim import available
 
     defaults: dict[str, Any] = {"divergence": "chi2", "lam": 0.8}
-    optimizer = available().get(config.method)
+    optimizer = available().get(method)
     if optimizer is not None:
         for name, parameter in inspect.signature(optimizer.__init__).parameters.items():
             if name in defaults and parameter.default is not inspect.Parameter.empty:
                 defaults[name] = parameter.default
-    divergence = str(get_divergence(config.hparams.get("divergence", defaults["divergence"])))
-    return divergence, float(config.hparams.get("lam", defaults["lam"]))
+    divergence = str(get_divergence(hparams.get("divergence", defaults["divergence"])))
+    return divergence, float(hparams.get("lam", defaults["lam"]))
 
 
 def collect_logits(model: nn.Module, items: Tensor, labels: Tensor, to_input: Callable[[Tensor], Tensor],
@@ -151,20 +156,30 @@ def scored_metrics(scored: Scored, ball: tuple[str, float], weights: Tensor | No
     ``weights`` ``[N]`` are given)."""
     y, losses, predictions = scored.labels, scored.losses, scored.predictions
     correct = predictions == y
+    tail = loss_metrics(losses, ball, weights)
     values = {
         "accuracy": float(correct.double().mean()),
         "balanced_accuracy": dr_metrics.balanced_accuracy(y, predictions),
         "worst_class_accuracy": dr_metrics.worst_class_accuracy(y, predictions),
-        "mean_loss": float(losses.mean()),
-        **{f"cvar_{alpha:g}": dr_metrics.cvar(losses, alpha) for alpha in CVAR_LEVELS},
-        "robust_run": dr_metrics.robust_objective(losses, ball[1], ball[0]),
-        **{f"robust_{name}_{lam:g}": dr_metrics.robust_objective(losses, lam, name) for name, lam in REFERENCE_BALLS},
+        **{key: tail.pop(key) for key in LOSS_METRICS},
         "ece": dr_metrics.expected_calibration_error(scored.confidence, correct),
         "misclassified_loss": dr_metrics.misclassified_loss(losses, correct),
     }
+    return {**values, **tail}  # then the weighted ones
+
+
+def loss_metrics(losses: Tensor, ball: tuple[str, float], weights: Tensor | None = None) -> dict[str, float]:
+    """:data:`LOSS_METRICS` of one task's per-sample ``losses`` ``[N]`` (what needs no prediction), and
+    :data:`WEIGHTED_METRICS` when importance ``weights`` ``[N]`` are given."""
+    values = {
+        "mean_loss": float(losses.double().mean()),
+        **{f"cvar_{alpha:g}": dr_metrics.cvar(losses, alpha) for alpha in CVAR_LEVELS},
+        "robust_run": dr_metrics.robust_objective(losses, ball[1], ball[0]),
+        **{f"robust_{name}_{lam:g}": dr_metrics.robust_objective(losses, lam, name) for name, lam in REFERENCE_BALLS},
+    }
     if weights is not None:
         p = dr_metrics.nominal_weights(losses.numel(), weights)
-        values["weighted_mean_loss"] = float((p * losses).sum())
+        values["weighted_mean_loss"] = float((p * losses.double()).sum())
         values["weighted_robust_run"] = dr_metrics.robust_objective(losses, ball[1], ball[0], p)
         for name, lam in REFERENCE_BALLS:
             values[f"weighted_robust_{name}_{lam:g}"] = dr_metrics.robust_objective(losses, lam, name, p)

@@ -7,7 +7,9 @@ balanced gradient norm, the per-task dual objectives, w and eta at every iterati
 * ``metrics.csv`` - all iterations of all runs;
 * ``convergence.csv`` / ``convergence.png`` - mean and spread over seeds vs iterations and vs samples
   consumed (paper Fig. 3);
-* ``summary.json`` / ``summary.md`` - settings and the final balanced gradient norm per method.
+* ``summary.json`` / ``summary.md`` - settings and the final balanced gradient norm per method, and the final
+  parameters' loss metrics on the whole data set (mean, CVaR, worst cases; ``runs/<method>-seed<k>-tail.json``
+  per run).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from drmoo.optim import available, create
 from drmoo.store import UsageError, iter_csv, make_directory, read_json, write_csv, write_json, write_text
 
 from .problems import BatchStream, Problem, make_linear_problem, make_wine_problem
+from .robust_eval import LOSS_METRICS
 from .summaries import aggregate_curves, mean_std, plot_convergence, summary_table
 
 __all__ = ["PAPER_PRESETS", "PROBLEMS", "SyntheticConfig", "run_synthetic"]
@@ -141,7 +144,7 @@ def _check_overrides(method: str, overrides: dict[str, Any]) -> None:
 
 def _run_one(
     problem: Problem, method: str, hparams: dict[str, Any], steps: int, batch_size: int, seed: int, progress: bool
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     torch.manual_seed(seed)  # optimizers that draw internal randomness seed it from here
     params = problem.fresh_params()
     optimizer = create(method, params, problem.num_tasks, **hparams)
@@ -178,7 +181,21 @@ def _run_one(
         records.append(record)
         if iteration % 25 == 0 or iteration == steps:
             bar.set_postfix(bgn=f"{record['balanced_grad_norm']:.3g}")
-    return records
+    return records, final_tail(problem, params, method, hparams)
+
+
+def final_tail(problem: Problem, params: list[torch.Tensor], method: str, hparams: dict[str, Any]
+               ) -> dict[str, list[float]]:
+    """The loss metrics (:data:`~drmoo.experiments.robust_eval.LOSS_METRICS`: mean, CVaR, the worst case at the
+    run's (f, lambda) and the reference balls) of the final parameters' per-sample losses on the whole data set
+    (the synthetic problems have no held-out split), one value per task."""
+    from .robust_eval import loss_metrics, method_ball, single_thread
+
+    ball = method_ball(method, hparams)
+    with torch.no_grad(), single_thread():
+        losses = problem.loss_fn(params, problem.inputs, problem.targets).double()
+        rows = [loss_metrics(losses[:, task], ball) for task in range(losses.shape[1])]
+    return {key: [row[key] for row in rows] for key in rows[0]}
 
 
 def _read_records(path: Path, method: str, seed: int, steps: int) -> list[dict[str, Any]] | None:
@@ -208,6 +225,7 @@ def run_synthetic(config: SyntheticConfig, out_dir: str | Path, progress: bool =
     out = make_directory(out_dir)
     make_directory(out / "runs")
     all_records: list[dict[str, Any]] = []
+    tails: dict[str, list[dict[str, list[float]]]] = {}  # method -> the final loss metrics of each seed's run
     problems: dict[int, Problem] = {}
     jobs = [(m, s) for m in settings["methods"] for s in settings["seeds"]]
     for method, seed in tqdm(jobs, desc="runs", disable=not progress):
@@ -216,17 +234,24 @@ def run_synthetic(config: SyntheticConfig, out_dir: str | Path, progress: bool =
         meta_path = run_path.with_suffix(".json")
         meta = {"problem": settings["problem"], "hparams": hparams, "steps": settings["steps"],
                 "batch_size": settings["batch_size"], "seed": seed}
+        tail_path = out / "runs" / f"{method}-seed{seed}-tail.json"
         if _saved_meta(meta_path) == meta:
             records = _read_records(run_path, method, seed, settings["steps"])
             if records is not None:
                 all_records.extend(records)  # finished earlier with the same settings
+                tail = _saved_tail(tail_path)  # None: finished by a drmoo that did not measure it
+                if tail is not None:
+                    tails.setdefault(method, []).append(tail)
                 continue
         if seed not in problems:
             problems[seed] = PROBLEMS[settings["problem"]](seed=seed, data_root=config.data_root)
-        records = _run_one(problems[seed], method, hparams, settings["steps"], settings["batch_size"], seed, progress)
+        records, tail = _run_one(problems[seed], method, hparams, settings["steps"], settings["batch_size"], seed,
+                                 progress)
         write_csv(run_path, records)
+        write_json(tail_path, tail)
         write_json(meta_path, meta)  # after the records: its presence with these settings means "finished"
         all_records.extend(records)
+        tails.setdefault(method, []).append(tail)
 
     write_csv(out / "metrics.csv", all_records)
     curves = aggregate_curves(all_records)
@@ -256,10 +281,42 @@ def run_synthetic(config: SyntheticConfig, out_dir: str | Path, progress: bool =
             "final_balanced_grad_norm": _mean_std(finals),
             "mean_last20_balanced_grad_norm": _mean_std(last20),
             "wall_time_s": _mean_std([r["wall_time_s"] for r in runs if r["iteration"] == settings["steps"]]),
+            # the final parameters' loss metrics, averaged over tasks, over the seeds that measured them
+            "final_loss_metrics": {key: _mean_std([sum(t[key]) / len(t[key]) for t in tails.get(method, [])])
+                                   for key in LOSS_METRICS},
+            "final_loss_metrics_seeds": len(tails.get(method, [])),
         }
     write_json(out / "summary.json", summary)  # strict JSON: a NaN becomes null
-    write_text(out / "summary.md", summary_table(summary))
+    write_text(out / "summary.md", summary_table(summary) + "\n" + loss_metrics_table(summary))
     return summary
+
+
+def loss_metrics_table(summary: dict[str, Any]) -> str:
+    """Markdown: each method's final loss metrics on the whole data set (task means; mean ± std over seeds)."""
+    lines = ["Per-sample loss of the final parameters on the whole data set, averaged over tasks (mean ± std over "
+             "seeds): mean, CVaR at alpha 0.1 / 0.05, the worst case in the run's divergence ball (robust_run) and "
+             "at chi2 lambda 0.1 / 0.8 (docs/robustness-metrics.md).", "",
+             "| method | " + " | ".join(LOSS_METRICS) + " |", "|---|" + "---:|" * len(LOSS_METRICS)]
+    for method, info in summary["methods"].items():
+        metrics = info["final_loss_metrics"]
+        cells = ["n/a" if math.isnan(metrics[key]["mean"]) else
+                 f"{metrics[key]['mean']:.4g} ± {metrics[key]['std']:.2g}" for key in LOSS_METRICS]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _saved_tail(path: Path) -> dict[str, list[float]] | None:
+    """A finished run's final loss metrics, or None when missing, unreadable or not one list per metric."""
+    try:
+        tail = read_json(path, what="run loss metrics file")
+    except (UsageError, FileNotFoundError):
+        return None
+    if not isinstance(tail, dict) or any(
+            not isinstance(tail.get(key), list) or not tail[key]
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in tail[key])
+            for key in LOSS_METRICS):
+        return None
+    return {key: [float(v) for v in tail[key]] for key in LOSS_METRICS}
 
 
 def _saved_meta(path: Path) -> Any:
