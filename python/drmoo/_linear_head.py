@@ -11,10 +11,10 @@ Theta(m^2 B d) -- the step's largest term beyond a hundred tasks -- for rows of 
 the same numbers: the per-task passes only ever add zeros to G[b, i] W[i, k].
 
 :func:`linear_head` reads the structure off the graph (no backward, no value read): from the losses [B, m]
-down, a chain of element-wise nodes (:data:`drmoo._head_split.ELEMENTWISE_NODES`, each with one input on the
-path, of the losses' shape), then the linear layer's ``addmm`` (or ``mm`` without a bias) whose input is z
-itself (one piece, [B, d]) and whose weight is a leaf [m, d] reached through its transpose.  Anything else
-returns None and the caller takes another path.
+down, a chain of element-wise nodes (:func:`drmoo._head_split.elementwise_chain`), then the linear layer's
+``addmm`` (or ``mm`` without a bias) whose input is z itself (one piece, [B, d]), whose weight is a leaf
+[m, d] reached through its transpose and whose bias, if any, a leaf [m].  Anything else returns None and the
+caller takes another path.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._head_split import ELEMENTWISE_NODES, _shape
+from ._head_split import elementwise_chain
 
 __all__ = ["LinearHead", "linear_head"]
 
@@ -74,17 +74,10 @@ def linear_head(losses: Tensor, features: Sequence[Tensor]) -> LinearHead | None
     rows, num_tasks = losses.shape
     if z.shape[0] != rows:
         return None
-    shape = [rows, num_tasks]
-    node = losses.grad_fn
-    while node.name() in ELEMENTWISE_NODES:
-        if _shape(node, 0) != shape:
-            return None
-        edges = {(id(n), nr): (n, nr) for n, nr in node.next_functions if n is not None}
-        if len(edges) != 1:
-            return None  # two inputs on the path (or none): not a plain element-wise chain
-        ((node, output_nr),) = edges.values()
-        if _shape(node, output_nr) != shape:
-            return None
+    walked = elementwise_chain(losses, lambda below, output_nr: _is_z((below, output_nr), z))
+    if walked is None:
+        return None
+    _, node = walked
     name = node.name()
     if name == "AddmmBackward0":
         bias_edge, input_edge, weight_edge = node.next_functions
