@@ -145,3 +145,10 @@ def test_eval_noise_option_sets_the_covariate_grid(multimnist_run: Path, capsys:
         with pytest.raises(SystemExit):
             main(["eval", "--run", str(multimnist_run), "--noise", bad, "--quiet"])
         assert "--noise" in capsys.readouterr().err
+
+
+def test_one_sample_leaves_the_temperature_undefined_not_fitted_on_itself() -> None:
+    logits, labels = [torch.tensor([[2.0, 0.0]])], torch.tensor([[0]])
+    block = robust_eval.temperature_block(logits, labels, ("chi2", 0.8))
+    assert block["fold_temperatures"] == [] and math.isnan(block["mean"]["mean_loss"])
+    assert robust_eval.metrics_block(logits, labels, ("chi2", 0.8))["mean"]["accuracy"] == 1.0

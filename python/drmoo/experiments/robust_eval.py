@@ -234,6 +234,11 @@ def temperature_block(logits: Sequence[Tensor], labels: Tensor, ball: tuple[str,
     evaluated split (:func:`drmoo.experiments.temperature.cross_fitted_temperatures`), with the fits."""
     from .temperature import cross_fitted_temperatures, fit_temperature, scaled
 
+    if labels.shape[0] < 2:  # no other half to fit on: every number undefined
+        undefined = {key: [math.nan] * len(logits) for key in metrics_block(logits, labels, ball, weights)["per_task"]}
+        return {"protocol": "two-fold cross-fit on the evaluated split: not possible with one sample",
+                "fold_temperatures": [], "at_bound": [], "whole_split_temperature": [],
+                "per_task": undefined, "mean": block_means(undefined)}
     scaled_logits, fits, whole = [], [], []
     with single_thread():
         for i, z in enumerate(logits):
