@@ -106,13 +106,13 @@ from typing import Any, Literal, cast, get_args, overload
 import torch
 from torch import Tensor
 
-from ._fsdp import ALTERNATIVE
 from ._grad_watch import GradientAccumulationWarning, GradWatch
 from .jacobian import graph_leaves
 from .optim import NonFiniteStepError, available, create
 from .optim._accumulate import Accumulation, accumulate_refusal, reduce_micro_batch, shared_versions
 from .optim._base import MultiObjectiveOptimizer
 from .optim._features import with_features
+from .optim._fsdp import ALTERNATIVE, is_sharded
 from .optim._hyperparameters import check_flag
 
 LossesInput = Tensor | tuple[Tensor, Tensor] | Callable[[], Any]
@@ -601,7 +601,10 @@ class Balancer:
                 "losses have no autograd graph (computed under torch.no_grad(), detached, or from parameters "
                 "that do not require grad); the balancer needs their gradients"
             )
-        if not _reaches(losses, self._algorithm._shared_params()):
+        shared = self._algorithm._shared_params()
+        # FSDP2's forward computes with all-gathered copies of sharded parameters (drmoo.optim._fsdp): the losses
+        # never reach the shards themselves; features mode's one backward through the trunk checks that it reached.
+        if not is_sharded(shared) and not _reaches(losses, shared):
             raise ValueError(
                 "the losses do not depend on the balancer's shared parameters: pass the parameters the "
                 "losses are computed from (e.g. model.trunk.parameters()) to drmoo.Balancer"

@@ -77,6 +77,7 @@ from ._agreement import (
 )
 from ._engine import JacobianEngine
 from ._features import FeaturesJacobian
+from ._fsdp import refuse_sharded
 from ._guards import FiniteValues, NonFiniteStepError, StepGuard, finite_columns, finite_each, finite_entries
 from ._head_grads import HeadGradients, fed_grads_finite
 from ._hyperparameters import (
@@ -123,6 +124,7 @@ def configure_jacobian(optimizer: MultiObjectiveOptimizer, jacobian: str, strate
     optimizer.jacobian_strategy = strategy
     if jacobian not in JACOBIANS:
         raise ValueError(f"jacobian must be one of {', '.join(JACOBIANS)}; got {jacobian!r}")
+    refuse_sharded(optimizer._shared_params(), jacobian)  # FSDP: features mode only (drmoo.optim._fsdp)
     if jacobian == "parameters":
         return ParametersJacobian()
     refusal = getattr(type(optimizer), "FEATURES_REFUSAL", None)

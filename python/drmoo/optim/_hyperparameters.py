@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from drmoo._fsdp import refuse_sharded
 from drmoo_kernels import get_divergence
 from drmoo_kernels._checks import check_positive as check_positive  # re-exported: the methods' modules use it
 
@@ -225,7 +224,6 @@ def shared_device(shared: Sequence[Tensor]) -> torch.device:
     """The device of the shared parameters (one, see :func:`check_new_params`): there must be some, with data."""
     if not shared:
         raise ValueError("the optimizer got no parameters that require grad")
-    refuse_sharded(shared)  # FSDP: one line naming it and the alternative (drmoo._fsdp)
     device = shared[0].device
     if device.type == "meta":
         raise ValueError(
