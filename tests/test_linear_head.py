@@ -58,6 +58,24 @@ def test_rows_are_the_per_task_passes_rows(loss: str, bias: bool) -> None:
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_separate_heads_rows_are_the_per_task_passes_rows(loss: str) -> None:
+    """m Linear(d, 1) joined by torch.cat: the same outer products, W their weights stacked."""
+    trunk, _, x, y = _problem()
+    heads = nn.ModuleList(nn.Linear(D_Z, 1, bias=task % 2 == 0) for task in range(TASKS))
+    z = trunk(x)
+    losses = LOSSES[loss](torch.cat([head(z) for head in heads], dim=1), y)
+    found = linear_head(losses, [z])
+    assert found is not None
+    cotangent = torch.rand(BATCH, TASKS)
+    out = torch.empty(TASKS, BATCH * D_Z)
+    grads = found.rows_into(losses, cotangent, out, inputs=list(heads.parameters()), retain_graph=True)
+    torch.testing.assert_close(out, _per_task_rows(losses, z, cotangent), rtol=0, atol=0)
+    want = torch.autograd.grad(losses, list(heads.parameters()), cotangent, retain_graph=True)
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_a_balancer_step_is_the_loop_strategys() -> None:
     written = []
     for strategy in ("auto", "loop"):
@@ -98,7 +116,19 @@ def _computed_weight(trunk: nn.Module, head: nn.Linear, x: Tensor, y: Tensor) ->
     return (F.linear(z, 2.0 * head.weight, head.bias) - y) ** 2, z  # W is not a leaf
 
 
-@pytest.mark.parametrize("build", [_mixing_loss, _second_reader, _two_layers, _bias_from_z, _computed_weight])
+def _a_hidden_layer(trunk: nn.Module, head: nn.Linear, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    z = trunk(x)
+    columns = [head(z)[:, :1]] + [nn.functional.linear(z, head.weight[task:task + 1]) for task in range(1, TASKS)]
+    return (torch.cat(columns, dim=1) - y) ** 2, z  # separate columns, but not each a layer of z with a leaf weight
+
+
+def _cat_of_wider_pieces(trunk: nn.Module, head: nn.Linear, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    z = trunk(x)
+    return (torch.cat([head(z)[:, :2], head(z)[:, 2:]], dim=1) - y) ** 2, z  # pieces of width 2 and 3
+
+
+@pytest.mark.parametrize("build", [_mixing_loss, _second_reader, _two_layers, _bias_from_z, _computed_weight,
+                                   _a_hidden_layer, _cat_of_wider_pieces])
 def test_other_graphs_are_left_to_the_generic_path(build: Callable[..., tuple[Tensor, Tensor]]) -> None:
     trunk, head, x, y = _problem()
     losses, z = build(trunk, head, x, y)

@@ -1,20 +1,22 @@
-"""Per-task rows of J_z as outer products, for one shared linear head (the features-mode ``"auto"`` strategy).
+"""Per-task rows of J_z as outer products, for linear heads (the features-mode ``"auto"`` strategy).
 
-With one ``Linear(d, m)`` reading z [B, d] -- logits = z W^T + b -- and a per-sample loss computed column by
-column from the logits, task i's loss reaches z only through column i of the logits, so
+With one ``Linear(d, m)`` reading z [B, d] -- logits = z W^T + b -- or m ``Linear(d, 1)`` joined by ``torch.cat``
+(W: their weights stacked), and a per-sample loss computed column by column from the logits, task i's loss
+reaches z only through column i of the logits, so
 
     J_z[i] = d (sum_b c[b, i] L[b, i]) / dz = G[:, i] (outer) W[i],    G = d (sum_b,i c[b, i] L[b, i]) / d logits,
 
-where G [B, m] comes from ONE backward pass through the loss.  The generic path sends a one-hot cotangent
-[m, B, m] through the loss and the head under vmap: Theta(m^2 B) loss work and an [m B, m] x [m, d] product,
-Theta(m^2 B d) -- the step's largest term beyond a hundred tasks -- for rows of Theta(m B d).  The rows here are
-the same numbers: the per-task passes only ever add zeros to G[b, i] W[i, k].
+where G [B, m] comes from ONE backward pass through the loss.  For a shared head the generic path sends a
+one-hot cotangent [m, B, m] through the loss and the head under vmap: Theta(m^2 B) loss work and an
+[m B, m] x [m, d] product, Theta(m^2 B d) -- the step's largest term beyond a hundred tasks -- for rows of
+Theta(m B d); for separate heads the one-pass split (:mod:`drmoo._head_split`) hooks every head's node, m
+hooks a step.  The rows here are the same numbers: the per-task passes only ever add zeros to G[b, i] W[i, k].
 
 :func:`linear_head` reads the structure off the graph (no backward, no value read): from the losses [B, m]
-down, a chain of element-wise nodes (:func:`drmoo._head_split.elementwise_chain`), then the linear layer's
-``addmm`` (or ``mm`` without a bias) whose input is z itself (one piece, [B, d]), whose weight is a leaf
-[m, d] reached through its transpose and whose bias, if any, a leaf [m].  Anything else returns None and the
-caller takes another path.
+down, a chain of element-wise nodes (:func:`drmoo._head_split.elementwise_chain`), then either the linear
+layer's ``addmm`` (or ``mm`` without a bias) or a ``torch.cat`` along the tasks of m such layers of width 1;
+each layer's input is z itself (one piece, [B, d]), its weight a leaf reached through its transpose and its
+bias, if any, a leaf.  Anything else returns None and the caller takes another path.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._head_split import elementwise_chain
+from ._head_split import _saved_dim, elementwise_chain
 
 __all__ = ["LinearHead", "linear_head"]
 
 
 @dataclass
 class LinearHead:
-    """The shared head's autograd node (its output: the logits) and its weight W [m, d]."""
+    """The head's autograd node (its output: the logits [B, m]) and the weights W [m, d] of its m outputs."""
 
     node: Any
     weight: Tensor
@@ -67,7 +69,7 @@ class LinearHead:
 
 
 def linear_head(losses: Tensor, features: Sequence[Tensor]) -> LinearHead | None:
-    """The shared linear head between ``losses`` [B, m] and z (module docstring), or None."""
+    """The linear head(s) between ``losses`` [B, m] and z (module docstring), or None."""
     if losses.dim() != 2 or losses.grad_fn is None or len(features) != 1 or features[0].dim() != 2:
         return None
     z = features[0]
@@ -78,11 +80,29 @@ def linear_head(losses: Tensor, features: Sequence[Tensor]) -> LinearHead | None
     if walked is None:
         return None
     _, node = walked
+    if node.name() == "CatBackward0":  # separate heads: m Linear(d, 1) joined along the tasks
+        if _saved_dim(node) not in (1, -1) or len(node.next_functions) != num_tasks:
+            return None
+        weights = [_linear_layer(piece, z, 1) for piece, _ in node.next_functions]
+        if any(weight is None for weight in weights):
+            return None
+        with torch.no_grad():
+            stacked = torch.cat([weight for weight in weights if weight is not None])  # [m, d]
+        return LinearHead(node, stacked)
+    weight = _linear_layer(node, z, num_tasks)
+    return None if weight is None else LinearHead(node, weight)
+
+
+def _linear_layer(node: Any, z: Tensor, outputs: int) -> Tensor | None:
+    """The weight [outputs, d] when ``node`` is a linear layer of z itself (``addmm`` with a leaf bias, or ``mm``)
+    with a leaf weight; else None."""
+    if node is None:
+        return None
     name = node.name()
     if name == "AddmmBackward0":
         bias_edge, input_edge, weight_edge = node.next_functions
         bias = getattr(bias_edge[0], "variable", None) if bias_edge[0] is not None else None
-        if bias_edge[0] is not None and not (isinstance(bias, Tensor) and bias.shape == (num_tasks,)):
+        if bias_edge[0] is not None and not (isinstance(bias, Tensor) and bias.shape == (outputs,)):
             return None  # a bias computed from something (z, perhaps): not a plain linear layer
     elif name == "MmBackward0":
         input_edge, weight_edge = node.next_functions
@@ -95,9 +115,9 @@ def linear_head(losses: Tensor, features: Sequence[Tensor]) -> LinearHead | None
         return None
     (leaf, _), = transpose.next_functions
     weight = getattr(leaf, "variable", None)
-    if not isinstance(weight, Tensor) or list(weight.shape) != [num_tasks, z.shape[1]]:
+    if not isinstance(weight, Tensor) or list(weight.shape) != [outputs, z.shape[1]]:
         return None
-    return LinearHead(node, weight)
+    return weight
 
 
 def _is_z(edge: tuple[Any, int], z: Tensor) -> bool:

@@ -259,21 +259,21 @@ class FeaturesJacobian:
         scaled = cotangent * scale if scale != 1.0 else cotangent
         out = self._buffer(slot, host.num_tasks, shared[0].dtype, shared[0].device)
         strategy = host.jacobian_strategy
-        split = self.task_split(losses) if strategy == "auto" else None
+        linear = linear_head(losses, self.features) if strategy == "auto" else None
+        split = self.task_split(losses) if strategy == "auto" and linear is None else None
         # Every strategy takes the rows as they arrive at z (partials, before z's own hooks): the lift adds
         # the paths between pieces and applies z's hooks, once.
         with gradients_arriving_at(self.features):
-            if split is not None:  # separate heads: every row from one ordinary pass (drmoo._head_split)
+            if linear is not None:  # linear heads: each row an outer product, from one pass (drmoo._linear_head)
+                head_grads = linear.rows_into(losses, scaled, out, inputs=list(heads) or list(self.features),
+                                              retain_graph=True)
+                if heads:
+                    accumulate_into_grad(heads, head_grads)
+                jacobian = out
+            elif split is not None:  # other separate heads: every row from one ordinary pass (drmoo._head_split)
                 head_grads = split_task_jacobian(losses, scaled, self.features, out, split, heads=heads,
                                                  retain_graph=True)
                 accumulate_into_grad(heads, head_grads)
-                jacobian = out
-            elif strategy == "auto" and (shared_head := linear_head(losses, self.features)) is not None:
-                # one shared linear head: each row an outer product, from one pass (drmoo._linear_head)
-                head_grads = shared_head.rows_into(losses, scaled, out, inputs=list(heads) or list(self.features),
-                                                   retain_graph=True)
-                if heads:
-                    accumulate_into_grad(heads, head_grads)
                 jacobian = out
             else:
                 resolved = resolve_strategy(strategy, out.device, host.num_tasks, features=True)
