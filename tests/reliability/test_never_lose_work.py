@@ -213,7 +213,7 @@ def test_metrics_json_is_strict_json(tmp_path: Path, tiny_args: Callable[..., li
 
 
 def test_eval_json_is_strict_json(trained_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(evaluation, "accuracy", lambda *args, **kwargs: [math.nan, 0.5])
+    monkeypatch.setattr(evaluation, "task_accuracies", lambda *args, **kwargs: [math.nan, 0.5])
     assert main(["eval", "--run", str(trained_run), "--eps", "0", "--quiet"]) == 0
     text = (trained_run / "eval.json").read_text()
     report = json.loads(text, parse_constant=lambda token: pytest.fail(f"non-standard JSON token {token}"))

@@ -147,8 +147,7 @@ def evaluate_celeba(run_dir: Path, *, eps: list[float] | None = None, progress: 
               "test_samples": int(data.test_labels.shape[0]), **provenance, **metrics,
               "robustness": robustness_report(model, data.test_images, data.test_labels, data.images, batch, target,
                                               config, logits, label_balancing_weights, noise_sigmas)}
-    report = json_safe(report)
-    save_result(run_dir / "eval.json", report)  # strict JSON, written atomically
+    save_result(run_dir / "eval.json", json_safe(report))  # strict JSON (NaN as null), written atomically
     return report
 
 

@@ -26,7 +26,8 @@ from .checkpoints import CHECKPOINT, checkpoint_provenance, load_checkpoint, pay
 from .devices import resolve_device
 from .run_config import RunConfig, read_run_config
 
-__all__ = ["Build", "accuracy", "check_eps", "evaluate_robustness", "load_trained", "load_trained_run"]
+__all__ = ["Build", "accuracy", "check_eps", "evaluate_robustness", "load_trained", "load_trained_run",
+           "task_accuracies"]
 
 # How an experiment builds a run's model and data from its config (the registry's ``build``); here, below the
 # trainer, which imports this module for :func:`accuracy` and re-exports it.
@@ -48,6 +49,11 @@ def accuracy(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int, 
         logits = model(x)
         correct += torch.stack([(z.argmax(1) == y[:, i]).sum() for i, z in enumerate(logits)]).cpu()
     return (correct.double() / labels.shape[0]).tolist()
+
+
+def task_accuracies(logits: list[Tensor], labels: Tensor) -> list[float]:
+    """Per-task accuracy of every task's logits ``[N, C]`` against ``labels[:, i]``."""
+    return [float((z.argmax(1) == labels[:, i].to(z.device)).double().mean()) for i, z in enumerate(logits)]
 
 
 def load_trained_run(run_dir: Path, build: Build, device: str | None = None
@@ -114,7 +120,7 @@ def evaluate_robustness(
     for eps in tqdm(eps_values, desc="FGSM", disable=not progress):
         logits = collect_logits(model, data.test_images, labels, data.images, batch, target, eps=eps,
                                 step_scale=step_scale)
-        task_acc = [float((z.argmax(1) == labels[:, i]).double().mean()) for i, z in enumerate(logits)]
+        task_acc = task_accuracies(logits, labels)
         results.append({"eps": eps, "mean_acc": sum(task_acc) / len(task_acc), "task_acc": task_acc,
                         "metrics": metrics_block(logits, labels, ball)})
         clean = logits if eps == 0 else clean
@@ -126,6 +132,5 @@ def evaluate_robustness(
               **provenance, "results": results,
               "robustness": robustness_report(model, data.test_images, labels, data.images, batch, target, config,
                                               clean, noise_sigmas=noise_sigmas)}
-    report = json_safe(report)
-    save_result(run_dir / "eval.json", report)
+    save_result(run_dir / "eval.json", json_safe(report))  # strict JSON: NaN as null
     return report

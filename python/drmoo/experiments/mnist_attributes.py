@@ -168,8 +168,7 @@ def evaluate_attributes(run_dir: Path, *, eps: list[float] | None = None, progre
               # on the prevalence set; both experiments are also measured under the label-balancing nominal
               "robustness": robustness_report(model, data.test_images, data.test_labels, data.images, batch, target,
                                               config, logits, label_balancing_weights, noise_sigmas)}
-    report = json_safe(report)
-    save_result(run_dir / "eval.json", report)
+    save_result(run_dir / "eval.json", json_safe(report))  # strict JSON: NaN as null
     return report
 
 
