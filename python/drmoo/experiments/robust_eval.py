@@ -17,8 +17,9 @@ robust_chi2_0.1, _0.8     the same at chi2 with lam 0.1 / 0.8 (one yardstick for
 ece                       top-label expected calibration error, 15 equal-mass bins
 misclassified_loss        mean loss over the misclassified samples (NaN: none)
 weighted_*                mean_loss and the robust objectives with the importance weights'
-                          nominal (the weights normalised to a distribution p), where the
-                          experiment trains with importance weights
+                          nominal (the weights normalised to a distribution p): on the
+                          binary-attribute experiments, their label-balancing weights (also
+                          for a run trained without them: one yardstick)
 ========================  ==================================================================
 
 Also here: the fitted temperature (:mod:`drmoo.experiments.temperature`) and the graded shifts
