@@ -120,12 +120,31 @@ def test_objective_is_the_dual_minimum_at_least_the_mean_and_falls_with_lambda(v
     assert dr_metrics.robust_objective(losses, 2 * lam, divergence) <= value + TOL
 
 
+@FAST
+@given(losses_st, st.floats(0.05, 20.0), st.sampled_from(["chi2", "kl", "cvar_smooth(0.1)"]))
+def test_worst_case_ratios_are_a_distribution_and_the_closed_forms(values: list[float], lam: float,
+                                                                  divergence: str) -> None:
+    losses = _t(values)
+    solved = dr_metrics.worst_case(losses, lam, divergence)
+    assert bool((solved.ratios >= 0).all())
+    # E_p[dq/dp] = 1 at the minimising eta: the slope 1 - E_p[f*'] is within one bracket step of its root
+    assert float(solved.ratios.mean()) == pytest.approx(1.0, abs=1e-6)
+    if divergence == "kl":
+        expected = torch.softmax(losses / lam, 0) * len(values)
+        torch.testing.assert_close(solved.ratios, expected, rtol=1e-9, atol=1e-12)
+    mean = sum(values) / len(values)
+    if divergence == "chi2" and mean - min(values) < 2 * lam:  # unclipped: 1 + (l - E l) / (2 lam)
+        torch.testing.assert_close(solved.ratios, 1 + (losses - mean) / (2 * lam), rtol=1e-7, atol=1e-7)
+
+
 def test_chi2_objective_clips_at_a_small_lambda() -> None:
     # mean 1, min 0 > 2 lam away: the worst case puts no weight on the 0-loss samples; brute force agrees
     values = [0.0, 0.0, 3.0]
     value = dr_metrics.robust_objective(_t(values), 0.1, "chi2")
     assert value == pytest.approx(_dual_brute_force(values, 0.1, "chi2"), rel=1e-9)
     assert value != pytest.approx(1.0 + 2.0 / 0.4)  # the unclipped closed form overstates it
+    ratios = dr_metrics.worst_case(torch.tensor(values, dtype=torch.float64), 0.1, "chi2").ratios
+    assert ratios.tolist() == [0.0, 0.0, pytest.approx(3.0)]  # all the mass on the one positive loss
 
 
 @FAST

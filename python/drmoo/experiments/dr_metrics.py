@@ -22,14 +22,15 @@ Every function here takes one task's per-sample values on one evaluation set and
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from drmoo_kernels import Divergence, get_divergence
 
-__all__ = ["ECE_BINS", "balanced_accuracy", "cvar", "expected_calibration_error", "misclassified_loss",
-           "nominal_weights", "robust_objective", "worst_class_accuracy"]
+__all__ = ["ECE_BINS", "WorstCase", "balanced_accuracy", "cvar", "expected_calibration_error", "misclassified_loss",
+           "nominal_weights", "robust_objective", "worst_case", "worst_class_accuracy"]
 
 ECE_BINS = 15
 _MAX_BISECTIONS = 2200  # float64 bisection reaches adjacent floats in <= ~2100 halvings from any bracket
@@ -75,31 +76,48 @@ def cvar(losses: Tensor, alpha: float, weights: Tensor | None = None) -> float:
     return float((inside * ordered).sum() / alpha)
 
 
-def _kl_objective(losses: Tensor, p: Tensor, lam: float) -> float:
-    # lam * log sum_j p_j exp(l_j / lam), as a log-sum-exp: exact and overflow-free
-    return lam * float(torch.logsumexp(losses / lam + torch.log(p), 0))
+@dataclass(frozen=True)
+class WorstCase:
+    """The solved dual of one robust objective: its value, the minimising eta, and the worst case's density
+    ratios dq/dp = f*'((loss - eta) / lam) per sample (in the input's order; 0 where p is 0)."""
+
+    value: float
+    eta: float
+    ratios: Tensor
 
 
-def robust_objective(losses: Tensor, lam: float, divergence: str | Divergence = "chi2",
-                     weights: Tensor | None = None) -> float:
-    """``sup_q E_q[loss] - lam * D_f(q || p)`` of ``losses``, p uniform or ``weights`` normalised.
+def _checked_lam(lam: float) -> float:
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam <= 0:
+        raise ValueError(f"lam must be a finite number > 0, got {lam!r}")
+    return float(lam)
+
+
+def worst_case(losses: Tensor, lam: float, divergence: str | Divergence = "chi2",
+               weights: Tensor | None = None) -> WorstCase:
+    """``sup_q E_q[loss] - lam * D_f(q || p)`` of ``losses`` (p uniform or ``weights`` normalised), with the
+    maximising q as density ratios.
 
     Solved from the dual ``min_eta eta + lam * E_p[f*((loss - eta) / lam)]`` in float64.  The
     derivative in eta, ``1 - E_p[f*'((loss - eta) / lam)]``, is non-decreasing and its root lies
     between the smallest and the largest loss (f*'(0) = 1 for every f), so bisection on its sign
     brackets the minimiser to adjacent floats; the objective is the smaller of the dual's values
-    at the bracket's two ends.  At least the mean under p (q = p), and non-increasing in ``lam``.
+    at the bracket's two ends.  KL: the closed form ``lam * log E_p exp(loss / lam)``, eta equal to it.
     """
-    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam <= 0:
-        raise ValueError(f"lam must be a finite number > 0, got {lam!r}")
-    lam = float(lam)
-    losses = _values(losses, "losses")
-    p = nominal_weights(losses.numel(), weights)
+    lam = _checked_lam(lam)
+    all_losses = _values(losses, "losses")
+    p = nominal_weights(all_losses.numel(), weights)
     keep = p > 0
-    losses, p = losses[keep], p[keep]
+    losses, p = all_losses[keep], p[keep]
     f = get_divergence(divergence)
-    if f.name == "kl":
-        return _kl_objective(losses, p, lam)
+
+    def ratios_at(eta: float) -> Tensor:
+        ratios = torch.zeros_like(all_losses)
+        ratios[keep] = f.conj_grad((losses - eta) / lam)
+        return ratios
+
+    if f.name == "kl":  # lam * log sum_j p_j exp(l_j / lam), as a log-sum-exp: exact and overflow-free
+        value = lam * float(torch.logsumexp(losses / lam + torch.log(p), 0))
+        return WorstCase(value, value, ratios_at(value))
 
     def dual(eta: float) -> float:
         return eta + lam * float((p * f.conj((losses - eta) / lam)).sum())
@@ -108,8 +126,8 @@ def robust_objective(losses: Tensor, lam: float, divergence: str | Divergence = 
         return 1.0 - float((p * f.conj_grad((losses - eta) / lam)).sum())
 
     low, high = float(losses.min()), float(losses.max())
-    if low == high:
-        return low  # f*(0) = 0: the worst case of a constant loss is that loss
+    if low == high:  # f*(0) = 0: the worst case of a constant loss is that loss, q = p
+        return WorstCase(low, low, ratios_at(low))
     for _ in range(_MAX_BISECTIONS):
         middle = low + (high - low) / 2
         if not low < middle < high:
@@ -118,7 +136,15 @@ def robust_objective(losses: Tensor, lam: float, divergence: str | Divergence = 
             low = middle
         else:
             high = middle
-    return min(dual(low), dual(high))
+    eta = low if dual(low) <= dual(high) else high
+    return WorstCase(dual(eta), eta, ratios_at(eta))
+
+
+def robust_objective(losses: Tensor, lam: float, divergence: str | Divergence = "chi2",
+                     weights: Tensor | None = None) -> float:
+    """``sup_q E_q[loss] - lam * D_f(q || p)`` of ``losses``, p uniform or ``weights`` normalised
+    (:func:`worst_case`'s value).  At least the mean under p (q = p), and non-increasing in ``lam``."""
+    return worst_case(losses, lam, divergence, weights).value
 
 
 def expected_calibration_error(confidence: Tensor, correct: Tensor, bins: int = ECE_BINS) -> float:

@@ -13,6 +13,8 @@ worst_class_accuracy      lowest recall over the classes present
 mean_loss                 mean per-sample loss
 cvar_0.1, cvar_0.05       CVaR of the loss at alpha 0.1 / 0.05 (Rockafellar-Uryasev)
 robust_run                sup_q E_q[loss] - lam D_f(q || p) at the run's own f and lam
+worst_case_max_ratio      that worst case's largest density ratio dq/dp (1: q = p)
+worst_case_zero_mass      the fraction of the samples that worst case gives no weight
 robust_chi2_0.1, _0.8     the same at chi2 with lam 0.1 / 0.8 (one yardstick for every run)
 ece                       top-label expected calibration error, 15 equal-mass bins
 misclassified_loss        mean loss over the misclassified samples (NaN: none)
@@ -53,6 +55,7 @@ _T = TypeVar("_T")
 CVAR_LEVELS = (0.1, 0.05)
 REFERENCE_BALLS: tuple[tuple[str, float], ...] = (("chi2", 0.1), ("chi2", 0.8))
 LOSS_METRICS: tuple[str, ...] = ("mean_loss", *(f"cvar_{alpha:g}" for alpha in CVAR_LEVELS), "robust_run",
+                                 "worst_case_max_ratio", "worst_case_zero_mass",
                                  *(f"robust_{name}_{lam:g}" for name, lam in REFERENCE_BALLS))
 METRICS: tuple[str, ...] = ("accuracy", "balanced_accuracy", "worst_class_accuracy", *LOSS_METRICS, "ece",
                             "misclassified_loss")
@@ -172,10 +175,15 @@ def scored_metrics(scored: Scored, ball: tuple[str, float], weights: Tensor | No
 def loss_metrics(losses: Tensor, ball: tuple[str, float], weights: Tensor | None = None) -> dict[str, float]:
     """:data:`LOSS_METRICS` of one task's per-sample ``losses`` ``[N]`` (what needs no prediction), and
     :data:`WEIGHTED_METRICS` when importance ``weights`` ``[N]`` are given."""
+    run = dr_metrics.worst_case(losses, ball[1], ball[0])
     values = {
         "mean_loss": float(losses.double().mean()),
         **{f"cvar_{alpha:g}": dr_metrics.cvar(losses, alpha) for alpha in CVAR_LEVELS},
-        "robust_run": dr_metrics.robust_objective(losses, ball[1], ball[0]),
+        "robust_run": run.value,
+        # how far the run's worst case moves from the nominal: its largest density ratio, and the share of the
+        # samples it drops entirely (chi2's clipping; 0 for the divergences whose weights stay positive)
+        "worst_case_max_ratio": float(run.ratios.max()),
+        "worst_case_zero_mass": float((run.ratios == 0).double().mean()),
         **{f"robust_{name}_{lam:g}": dr_metrics.robust_objective(losses, lam, name) for name, lam in REFERENCE_BALLS},
     }
     if weights is not None:
