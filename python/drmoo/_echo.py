@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["MAX_ECHOED_CHARS", "MAX_ECHOED_ITEMS", "echo", "echo_items", "first_repeat"]
+__all__ = ["MAX_ECHOED_CHARS", "MAX_ECHOED_ITEMS", "echo", "echo_items", "first_repeat", "shortened"]
 
 MAX_ECHOED_ITEMS = 5  # items of a list shown before "... (N values)"
 MAX_ECHOED_CHARS = 80  # characters of one value shown before "... (N characters)"
@@ -26,19 +26,20 @@ def echo(text: str) -> str:
         head = ",".join(items[:MAX_ECHOED_ITEMS])[:MAX_ECHOED_CHARS]
         return f"{head + ',...'!r} ({len(items)} comma-separated values)"
     if len(text) > MAX_ECHOED_CHARS:
-        return f"{_shortened(text)!r} ({len(text)} characters)"
+        return f"{shortened(text)!r} ({len(text)} characters)"
     return repr(text)
 
 
 def echo_items(values: Sequence[Any]) -> str:
     """A list as an error message shows it: ``[0, 1, 2]``, or its first items and their number when long."""
-    shown = ", ".join(_shortened(repr(value)) for value in values[:MAX_ECHOED_ITEMS])
+    shown = ", ".join(shortened(repr(value)) for value in values[:MAX_ECHOED_ITEMS])
     if len(values) > MAX_ECHOED_ITEMS:
         return f"[{shown}, ...] ({len(values)} values)"
     return f"[{shown}]"
 
 
-def _shortened(text: str) -> str:
+def shortened(text: str) -> str:
+    """``text`` unquoted, cut after :data:`MAX_ECHOED_CHARS` characters (marked by "...")."""
     return text if len(text) <= MAX_ECHOED_CHARS else text[:MAX_ECHOED_CHARS] + "..."
 
 

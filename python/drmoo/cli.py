@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from drmoo._echo import echo, echo_items, first_repeat
+from drmoo._echo import echo, echo_items, first_repeat, shortened
 
 __all__ = ["EXIT_DIVERGED", "EXIT_USAGE", "main"]
 
@@ -114,7 +114,7 @@ def _distinct(items: list[Any], text: str) -> list[Any]:
     One pass over a set (a quadratic scan of 20,000 seeds took minutes)."""
     repeated = first_repeat(items)
     if repeated is not None:
-        raise argparse.ArgumentTypeError(f"{echo(str(repeated))} is given twice in {echo(text)}: give each once")
+        raise argparse.ArgumentTypeError(f"{shortened(str(repeated))} is given twice in {echo(text)}: give each once")
     return items
 
 
@@ -739,7 +739,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown method(s) {', '.join(unknown)}; valid choices: {', '.join(available())}")
     repeated = first_repeat(args.seeds)
     if repeated is not None:
-        raise UsageError(f"--seeds {echo_items(args.seeds)} repeats seed {repeated} (each seed must be a different "
+        raise UsageError(f"--seeds {echo_items(args.seeds)} repeats a seed: {repeated} (each seed must be a different "
                          "run)")
     # Everything is checked before the output directory is created: a refused comparison writes nothing.
     experiment = get_experiment(args.experiment)

@@ -14,7 +14,7 @@ MAX_LINE = 400  # the message's own words and the shortened value, far below the
 
 
 @pytest.mark.parametrize(("seeds", "named"), [
-    (SEEDS + ",0", "repeats seed 0"),  # compare's own check
+    (SEEDS + ",0", "repeats a seed: 0"),  # compare's own check
     (SEEDS + ",x", "got 'x' in '0,1,2,3,4,...' (20001 comma-separated values)"),
     (SEEDS + ",-1", "got '-1' in '0,1,2,3,4,...' (20001 comma-separated values)"),
 ])
@@ -33,7 +33,7 @@ def test_a_huge_count_is_echoed_shortened(capsys: pytest.CaptureFixture) -> None
 
 
 def test_the_synthetic_settings_name_the_repeated_seed_not_all_of_them() -> None:
-    with pytest.raises(ValueError, match=r"repeats seed 0 \(\[0, 1, 2, 3, 4, \.\.\.\] \(20001 values\)\)") as error:
+    with pytest.raises(ValueError, match=r"repeats a seed: 0 \(\[0, 1, 2, 3, 4, \.\.\.\] \(20001 values\)\)") as error:
         SyntheticConfig(problem="linear", seeds=[*range(20_000), 0]).resolved()
     assert len(str(error.value)) < MAX_LINE
 

@@ -133,8 +133,8 @@ class AblationConfig:
             raise ValueError(f"--seeds must be integers >= 0, got {echo_items(self.seeds)}")
         repeated = first_repeat(self.seeds)
         if repeated is not None:
-            raise ValueError(f"--seeds repeats seed {repeated} ({echo_items(self.seeds)}): a seed given twice is one "
-                             "run counted twice")
+            raise ValueError(f"--seeds repeats a seed: {repeated} ({echo_items(self.seeds)}); a seed given twice is "
+                             "one run counted twice")
         if self.methods is not None and len(set(self.methods)) != len(self.methods):
             raise ValueError(f"--methods repeats a method ({', '.join(self.methods)})")
         if any(not math.isfinite(e) or e < 0 for e in self.eps):

@@ -114,8 +114,8 @@ class SyntheticConfig:
         # a repeated seed or method would be run once and counted as two independent runs
         repeated = first_repeat(self.seeds)
         if repeated is not None:
-            raise ValueError(f"--seeds repeats seed {repeated} ({echo_items(self.seeds)}): a seed given twice is one "
-                             "run counted twice")
+            raise ValueError(f"--seeds repeats a seed: {repeated} ({echo_items(self.seeds)}); a seed given twice is "
+                             "one run counted twice")
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods repeat: {', '.join(self.methods)}; give each method once")
         for method in self.methods:
