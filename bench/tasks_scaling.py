@@ -12,9 +12,10 @@ Setting (issues 26, 35): torchvision's ResNet18 trunk (its classifier removed: z
 with GroupNorm(32) -- and a second trunk with BatchNorm -- on 32 x 32 inputs, per-sample logistic losses,
 SGD, one thread (CPU).  Two head layouts (``--heads``): m separate ``Linear(512, 1)`` heads joined by
 ``torch.cat`` (``separate``), and one shared ``Linear(512, m)`` (``shared``).  The default cells (batch, m):
-batch 32 at m in {2, 3, 8, 40, 100}, and batch 256 at m = 40 (``--batch``/``--tasks`` give a product
-instead); the variants that pass through the trunk once per task (parameters mode, TorchJD) run only at
-batch 32 and m <= 40 (``--all-cells``: everywhere).  Variants, each one full training step (zero_grad,
+batch 32 at m in {2, 3, 8, 40, 100, 200, 500}, and batch 256 at m = 40 (``--batch``/``--tasks`` give a
+product instead); the variants that pass through the trunk once per task (parameters mode, TorchJD) run only
+at batch 32 and m <= 40, and rep-grad (a loop over the tasks above z) up to m = 100 (``--all-cells``:
+everywhere).  Variants, each one full training step (zero_grad,
 forward, backward, optimizer step):
 
 * ``plain``: ``losses.mean(0).sum().backward()`` (the floor: one forward, one backward);
@@ -101,7 +102,7 @@ COMPARISON = ("plain", "rep-grad", "parameters", "parameters-loop", "parameters-
 # TorchJD reads values on the host inside its step (its MGDA solver), which capture forbids.
 GRAPHABLE = ("plain", "rep-grad", *PARAMETERS_STRATEGIES, *FEATURES_METHODS)
 REP_GRAD_ITERATIONS = 20  # Frank-Wolfe iterations of the rep-grad baseline's min-norm weights
-TASKS = (2, 3, 8, 40, 100)
+TASKS = (2, 3, 8, 40, 100, 200, 500)
 TRUNKS = ("groupnorm", "batchnorm")
 # Not ResNet18: a two-layer stand-in (d = 512 as well) for the GPU check's dry run, where only the code paths count.
 TINY = "tiny"
@@ -115,6 +116,8 @@ CELLS = tuple((BATCH, m) for m in TASKS) + ((LARGE_BATCH, 40),)
 # and m <= 40 of the default grid (at m = 100 the Jacobian alone is 4.5 GB and a step takes seconds).
 TRUNK_PER_TASK = (*PARAMETERS_STRATEGIES, "torchjd-mgda", "torchjd-upgrad")
 PER_TASK_MAX = 40
+# rep-grad's m gradient passes above z (a loop over the tasks, as LibMTL writes it): up to this m unless --all-cells
+REP_GRAD_MAX = 100
 
 
 def build(trunk_kind: str, num_tasks: int, seed: int = 0, device: str = "cpu",
@@ -564,9 +567,10 @@ def loadavg() -> str:
 def cell_variants(variants: Sequence[str], size: int, num_tasks: int, *, all_cells: bool) -> tuple[str, ...]:
     """The variants measured in the (batch, m) cell: the per-task trunk passes (parameters, TorchJD) only at
     batch 32 and m <= 40 unless ``all_cells`` (seconds per step and GBs of Jacobian elsewhere)."""
-    if all_cells or (size == BATCH and num_tasks <= PER_TASK_MAX):
+    if all_cells:
         return tuple(variants)
-    return tuple(v for v in variants if v not in TRUNK_PER_TASK)
+    return tuple(v for v in variants if (v not in TRUNK_PER_TASK or (size == BATCH and num_tasks <= PER_TASK_MAX))
+                 and (v != "rep-grad" or num_tasks <= REP_GRAD_MAX))
 
 
 def table(data: dict[str, Any]) -> str:

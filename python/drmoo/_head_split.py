@@ -31,14 +31,14 @@ Anything else (a shared head, a loss mixing the tasks' columns, heads sharing a 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["TaskSplit", "split_task_jacobian", "task_split"]
+__all__ = ["TaskSplit", "elementwise_chain", "split_task_jacobian", "task_split"]
 
 # Autograd nodes whose output entry (b, i) depends on the same entry of their one input on the path only,
 # whatever their other inputs (targets, weights that need no grad): the per-sample losses and the
@@ -77,6 +77,30 @@ def _saved_dim(node: Any) -> int | None:
     return dim - 2**64 if dim >= 2**63 else dim
 
 
+def elementwise_chain(losses: Tensor, is_z: Callable[[Any, int], bool]) -> tuple[list[Any], Any] | None:
+    """From ``losses``' node [B, m] down its chain of element-wise nodes (:data:`ELEMENTWISE_NODES`, each with one
+    input on the path, of the losses' shape): (the chain's nodes, the first node below it), or None when a node
+    has two inputs on the path (or none), its input is broadcast along the tasks, or is z (``is_z(node,
+    output_nr)``)."""
+    shape = list(losses.shape)
+    node: Any = losses.grad_fn
+    chain: list[Any] = []
+    if node is None:
+        return None
+    while node.name() in ELEMENTWISE_NODES:
+        if _shape(node, 0) != shape:
+            return None
+        edges = {(id(n), nr): (n, nr) for n, nr in node.next_functions if n is not None}
+        if len(edges) != 1:
+            return None  # two inputs on the path (or none): not a plain element-wise chain
+        ((below, output_nr),) = edges.values()
+        if is_z(below, output_nr) or _shape(below, output_nr) != shape:
+            return None  # the input is broadcast along the tasks, or is z itself
+        chain.append(node)
+        node = below
+    return chain, node
+
+
 def task_split(losses: Tensor, features: Sequence[Tensor]) -> TaskSplit | None:
     """The per-task structure of the graph between ``losses`` [B, m] and z (module docstring), or None."""
     if losses.dim() != 2 or losses.grad_fn is None:
@@ -102,19 +126,11 @@ def task_split(losses: Tensor, features: Sequence[Tensor]) -> TaskSplit | None:
         return pieces.get((id(node), output_nr))
 
     # The element-wise chain at the top.  (Node wrappers are held in `above`: see graph_leaves on their ids.)
-    node, shape = losses.grad_fn, [rows, num_tasks]
-    above: dict[int, Any] = {}
-    while node.name() in ELEMENTWISE_NODES:
-        if _shape(node, 0) != shape:
-            return None
-        edges = {(id(n), nr): (n, nr) for n, nr in node.next_functions if n is not None}
-        if len(edges) != 1:
-            return None  # two inputs on the path (or none): not a plain element-wise chain
-        ((below, output_nr),) = edges.values()
-        if piece_of(below, output_nr) is not None or _shape(below, output_nr) != shape:
-            return None  # the input is broadcast along the tasks, or is z itself
-        above[id(node)] = node
-        node = below
+    walked = elementwise_chain(losses, lambda below, output_nr: piece_of(below, output_nr) is not None)
+    if walked is None:
+        return None
+    chain, node = walked
+    above: dict[int, Any] = {id(link): link for link in chain}
     name = node.name()
     if name not in ("CatBackward0", "StackBackward0") or _saved_dim(node) not in (1, -1):
         return None

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from drmoo import distributed
 from drmoo._head_split import TaskSplit, split_task_jacobian, task_split
+from drmoo._linear_head import linear_head
 from drmoo.jacobian import (
     accumulate_into_grad,
     copy_into_row,
@@ -65,6 +66,7 @@ from drmoo.jacobian import (
 
 from ._direction import write_direction
 from ._engine import EngineHost
+from ._fsdp import is_sharded, lift_into_shards
 from ._guards import finite_together
 from ._overlap import views_overlap
 
@@ -257,11 +259,18 @@ class FeaturesJacobian:
         scaled = cotangent * scale if scale != 1.0 else cotangent
         out = self._buffer(slot, host.num_tasks, shared[0].dtype, shared[0].device)
         strategy = host.jacobian_strategy
-        split = self.task_split(losses) if strategy == "auto" else None
+        linear = linear_head(losses, self.features) if strategy == "auto" else None
+        split = self.task_split(losses) if strategy == "auto" and linear is None else None
         # Every strategy takes the rows as they arrive at z (partials, before z's own hooks): the lift adds
         # the paths between pieces and applies z's hooks, once.
         with gradients_arriving_at(self.features):
-            if split is not None:  # separate heads: every row from one ordinary pass (drmoo._head_split)
+            if linear is not None:  # linear heads: each row an outer product, from one pass (drmoo._linear_head)
+                head_grads = linear.rows_into(losses, scaled, out, inputs=list(heads) or list(self.features),
+                                              retain_graph=True)
+                if heads:
+                    accumulate_into_grad(heads, head_grads)
+                jacobian = out
+            elif split is not None:  # other separate heads: every row from one ordinary pass (drmoo._head_split)
                 head_grads = split_task_jacobian(losses, scaled, self.features, out, split, heads=heads,
                                                  retain_graph=True)
                 accumulate_into_grad(heads, head_grads)
@@ -334,6 +343,9 @@ class FeaturesJacobian:
                 cotangents.append(direction[offset: offset + piece.numel()].view_as(piece).to(piece.dtype))
                 offset += piece.numel()
         shared = host._shared_params()
+        if is_sharded(shared):  # FSDP2: one ordinary backward, FSDP reduces into the shards (drmoo.optim._fsdp)
+            lift_into_shards(host, self.features, cotangents, shared)
+            return None
         grads = list(torch.autograd.grad(self.features, shared, grad_outputs=cotangents, allow_unused=True))
         require_reached(grads)
         with torch.no_grad():
