@@ -84,14 +84,21 @@ Gradient accumulation.  ``backward(losses, accumulate=True)`` on every micro-bat
 dual step (``steps_taken`` + 1), micro-batches of any sizes.  Each micro-batch's part -- its dual means,
 its m per-task gradients, its heads' gradients, all taken at the step's starting eta -- is reduced at
 once and its graph freed; nothing is written into ``.grad`` before the last.  Cost: m backward passes
-per micro-batch and one [m, n] buffer (:mod:`drmoo.optim._accumulate`).  MGDA, MoDo, SDMGrad, MoCo,
+per micro-batch and one [m, n] buffer.  MGDA, MoDo, SDMGrad, MoCo,
 Nash-MTL and FAMO accumulate; Double-Clip and Double-Loop (whose gradients are taken at an eta that
 depends on the whole batch's losses) and ``jacobian="features"`` (whose one trunk backward needs the
 final weights) are refused with the reason.  A step that raises drops the micro-batches accumulated
 for it.  Without ``accumulate``, a second ``backward`` before the optimizer stepped, or a gradient
 already put into the shared parameters' ``.grad`` by another backward (``loss.backward()``), is added
-to silently by autograd's convention: the balancer warns (``drmoo.GradientAccumulationWarning``;
-how it tells, with no device read: :mod:`drmoo._grad_watch`).
+to silently by autograd's convention: the balancer warns (``drmoo.GradientAccumulationWarning``),
+telling the cases apart from the tensors' version counters and a post-accumulate-grad hook on each
+shared parameter, with no device read.
+
+FSDP2.  With ``jacobian="features"``, the shared parameters may be a trunk wrapped by
+``torch.distributed.fsdp.fully_shard`` (the heads replicated): the one backward through the trunk is
+an ordinary one, which FSDP reduce-scatters into each rank's shard of ``.grad``; nothing n-sized is
+gathered.  Parameters mode, the ``step(closure)`` optimizers and FSDP1 are
+refused with one line naming the alternative.
 
 torch.compile.  A compiled model (``torch.compile(model)``) works as it is: the balancer walks the
 autograd graph that the compiled forward builds and runs its backward passes through it.
@@ -377,7 +384,15 @@ class Balancer:
 
         Args:
             state_dict: a ``state_dict()`` of a Balancer of the same method for the same problem.
+
+        Raises ValueError while micro-batches are accumulated (``accumulate=True``): they were taken at
+        the current eta and w, which loading would replace.
         """
+        if self._accumulation is not None:
+            raise ValueError(
+                f"{self._accumulation.micro_batches} micro-batch(es) are accumulated for a step taken at the current "
+                "eta and w: close the step (backward without accumulate=True) before load_state_dict"
+            )
         self._algorithm.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
@@ -487,7 +502,7 @@ class Balancer:
     def _reduce_micro_batch(self, losses: LossesInput, features: Tensor | tuple[Tensor, ...] | None, scale: float,
                             scaler: torch.amp.GradScaler | None) -> Tensor:
         """``backward(losses, accumulate=True)``: reduce this micro-batch into the pending accumulation
-        (:func:`drmoo.optim._accumulate.reduce_micro_batch`); nothing else changes."""
+        (``drmoo.optim._accumulate.reduce_micro_batch``); nothing else changes."""
         algorithm = self._algorithm
         if not isinstance(losses, (Tensor, tuple)):
             raise TypeError(

@@ -270,6 +270,19 @@ def test_an_optimizer_step_between_micro_batches_is_refused() -> None:
         balancer.backward(losses_of(model, x[16:32], y[16:32]))
 
 
+def test_loading_a_state_while_micro_batches_are_accumulated_is_refused() -> None:
+    model, stream = TwoTaskNet(), batches()
+    balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, lr=LR)
+    saved = copy.deepcopy(balancer.state_dict())  # state_dict() holds the live state, as torch's does
+    x, y = next(stream)
+    balancer.backward(losses_of(model, x[:16], y[:16]), accumulate=True)
+    with pytest.raises(ValueError, match=r"1 micro-batch\(es\) are accumulated .* before load_state_dict"):
+        balancer.load_state_dict(saved)
+    balancer.backward(losses_of(model, x[16:32], y[16:32]))
+    balancer.load_state_dict(saved)  # closed: allowed again
+    assert balancer.steps_taken == 0
+
+
 def test_a_failing_closing_step_changes_nothing_and_drops_the_micro_batches() -> None:
     model, stream = TwoTaskNet(), batches()
     balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, lr=LR)
