@@ -39,6 +39,7 @@ class LinearHead:
 
     node: Any
     weight: Tensor
+    logits_grad: Tensor | None = None  # G [B, m] of the last rows_into (in the rows' dtype)
 
     def rows_into(self, losses: Tensor, cotangent: Tensor, out: Tensor, *, inputs: Sequence[Tensor],
                   retain_graph: bool) -> tuple[Tensor | None, ...]:
@@ -60,12 +61,24 @@ class LinearHead:
         num_tasks, width = self.weight.shape
         with torch.no_grad():
             if not caught:  # the cotangent did not reach the head: every row is zero
+                self.logits_grad = torch.zeros(out.shape[1] // width, num_tasks, dtype=out.dtype, device=out.device)
                 out.zero_()
             else:
-                logits_grad = caught[0].to(out.dtype)  # [B, m]
-                torch.mul(logits_grad.T[:, :, None], self.weight.detach().to(out.dtype)[:, None, :],
+                self.logits_grad = caught[0].to(out.dtype)  # [B, m]
+                torch.mul(self.logits_grad.T[:, :, None], self.weight.detach().to(out.dtype)[:, None, :],
                           out=out.view(num_tasks, -1, width))
         return grads
+
+    def gram(self) -> Tensor:
+        """The rows' Gram from their factors: (G^T G) (.) (W W^T), Theta(m^2 (B + d)) where the rows' own product
+        is Theta(m^2 B d); exactly symmetric.  Its rounding error is within that of the rows' product: each
+        factor's dot products are shorter (B and d terms against B d), and |J||J|^T factors the same way."""
+        assert self.logits_grad is not None, "rows_into writes the rows (and G) first"
+        G = self.logits_grad
+        acc = torch.float64 if G.dtype == torch.float64 else torch.float32
+        G, W = G.to(acc), self.weight.detach().to(acc)
+        product = (G.T @ G) * (W @ W.T)
+        return 0.5 * (product + product.T)
 
 
 def linear_head(losses: Tensor, features: Sequence[Tensor]) -> LinearHead | None:

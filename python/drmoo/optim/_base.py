@@ -601,7 +601,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
 
     def task_gram(self, jacobian: Tensor) -> Tensor:
         """J J^T of per-task rows through the ``gram`` op, as the global batch's (features rows: summed over ranks)."""
-        return self.jacobian_engine.products_over_ranks(self._ops.gram(jacobian))
+        return self.jacobian_engine.products_over_ranks(self.jacobian_engine.gram(self._ops, jacobian))
 
     def _pending_shared_reach(self) -> SharedReach | None:
         """The heads-as-shared check (:mod:`drmoo.optim._shared_reach`) while it still has to run: with two

@@ -93,6 +93,10 @@ class JacobianEngine(Protocol):
         in buffer ``slot`` (reused across steps); ``heads`` accumulate their gradients in the same passes."""
         ...
 
+    def gram(self, ops: Any, rows: Tensor) -> Tensor:
+        """J J^T of this engine's rows [m, width] (the backend module ``ops``' ``gram``, or a cheaper exact form)."""
+        ...
+
     def products_over_ranks(self, small: Tensor) -> Tensor:
         """An m x m (or m) product of this engine's rows, as the global batch's (summed over ranks where the
         rows hold one rank's columns; unchanged where they are already the global batch's)."""

@@ -45,14 +45,14 @@ dual statistics and the one n-sized direction (as DDP's own gradient all-reduce)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 from drmoo import distributed
 from drmoo._head_split import TaskSplit, split_task_jacobian, task_split
-from drmoo._linear_head import linear_head
+from drmoo._linear_head import LinearHead, linear_head
 from drmoo.jacobian import (
     accumulate_into_grad,
     copy_into_row,
@@ -185,6 +185,7 @@ class FeaturesJacobian:
         self.features: tuple[Tensor, ...] | None = None
         self._checked: tuple[Tensor, list[Tensor]] | None = None  # (losses, heads above z)
         self._split: tuple[Tensor, TaskSplit | None] | None = None  # (losses, their per-task heads, if any)
+        self._factored: tuple[Tensor, int, LinearHead] | None = None  # (rows, their version, the linear heads)
 
     # ------------------------------------------------------------------------------ the closure
     def unpack(self, result: Any, *, need_graph: bool) -> Any:
@@ -270,6 +271,7 @@ class FeaturesJacobian:
                 if heads:
                     accumulate_into_grad(heads, head_grads)
                 jacobian = out
+                self._factored = (out, out._version, linear)
             elif split is not None:  # other separate heads: every row from one ordinary pass (drmoo._head_split)
                 head_grads = split_task_jacobian(losses, scaled, self.features, out, split, heads=heads,
                                                  retain_graph=True)
@@ -295,6 +297,14 @@ class FeaturesJacobian:
                                         allow_unused=True)
         copy_into_row(self.features, flat, grads)
         return flat
+
+    def gram(self, ops: Any, rows: Tensor) -> Tensor:
+        """J J^T of this step's rows: from the linear heads' factors when the rows are theirs, as written
+        (:meth:`drmoo._linear_head.LinearHead.gram`), else the backend's ``gram`` op."""
+        factored = self._factored
+        if factored is not None and factored[0] is rows and rows._version == factored[1]:
+            return factored[2].gram()
+        return cast(Tensor, ops.gram(rows))
 
     @staticmethod
     def products_over_ranks(small: Tensor) -> Tensor:

@@ -11,7 +11,7 @@ product of them (the Gram, ...) is then the global batch's as it stands.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -64,6 +64,9 @@ class ParametersJacobian:
         if scale != 1.0:
             jacobian.div_(scale)
         return distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
+
+    def gram(self, ops: Any, rows: Tensor) -> Tensor:
+        return cast(Tensor, ops.gram(rows))
 
     def products_over_ranks(self, small: Tensor) -> Tensor:
         return small  # the rows are already the global batch's
