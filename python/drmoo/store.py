@@ -20,6 +20,11 @@ careless edit, so everything that touches them goes through this module, which p
   and a read-only one (``chmod 444``: no write bit for anyone) is refused, never replaced.  The lock
   file is opened ``O_NOFOLLOW`` and must be a regular file with one link, so a planted link to another
   file is refused, never truncated.
+* **Check, then write.**  :func:`check_writable` refuses, writing nothing, a file that could not later
+  be replaced (a read-only file, a directory at its name, a directory without write permission), so
+  that a command can check every file it will write before changing any; :func:`write_files` writes
+  several files or none: each is written and fsynced into its temporary (where a full disk refuses)
+  before the first is renamed over its target.
 * **Stale temporary files are removed** when a run directory is locked: only regular files named
   like this module's own temporaries (``.NAME.<pid>.<16 hex digits>.drmoo-tmp``) whose writing
   process no longer exists (a SIGKILL or power loss mid-write).  Nothing else is touched.
@@ -60,13 +65,15 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 __all__ = [
-    "CHECKPOINT_MAGIC", "MAX_CSV_ROW_BYTES", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_SIDE_FILE_BYTES",
+    "CHECKPOINT_MAGIC", "MAX_CSV_ROW_BYTES", "MAX_HEADER_BYTES", "MAX_JSON_DEPTH", "MAX_PAYLOAD_BYTES",
+    "MAX_SIDE_FILE_BYTES",
     "CheckpointError", "CheckpointFile", "ResultNotSaved", "RunLockedError", "SymlinkRefused", "UsageError",
-    "atomic_write", "available_memory", "clean_stale_temporaries", "iter_csv", "make_directory", "open_mapped_file",
-    "parse_json",
+    "atomic_write", "available_memory", "check_writable", "clean_stale_temporaries", "iter_csv", "json_bytes",
+    "make_directory", "nesting_depth",
+    "open_mapped_file", "parse_json",
     "read_bytes", "read_checkpoint_file", "read_checkpoint_header", "read_csv", "read_head", "read_json", "read_text",
     "regular_file_size", "remove_file", "run_lock", "save_result", "write_bytes", "write_checkpoint_file", "write_csv",
-    "write_figure", "write_json", "write_text",
+    "write_figure", "write_files", "write_json", "write_text",
 ]
 
 CHECKPOINT_MAGIC = b"DRMOO-CHECKPOINT 1\n"  # then one line of JSON header, then the torch.save payload
@@ -194,7 +201,8 @@ def _create_temporary(directory: int, name: str, path: Path) -> tuple[int, str]:
 
 def _replaceable_mode(directory: int, path: Path) -> int | None:
     """The permission bits of the regular file at ``path`` (None when there is none), which its
-    replacement keeps; a read-only one (no write bit for anyone, as ``chmod 444`` leaves it) is refused.
+    replacement keeps; a read-only one (no write bit for anyone, as ``chmod 444`` leaves it) is refused,
+    and so is a directory at its name (IsADirectoryError, which the rename would raise after the write).
 
     rename(2) ignores the target's mode: without this check a file someone made read-only to keep it
     would be replaced, and a replaced file would get the temporary's 0644.  Read from the mode bits,
@@ -204,6 +212,8 @@ def _replaceable_mode(directory: int, path: Path) -> int | None:
         info = os.stat(path.name, dir_fd=directory, follow_symlinks=False)
     except FileNotFoundError:
         return None
+    if stat.S_ISDIR(info.st_mode):  # refused now, before anything is written, rather than by the rename
+        raise IsADirectoryError(errno.EISDIR, "it is a directory")
     if not stat.S_ISREG(info.st_mode):
         return None  # a link or other entry: replaced by a regular file, never written through (see above)
     mode = stat.S_IMODE(info.st_mode)
@@ -213,9 +223,20 @@ def _replaceable_mode(directory: int, path: Path) -> int | None:
     return mode & 0o777  # the permission bits; never set-id bits onto a file drmoo wrote
 
 
-def atomic_write(path: str | Path, chunks: Iterable[bytes | memoryview]) -> None:
-    """Write ``path`` all or nothing (see the module's promises); a user-fixable OS error is one line."""
-    path = Path(path)
+@dataclass
+class _Prepared:
+    """A file written and fsynced into its temporary beside ``path``, not yet renamed over it."""
+
+    path: Path
+    directory: int  # the no-follow descriptor of path's directory, held until commit or discard
+    temporary: str
+
+
+def _prepare(path: Path, chunks: Iterable[bytes | memoryview]) -> _Prepared:
+    """``chunks`` in a fsynced temporary beside ``path``, the target checked replaceable; nothing else changed.
+
+    A refusal (read-only target, a directory at its name, full disk, ...) raises UsageError having
+    removed the temporary."""
     try:
         directory = _open_directory(path.parent)
     except OSError as error:
@@ -223,7 +244,7 @@ def atomic_write(path: str | Path, chunks: Iterable[bytes | memoryview]) -> None
     try:
         try:
             mode = _replaceable_mode(directory, path)
-            descriptor, tmp = _create_temporary(directory, path.name, path)
+            descriptor, temporary = _create_temporary(directory, path.name, path)
         except OSError as error:
             raise _write_error(path, error) from None
         try:
@@ -234,19 +255,83 @@ def atomic_write(path: str | Path, chunks: Iterable[bytes | memoryview]) -> None
                     handle.write(chunk)
                 handle.flush()
                 os.fsync(handle.fileno())
-            os.replace(tmp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
         except BaseException as error:
             with suppress(OSError):
-                os.unlink(tmp, dir_fd=directory)
+                os.unlink(temporary, dir_fd=directory)
             if isinstance(error, OSError):
                 raise _write_error(path, error) from None
             raise
+    except BaseException:
+        os.close(directory)
+        raise
+    return _Prepared(path, directory, temporary)
+
+
+def _discard(prepared: _Prepared) -> None:
+    with suppress(OSError):
+        os.unlink(prepared.temporary, dir_fd=prepared.directory)
+    os.close(prepared.directory)
+
+
+def _commit(prepared: _Prepared) -> None:
+    """Rename the prepared temporary over its target and make the rename durable; closes the directory."""
+    path, directory = prepared.path, prepared.directory
+    try:
+        try:
+            os.replace(prepared.temporary, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+        except OSError as error:
+            with suppress(OSError):
+                os.unlink(prepared.temporary, dir_fd=directory)
+            raise _write_error(path, error) from None
         try:
             os.fsync(directory)  # makes the rename itself durable
         except OSError as error:  # the file is in place; only the rename's durability is unconfirmed
             raise _write_error(path, error) from None
     finally:
         os.close(directory)
+
+
+def atomic_write(path: str | Path, chunks: Iterable[bytes | memoryview]) -> None:
+    """Write ``path`` all or nothing (see the module's promises); a user-fixable OS error is one line."""
+    _commit(_prepare(Path(path), chunks))
+
+
+def write_files(contents: Mapping[Path, bytes]) -> None:
+    """Write several files, none of them unless every one can be: each is written and fsynced into its
+    temporary (the step a full disk, a read-only file or a directory in the way refuses) before the
+    first is renamed over its target.  A refusal removes every temporary and changes no file."""
+    prepared: list[_Prepared] = []
+    try:
+        for path, data in contents.items():
+            prepared.append(_prepare(Path(path), [data]))
+    except BaseException:
+        for item in prepared:
+            _discard(item)
+        raise
+    for index, item in enumerate(prepared):
+        try:
+            _commit(item)
+        except BaseException:
+            for rest in prepared[index + 1:]:
+                _discard(rest)
+            raise
+
+
+def check_writable(paths: Iterable[str | Path]) -> None:
+    """Refuse (UsageError naming the file) when one of ``paths`` could not later be replaced or removed:
+    its directory missing, a link or not writable, a directory at its name, or a regular file made
+    read-only (see :func:`atomic_write`).  Nothing is written: a command calls this for every file it
+    will write before it changes any, so that a refusal leaves the directory as it was.  What cannot
+    be known in advance (the disk filling meanwhile) still refuses the write itself, keeping the old file.
+    """
+    for path in map(Path, paths):
+        try:
+            with _directory_of(path) as directory:
+                if not os.access(path.parent, os.W_OK | os.X_OK):
+                    raise PermissionError(errno.EACCES, "permission denied")
+                _replaceable_mode(directory, path)
+        except OSError as error:
+            raise _write_error(path, error) from None
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:
@@ -268,10 +353,14 @@ def _finite_or_none(value: Any) -> Any:
     return value
 
 
+def json_bytes(value: Any) -> bytes:
+    """``value`` as :func:`write_json` writes it (strict JSON, a non-finite number as null), for :func:`write_files`."""
+    return json.dumps(_finite_or_none(value), indent=2, allow_nan=False, default=str).encode() + b"\n"
+
+
 def write_json(path: str | Path, value: Any) -> None:
     """Strict JSON, written atomically: a non-finite number becomes null, never the ``NaN`` token."""
-    text = json.dumps(_finite_or_none(value), indent=2, allow_nan=False, default=str)
-    atomic_write(path, [text.encode(), b"\n"])
+    atomic_write(path, [json_bytes(value)])
 
 
 def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], fieldnames: Sequence[str] | None = None) -> None:
@@ -450,8 +539,8 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _depth(value: Any) -> int:
-    """Nesting depth of parsed JSON, without recursion."""
+def nesting_depth(value: Any) -> int:
+    """Nesting depth of parsed JSON or TOML (dicts and lists), without recursion."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, depth = stack.pop()
@@ -461,15 +550,40 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def parse_json(data: str | bytes, source: str | Path) -> Any:
-    """Strict JSON (finite numbers, at most ``MAX_JSON_DEPTH`` levels); UsageError naming ``source`` otherwise."""
+class _RepeatedKey(ValueError):
+    """A JSON object that holds a key twice (see :func:`parse_json`'s ``unique_keys``)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members, refusing a key given twice (``json`` would keep the last silently)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _RepeatedKey(key)
+            seen.add(key)
+    return value
+
+
+def parse_json(data: str | bytes, source: str | Path, *, unique_keys: bool = False) -> Any:
+    """Strict JSON (finite numbers, at most ``MAX_JSON_DEPTH`` levels); UsageError naming ``source`` otherwise.
+
+    ``unique_keys``: an object holding a key twice is refused too (for settings, where the silently
+    kept last value would not be the one the reader sees first).
+    """
     try:
-        value = json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float)
+        value = json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float,
+                           object_pairs_hook=_unique_keys if unique_keys else None)
     except RecursionError:
         raise UsageError(f"{source}: refused: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except _RepeatedKey as error:
+        key = str(error)
+        raise UsageError(f"{source}: refused: the key {key[:80]!r} is given twice in one object (JSON would keep "
+                         "the last silently); give it once") from None
     except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
         raise UsageError(f"{source}: refused: not valid JSON ({str(error)[:200]})") from None
-    if _depth(value) > MAX_JSON_DEPTH:
+    if nesting_depth(value) > MAX_JSON_DEPTH:
         raise UsageError(f"{source}: refused: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     return value
 

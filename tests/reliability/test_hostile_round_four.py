@@ -26,7 +26,7 @@ from drmoo.experiments.robustness import check_distinct
 from drmoo.experiments.run_config import RunConfig
 from drmoo.optim import create
 
-from .conftest import assert_one_line_refusal, run_cli
+from .conftest import assert_one_line_refusal, resign_checkpoint, run_cli
 from .test_store_hostile import assert_payload_over_budget_refused
 
 
@@ -216,13 +216,7 @@ def test_sw17_a_quoted_number_is_the_number(tmp_path: Path, tiny_args, capsys: p
 # ------------------------------------------------------------------------------- SW-26
 
 
-def _resign(run: Path, edit: Callable[[dict[str, Any]], None]) -> None:
-    """Edit a run's checkpoint state and write it back with a matching header and hash (what anyone can)."""
-    path = run / "checkpoint.pt"
-    checkpoint = store.read_checkpoint_file(path)
-    edit(checkpoint.state)
-    store.write_checkpoint_file(path, checkpoint.state, {
-        k: v for k, v in checkpoint.header.items() if k not in ("format", "payload_bytes", "payload_sha256")})
+_resign = resign_checkpoint
 
 
 @pytest.mark.parametrize(("edit", "fragments"), [

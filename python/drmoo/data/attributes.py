@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from .mnist import load_mnist
-from .multimnist import MultiMnistRecipe, _resize, compose, holdout_splits
+from .multimnist import MultiMnistRecipe, _resize, check_allocatable, compose, holdout_splits
 
 __all__ = ["ATTRIBUTES", "BALANCED_CAP", "BALANCED_POOL", "DESIGN_RATES", "MnistAttributes", "attribute_labels",
            "load_mnist_attributes"]
@@ -135,6 +135,8 @@ def load_mnist_attributes(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     recipe = MultiMnistRecipe(digits=2, input_size=input_size, holdout=holdout)  # checks input_size and holdout
     train_digits, train_classes, held_digits, held_classes, source = holdout_splits(recipe, load_mnist(data_root))
+    # refused in one line before anything is composed (--input-size 4096 asked for hundreds of GB)
+    check_allocatable(recipe, (train_size, test_size, balanced_pool), "MNIST attributes")
     splits = []
     for offset, (digits, classes, count) in enumerate(((train_digits, train_classes, train_size),
                                                        (held_digits, held_classes, test_size),

@@ -39,6 +39,7 @@ import math
 import os
 import secrets
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypedDict
@@ -52,7 +53,8 @@ from drmoo.store import UsageError, available_memory, make_directory, read_check
 from .mnist import DigitSplits, digit_source_fingerprint, load_mnist
 
 __all__ = ["GRID_DIGITS", "GRID_STRIDE", "HOLDOUTS", "POSITIONS", "VALIDATION_FRACTION", "MultiMnist",
-           "MultiMnistRecipe", "compose", "default_cache_dir", "grid_positions", "holdout_splits", "load_multimnist"]
+           "MultiMnistRecipe", "check_allocatable", "compose", "default_cache_dir", "grid_positions", "holdout_splits",
+           "load_multimnist"]
 
 DIGIT_SIDE = 28  # an MNIST digit is 28 x 28
 GRID_STRIDE = 14  # Multi-MNIST-k: half a digit between grid neighbours (the 3-digit layout's top-row spacing)
@@ -272,7 +274,7 @@ def load_multimnist(
     tensors: CachedSplits | None = None
     digits = load_mnist(data_root)  # also on a hit: the cached content is checked against the digits
     counts = _split_counts(recipe, digits)
-    _check_allocatable(recipe, counts)
+    check_allocatable(recipe, counts)
     if os.path.lexists(path):
         try:
             # size (at most what the recipe's tensors take) and SHA-256 checked before anything is unpickled
@@ -307,7 +309,7 @@ def _split_counts(recipe: MultiMnistRecipe, digits: DigitSplits) -> tuple[int, i
             test_images.shape[0] if recipe.test_size is None else recipe.test_size)
 
 
-def _tensor_bytes(recipe: MultiMnistRecipe, counts: tuple[int, int]) -> int:
+def _tensor_bytes(recipe: MultiMnistRecipe, counts: Sequence[int]) -> int:
     """The bytes of the generated tensors: uint8 images [N, 1, S, S] and int64 labels [N, digits] per split."""
     return sum(counts) * (recipe.input_size**2 + 8 * recipe.digits)
 
@@ -317,20 +319,22 @@ def _payload_bound(recipe: MultiMnistRecipe, counts: tuple[int, int]) -> int:
     return _tensor_bytes(recipe, counts) + CACHE_SLACK_BYTES
 
 
-def _check_allocatable(recipe: MultiMnistRecipe, counts: tuple[int, int]) -> None:
-    """Refuse (one line, before any allocation) a recipe whose tensors cannot fit in this machine's memory.
+def check_allocatable(recipe: MultiMnistRecipe, counts: Sequence[int], what: str = "Multi-MNIST") -> None:
+    """Refuse (one line, before any allocation) composites whose tensors cannot fit in this machine's memory.
 
-    Generation holds the unresized canvases and the resized images at once, and training adds the
-    index stream (8 bytes a row): that is what is compared with the memory available now.
+    ``counts``: the composites of each set ``recipe`` makes, the training set's first.  Generation holds
+    a set's unresized canvases and the resized images at once, and training adds the index stream
+    (8 bytes a training row): that is what is compared with the memory available now.  ``what`` names
+    the data in the message (the MNIST attributes are composed as Multi-MNIST's).
     """
     canvas = recipe.canvas**2 * max(counts)
     needed = _tensor_bytes(recipe, counts) + canvas + 8 * counts[0]
     available = available_memory()
     if available is not None and needed > available:
         raise UsageError(
-            f"Multi-MNIST with {counts[0]} train and {counts[1]} test composites of {recipe.input_size} px needs about "
-            f"{needed / 2**30:.1f} GiB of memory, more than the {available / 2**30:.1f} GiB available: lower "
-            "--train-size / --test-size / --input-size")
+            f"{what} with {counts[0]} train and {sum(counts[1:])} evaluation composites of {recipe.input_size} px "
+            f"needs about {needed / 2**30:.1f} GiB of memory, more than the {available / 2**30:.1f} GiB available: "
+            "lower --train-size / --test-size / --input-size")
 
 
 def _checked(tensors: dict[str, object], recipe: MultiMnistRecipe) -> CachedSplits:

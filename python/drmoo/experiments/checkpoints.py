@@ -34,7 +34,7 @@ from drmoo.store import (
 from .run_config import RunConfig, config_differences, read_run_config
 
 __all__ = ["CHECKPOINT", "check_saved_optimizers", "checkpoint_provenance", "load_checkpoint", "max_recorded_steps",
-           "payload_budget", "read_checkpoint", "result_matches_checkpoint", "write_checkpoint"]
+           "payload_budget", "read_checkpoint", "result_matches_checkpoint", "runs_capturable", "write_checkpoint"]
 
 CHECKPOINT = "checkpoint.pt"  # in the run directory
 # Everything a run's checkpoint holds (training._save): an entry beyond these is refused, never loaded.
@@ -119,6 +119,32 @@ def load_checkpoint(run_dir: Path, config: RunConfig | None = None,
 PROCESS_KEYS = frozenset({"capturable"})
 
 
+def runs_capturable(device: str, amp: str) -> bool:
+    """Whether the trainer builds the method's optimizer capturable (no host read inside its step): on a
+    CUDA ``device``, unless ``amp`` is fp16, whose loss scaling needs the eager step's raise."""
+    return device.partition(":")[0] == "cuda" and amp != "fp16"
+
+
+def _capturable_difference(state: dict[str, Any]) -> str:
+    """"" unless a saved parameter group is capturable where the run it was saved from could not be.
+
+    A resume may change the device (a CUDA run continued on the CPU keeps its saved ``capturable: True``,
+    which loading replaces by the process's own), and runs trained before CUDA runs were capturable saved
+    False there; but a CPU or fp16 run never saved True.
+    """
+    saved_config = state.get("config")
+    config: dict[str, Any] = saved_config if isinstance(saved_config, dict) else {}
+    if runs_capturable(str(config.get("device")), str(config.get("amp"))):
+        return ""
+    for name in ("optimizer", "heads"):
+        groups = state[name].get("param_groups") if isinstance(state.get(name), dict) else None
+        for index, group in enumerate(groups if isinstance(groups, list) else []):
+            if isinstance(group, dict) and group.get("capturable", False) is not False:
+                return (f"its {name} state's parameter group {index} has capturable={group['capturable']!r}, but a "
+                        f"run on {config.get('device')} with amp {config.get('amp')} saves capturable=False")
+    return ""
+
+
 def check_saved_optimizers(path: Path, state: dict[str, Any], live: dict[str, torch.optim.Optimizer]) -> None:
     """Refuse a checkpoint whose saved optimizers are not the ones the run's settings build.
 
@@ -135,6 +161,9 @@ def check_saved_optimizers(path: Path, state: dict[str, Any], live: dict[str, to
         if problem:
             raise CheckpointError(f"{path}: refused: its {name} state does not match the run's settings in "
                                   f"config.json ({problem[:300]})")
+    problem = _capturable_difference(state)
+    if problem:
+        raise CheckpointError(f"{path}: refused: {problem}")
 
 
 def _optimizer_difference(saved: Any, built: dict[str, Any]) -> str:

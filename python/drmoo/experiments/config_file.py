@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from drmoo.experiments.run_config import MAX_CONFIG_BYTES, RunConfig, upgrade_config_dict
-from drmoo.store import UsageError, parse_json, read_bytes
+from drmoo.store import MAX_JSON_DEPTH, UsageError, nesting_depth, parse_json, read_bytes
 
 __all__ = ["options_from_config_file"]
 
@@ -56,8 +56,13 @@ def _load(path: Path) -> dict[str, Any]:
             values = tomllib.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
             raise UsageError(f"--config {path}: not valid TOML: {error}") from None
+        except RecursionError:  # tomllib recurses once per level of nested arrays and inline tables
+            values = None
+        if values is None or nesting_depth(values) > MAX_JSON_DEPTH:  # bounded as JSON is
+            raise UsageError(f"--config {path}: refused: TOML nested deeper than {MAX_JSON_DEPTH} levels (a run's "
+                             "settings are a table and its hparams)")
     elif path.suffix == ".json":
-        values = parse_json(data, path)
+        values = parse_json(data, path, unique_keys=True)  # a key twice: refused, as TOML refuses it
     else:
         raise UsageError(f"--config {path}: expected a .toml or .json file (the keys of a run's config.json)")
     if not isinstance(values, dict):

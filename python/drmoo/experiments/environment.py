@@ -18,6 +18,7 @@ use here, ``torch.backends.cpu.get_cpu_capability()``); ``gpu`` and ``cuda`` (No
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -25,13 +26,17 @@ from typing import Any
 import torch
 
 from drmoo import __version__, distributed
-from drmoo.store import UsageError, read_json, read_text, write_json
+from drmoo.store import UsageError, read_json, read_text
 
-__all__ = ["ENVIRONMENT", "MAX_SESSIONS", "cpu_model", "describe_environment", "read_environment",
-           "record_environment", "same_arithmetic"]
+__all__ = ["ENVIRONMENT", "MAX_ENVIRONMENT_BYTES", "MAX_SESSIONS", "cpu_model", "describe_environment",
+           "distinct_environments", "environment_record", "read_environment", "read_sessions", "same_arithmetic"]
 
 ENVIRONMENT = "environment.json"  # in the run directory
 MAX_SESSIONS = 1000  # sessions kept (the first and the latest): a run resumed more often than this is odd
+# What the trainer can write: a session is about 450 bytes (its longest fields are the CPU's and the
+# platform's names), so 1,000 of them are about 0.45 MB; 2 MiB leaves room for long names.  A larger
+# file is not drmoo's record and is refused before it is parsed.
+MAX_ENVIRONMENT_BYTES = 2 << 20
 # The fields on which a retrain's floats depend: two sessions alike on all of them compute the same bits.
 ARITHMETIC_FIELDS = ("torch", "kernel_backend", "device", "torch_threads", "world_size", "cpu_model", "cpu_isa", "gpu")
 
@@ -61,23 +66,37 @@ def describe_environment(device: torch.device, kernel_backend: str) -> dict[str,
     }
 
 
+def read_sessions(path: Path) -> list[dict[str, Any]]:
+    """The sessions of the environment record ``path`` (oldest first), read bounded.
+
+    Refused (:class:`~drmoo.store.UsageError`, one line) when it is not a regular file, holds more than
+    :data:`MAX_ENVIRONMENT_BYTES` (checked before anything is parsed), is not a list of sessions, or
+    lists more than the :data:`MAX_SESSIONS` the trainer keeps.
+    """
+    recorded = read_json(path, MAX_ENVIRONMENT_BYTES, "environment record")
+    sessions = recorded.get("sessions") if isinstance(recorded, dict) else None
+    if not isinstance(sessions, list) or not all(isinstance(s, dict) for s in sessions):
+        raise UsageError(f"{path} is not a drmoo environment record (no list of sessions)")
+    if len(sessions) > MAX_SESSIONS:
+        raise UsageError(f"{path} lists {len(sessions)} training sessions, more than the {MAX_SESSIONS} drmoo keeps: "
+                         "not drmoo's record (edited or crafted); refused")
+    return sessions
+
+
 def read_environment(run_dir: Path) -> list[dict[str, Any]]:
     """The sessions recorded in ``run_dir`` (oldest first); [] when none are, or the file is not drmoo's."""
     path = run_dir / ENVIRONMENT
     if not path.is_file():
         return []
     try:
-        recorded = read_json(path, what="environment record")
+        return read_sessions(path)
     except (UsageError, OSError):
         return []
-    sessions = recorded.get("sessions") if isinstance(recorded, dict) else None
-    if not isinstance(sessions, list) or not all(isinstance(s, dict) for s in sessions):
-        return []
-    return sessions
 
 
-def record_environment(run_dir: Path, step: int, device: torch.device, kernel_backend: str) -> None:
-    """Append this session (starting at ``step``) to ``run_dir``'s ``environment.json``.
+def environment_record(run_dir: Path, step: int, device: torch.device, kernel_backend: str) -> dict[str, Any]:
+    """``run_dir``'s ``environment.json`` with this session (starting at ``step``) appended: what the
+    trainer writes (it writes every file of a session's start together, after checking each can be).
 
     The file is history, not a setting: an unreadable one starts a new list rather than stopping a run.
     """
@@ -85,9 +104,24 @@ def record_environment(run_dir: Path, step: int, device: torch.device, kernel_ba
     sessions.append({"from_step": step, **describe_environment(device, kernel_backend)})
     if len(sessions) > MAX_SESSIONS:
         sessions = [sessions[0], *sessions[-(MAX_SESSIONS - 1):]]
-    write_json(run_dir / ENVIRONMENT, {"sessions": sessions})
+    return {"sessions": sessions}
 
 
 def same_arithmetic(first: dict[str, Any], second: dict[str, Any]) -> bool:
     """Whether two sessions compute the same floats from the same settings (:data:`ARITHMETIC_FIELDS` alike)."""
-    return all(first.get(key) == second.get(key) for key in ARITHMETIC_FIELDS)
+    return _arithmetic_key(first) == _arithmetic_key(second)
+
+
+def _arithmetic_key(session: dict[str, Any]) -> tuple[Any, ...]:
+    """The session's :data:`ARITHMETIC_FIELDS`, hashable (a value that is not a JSON scalar by its repr)."""
+    return tuple(value if isinstance(value, (str, int, float, type(None))) else repr(value)
+                 for value in (session.get(key) for key in ARITHMETIC_FIELDS))
+
+
+def distinct_environments(sessions: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first session of each distinct environment (:func:`same_arithmetic`), in order; one pass, keyed
+    by a dict: linear in the number of sessions."""
+    first: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for session in sessions:
+        first.setdefault(_arithmetic_key(session), session)
+    return list(first.values())

@@ -65,7 +65,7 @@ from drmoo.store import (
 )
 
 from .checkpoints import CHECKPOINT, result_matches_checkpoint
-from .environment import ENVIRONMENT, same_arithmetic
+from .environment import ENVIRONMENT, distinct_environments, read_sessions
 from .run_config import upgrade_config_dict
 
 __all__ = ["SCHEMAS", "Section", "collect", "render", "write_report"]
@@ -343,21 +343,29 @@ def _environment_text(session: dict[str, Any]) -> str:
             f"({session.get('cpu_isa', '?')}), {gpu}")
 
 
+def _sessions(path: Path) -> list[dict[str, Any]]:
+    """The sessions of a run's environment.json: read bounded (:func:`~drmoo.experiments.environment.read_sessions`)
+    and checked against its schema."""
+    sessions = read_sessions(path)
+    _validate({"sessions": sessions}, SCHEMAS["environment.json"], path.name)
+    return sessions
+
+
 def _environments(runs: list[Path]) -> str:
     """Where the runs' training sessions ran (their environment.json), and whether a retrain is bitwise."""
     sessions, unread = [], []
     for run in runs:
-        if not _is_file(run / ENVIRONMENT):
-            unread.append(f"{run.name}: none (trained by an older drmoo)")
+        path = run / ENVIRONMENT
+        if not _is_file(path):
+            unread.append(f"{run.name}: none (trained by an older drmoo)" if not os.path.lexists(path) else
+                          f"{run.name}: {ENVIRONMENT} is not a regular file (a symbolic link, FIFO, directory or "
+                          "device): not read")
             continue
         try:
-            sessions += _load(run / ENVIRONMENT, "environment.json")["sessions"]
+            sessions += _sessions(path)
         except (ValueError, OSError) as error:
             unread.append(f"{run.name}: {error}")
-    distinct: list[dict[str, Any]] = []
-    for session in sessions:
-        if not any(same_arithmetic(session, known) for known in distinct):
-            distinct.append(session)
+    distinct = distinct_environments(sessions)  # linear: a dict keyed by the fields that decide the floats
     parts = [_environment_text(session) for session in distinct[:3]]
     if len(distinct) > 3:
         parts.append(f"and {len(distinct) - 3} more")
@@ -368,7 +376,8 @@ def _environments(runs: list[Path]) -> str:
         parts.append(f"{count} in {len(distinct)} environments (a retrain agrees statistically, not bitwise)")
     if unread:
         parts.append("not recorded: " + "; ".join(unread[:5]) + ("; ..." if len(unread) > 5 else ""))
-    return _escape("; ".join(parts))
+    # each part shortened on its own: three long environments do not cut off the count or what was not read
+    return "; ".join(_escape(part) for part in parts)
 
 
 def _run_provenance(configs: list[dict[str, Any]], runs: list[Path]) -> dict[str, str]:

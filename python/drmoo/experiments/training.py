@@ -50,11 +50,14 @@ from drmoo.store import (
     CheckpointError,
     UsageError,
     atomic_write,
+    check_writable,
+    json_bytes,
     make_directory,
     read_json,
     remove_file,
     run_lock,
     write_csv,
+    write_files,
     write_json,
 )
 
@@ -64,10 +67,11 @@ from .checkpoints import (
     max_recorded_steps,
     payload_budget,
     read_checkpoint,
+    runs_capturable,
     write_checkpoint,
 )
 from .devices import agreed, check_backend, setup_distributed
-from .environment import record_environment
+from .environment import ENVIRONMENT, environment_record
 from .evaluation import Build as Build  # re-exported: the experiments' modules take it from here
 from .evaluation import accuracy
 from .jobs import progress_bar
@@ -313,7 +317,7 @@ def _build_run(config: RunConfig, run_dir: Path, build: Build, device: torch.dev
     optimizer = create(config.method, model.shared_parameters(), data.num_tasks, backend=config.backend,
                        jacobian_strategy=config.jacobian_strategy,  # --jacobian-strategy (--hp refuses it)
                        # fp16 scaling needs the eager step's raise on a non-finite step
-                       **{"capturable": device.type == "cuda" and config.amp != "fp16", **config.hparams})
+                       **{"capturable": runs_capturable(device.type, config.amp), **config.hparams})
     heads = torch.optim.SGD(model.task_parameters(), lr=config.head_lr)
     if config.cuda_graph:  # refused before anything is written (RunConfig.validate refused CPU devices and fp16)
         if distributed.world_size() > 1:
@@ -354,13 +358,7 @@ def _train_locked(run: _Run, resume: bool, progress: bool, sample_weight: Callab
             f"{run.run_dir} already holds a run; pass --resume {run.run_dir} to continue it or pick a new --out"
         )
     if run.is_main:  # everything is checked: from here on the run directory changes
-        # markers, not work: written again when this run ends; eval.json describes the weights being
-        # replaced, so it goes too (drmoo eval writes it again for the new ones)
-        for marker in ("done", DIVERGED, "eval.json"):
-            remove_file(run.run_dir / marker)
-        atomic_write(run.run_dir / "config.json", [run.config.to_json().encode()])
-        # where this session's floats are made: a retrain is bitwise only on the same CPU type, threads, torch
-        record_environment(run.run_dir, run.step, run.device, run.optimizer.backend)
+        _start_session(run)
     run.started = time.perf_counter()
     if run.pending_epoch is not None:  # the last run saved an epoch, then its evaluation failed: evaluate it now
         _evaluate_epoch(run, run.pending_epoch)
@@ -377,6 +375,30 @@ def _train_locked(run: _Run, resume: bool, progress: bool, sample_weight: Callab
     if finished and run.is_main:
         atomic_write(run.run_dir / "done", [f"{run.step}\n".encode()])
     return run.epoch_rows[-1] if run.epoch_rows else {}
+
+
+# Markers, not work: written again when the session ends; eval.json describes the weights being replaced,
+# so it goes too (drmoo eval writes it again for the new ones).
+MARKERS = ("done", DIVERGED, "eval.json")
+# Every file a session writes in its run directory (the lock aside).
+SESSION_FILES = ("config.json", ENVIRONMENT, CHECKPOINT, "steps.csv", "metrics.csv", "metrics.json", *MARKERS)
+
+
+def _start_session(run: _Run) -> None:
+    """Write the session's config.json and environment.json and remove the markers, or change nothing.
+
+    Every file the session will write or remove is checked first (a read-only file, a directory at its
+    name); then the two files are written together (:func:`~drmoo.store.write_files`: a full disk refuses
+    both), and only then are the markers removed.  A refused resume leaves the finished run as it was:
+    its ``done``, ``eval.json`` and ``config.json`` untouched.
+    """
+    check_writable(run.run_dir / name for name in SESSION_FILES)
+    # where this session's floats are made: a retrain is bitwise only on the same CPU type, threads, torch
+    environment = environment_record(run.run_dir, run.step, run.device, run.optimizer.backend)
+    write_files({run.run_dir / "config.json": run.config.to_json().encode(),
+                 run.run_dir / ENVIRONMENT: json_bytes(environment)})
+    for marker in MARKERS:
+        remove_file(run.run_dir / marker)
 
 
 def _check_state(state: dict[str, Any], config: RunConfig, steps_per_epoch: int) -> None:
@@ -400,6 +422,16 @@ def _check_state(state: dict[str, Any], config: RunConfig, steps_per_epoch: int)
         raise ValueError("its gradient scale is not a set of finite numbers")
 
 
+def _check_optimizer_counters(optimizer: MultiObjectiveOptimizer, step: int) -> None:
+    """The loaded optimizer's step counter against the checkpoint's ``step``: one optimizer step per training
+    step, plus the capturable steps skipped on the device (each ends its session with the step counted)."""
+    own = optimizer.state["drmoo"]
+    skipped = int(own["skipped_steps"]) if "skipped_steps" in own else 0
+    if own["step"] != step + skipped:
+        raise ValueError(f"its optimizer's step counter (state.drmoo.step) is {own['step']}, but the checkpoint is "
+                         f"at step {step} with {skipped} step(s) skipped on the device")
+
+
 def _restore(run: _Run, state: dict[str, Any]) -> None:
     """Put a verified checkpoint's state into ``run``; refuse one that does not fit it or cannot extend it."""
     # the optimizers the settings built, before anything is loaded into them
@@ -408,6 +440,7 @@ def _restore(run: _Run, state: dict[str, Any]) -> None:
         _check_state(state, run.config, run.steps_per_epoch)
         run.model.load_state_dict(state["model"])
         run.optimizer.load_state_dict(state["optimizer"])
+        _check_optimizer_counters(run.optimizer, int(state["step"]))
         run.heads.load_state_dict(state["heads"])
         run.stream.load_state_dict(state["stream"])
         torch.set_rng_state(state["rng"])

@@ -18,6 +18,33 @@ from ._hyperparameters import BOOKKEEPING_KEYS, check_groups_agree, check_hyperp
 STATE_KEY = "drmoo"
 
 
+def _non_negative(value: Tensor, step: int) -> str:
+    return "" if bool((value >= 0).all()) else "must be >= 0 (a second moment)"
+
+
+def _step_count(value: Tensor, step: int) -> str:
+    whole = bool((value == value.round()).all())
+    return "" if whole and bool(((value >= 0) & (value <= step)).all()) else \
+        f"must be a whole number from 0 to the optimizer's step count {step}"
+
+
+def _positive(value: Tensor, step: int) -> str:
+    return "" if bool((value > 0).all()) else "must be > 0 (its logarithm is taken)"
+
+
+def _flag(value: Tensor, step: int) -> str:
+    return "" if bool(((value == 0) | (value == 1)).all()) else "must be 0 or 1"
+
+
+# What the values of a method's own state entries (``state["drmoo"]``, beyond their shape and
+# finiteness) must satisfy to have been written by the method: a forged state that breaks one would
+# resume into NaN (a negative second moment's square root, the log of a negative distance) or a wrong
+# bias correction.  Each check returns "" or how the value is wrong; the entries are FAMO's Adam on its
+# task logits and its pending logit update.
+ENTRY_CHECKS = {"adam_exp_avg_sq": _non_negative, "adam_steps": _step_count, "pending_distance": _positive,
+                "pending": _flag}
+
+
 def initial_state(num_tasks: int, *, method: str, device: torch.device,
                   parameters_dtype: torch.dtype) -> dict[str, Any]:
     """A new optimizer's ``state["drmoo"]``: w uniform, eta zero, no step taken, none skipped.
@@ -79,6 +106,30 @@ def validate_state_dict(state_dict: Any, *, method: str, hyperparameters: set[st
     w = saved["w"].double()
     if bool((w < 0).any()) or abs(float(w.sum()) - 1.0) > 1e-6:
         raise ValueError(f"state_dict's w is not on the probability simplex: {w.tolist()}")
+    step = saved["step"] if isinstance(saved.get("step"), int) else 0
+    for key, check in ENTRY_CHECKS.items():
+        if key in entries and isinstance(saved[key], Tensor) and (problem := check(saved[key].double(), step)):
+            raise ValueError(f"state_dict's {key} {problem}")
+    _check_skipped_steps(saved.get("skipped_steps"), step)
+
+
+def _check_skipped_steps(skipped: Any, step: int) -> None:
+    """``state["drmoo"]["skipped_steps"]`` (absent in states saved before it existed): a 0-d integer
+    tensor counting steps among the ``step`` taken, so from 0 to ``step``."""
+    if skipped is None:
+        return
+    if (not isinstance(skipped, Tensor) or skipped.numel() != 1 or skipped.is_floating_point()
+            or skipped.is_complex() or skipped.dtype == torch.bool or skipped.is_meta):
+        raise ValueError(f"state_dict's skipped_steps must be a 0-d integer tensor, got {_described(skipped)}")
+    if not 0 <= int(skipped) <= step:
+        raise ValueError(f"state_dict's skipped_steps is {int(skipped)}, but it counts steps among the {step} taken "
+                         f"(from 0 to {step})")
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
 
 
 def _check_groups(groups: Any, method: str, hyperparameters: set[str]) -> None:
@@ -86,6 +137,10 @@ def _check_groups(groups: Any, method: str, hyperparameters: set[str]) -> None:
     if not groups or not all(isinstance(group, dict) for group in groups):
         raise ValueError("state_dict's param_groups must be a non-empty list of dicts")
     for group in groups:
+        # capturable is this process's (load_state_dict keeps the constructed one), but a saved value
+        # that is no flag is not a state any optimizer wrote
+        if "capturable" in group and not isinstance(group["capturable"], bool):
+            raise ValueError(f"state_dict's capturable must be True or False, got {group['capturable']!r}")
         keys = set(group) - BOOKKEEPING_KEYS - {"capturable"}
         if keys != hyperparameters:
             missing, unexpected = sorted(hyperparameters - keys), sorted(keys - hyperparameters)
