@@ -72,6 +72,14 @@ class GradWatch:
         for handle in getattr(self, "_handles", []):
             handle.remove()
 
+    def __getstate__(self) -> dict[str, list[Tensor]]:
+        """A copy (``copy.deepcopy``, pickle) watches the copied parameters with hooks of its own: the notes and
+        hook handles are process-local (a copied handle would remove the original's hook)."""
+        return {"shared": self._shared}
+
+    def __setstate__(self, state: dict[str, list[Tensor]]) -> None:
+        self.__init__(state["shared"])  # type: ignore[misc]
+
     def note_foreign(self, param: Tensor) -> None:
         if param.grad is not None:
             self._foreign[id(param)] = (weakref.ref(param.grad), param.grad._version)

@@ -389,3 +389,17 @@ def test_an_overflowing_micro_batch_skips_the_whole_step_through_the_scaler(pois
     scaler.update()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert scaler.get_scale() < 2.0**12
+
+
+def test_a_copied_balancer_watches_its_own_parameters_and_leaves_the_original_watching() -> None:
+    model, stream = TwoTaskNet(), batches()
+    balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, lr=LR)
+    model_copy, balancer_copy = copy.deepcopy((model, balancer))
+    del balancer_copy  # must not take the original's hooks with it
+    x, y = next(stream)
+    for net, watcher in ((model, balancer), *[copy.deepcopy((model, balancer))]):
+        losses_of(net, x, y).mean().backward()
+        with pytest.warns(GradientAccumulationWarning, match="outside the balancer"):
+            watcher.backward(losses_of(net, x, y))
+        net.zero_grad()
+    assert model_copy is not model
