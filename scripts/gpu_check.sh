@@ -64,6 +64,8 @@ note() { echo "stage $1: $2" | tee -a "$summary"; }
 # being the caps of the required stages after it, and records the outcome.
 step() {
     local name=$1 cap=$2 reserve=$3; shift 3
+    # The dry run's CPU is no GPU (and may be shared): its stages get 4 times their caps.
+    [ "$dry" = 1 ] && cap=$(( cap * 4 ))
     local left=$(( deadline - $(date +%s) - reserve ))
     [ "$cap" -gt "$left" ] && cap=$left
     if [ "$cap" -lt 10 ]; then
