@@ -17,6 +17,8 @@ from torch import Tensor
 
 from drmoo import distributed
 
+from ._engine import JacobianEngine
+
 
 def global_dual_forward(ops: ModuleType, losses: Tensor, eta: Tensor, lam: float, scale: float, divergence: Any,
                         weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -51,10 +53,16 @@ def check_same_problem(losses: Tensor, shared: Sequence[Tensor], num_tasks: int,
     }, device=losses.device)
 
 
-def check_same_heads(heads: Sequence[Tensor], device: torch.device) -> None:
+def check_same_heads(engine: JacobianEngine, losses: Tensor, shared: Sequence[Tensor], device: torch.device) -> None:
     """Raise ValueError on every rank unless all feed the same heads (their number, shapes and dtypes): their
     gradients are summed over ranks in one collective per step, which ranks with different heads (a layer
-    more above z on one) would enter with different sizes (a gloo abort).  Called once, before it runs."""
+    more above z on one) would enter with different sizes (a gloo abort).  Called once, before it runs.
+
+    A graph the engine refuses counts as no heads here: the step raises that itself, with its own message."""
+    try:
+        heads = engine.heads(losses, shared, feed_heads=True)
+    except ValueError:
+        heads = []
     distributed.check_same_on_every_rank({
         "the heads (the trainable parameters the losses reach besides the shared ones): shapes and dtypes":
             [(tuple(head.shape), str(head.dtype)) for head in heads],

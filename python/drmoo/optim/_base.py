@@ -470,7 +470,7 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
                 check_same_problem(losses, self._shared_params(), self.num_tasks, self._collective_settings())
                 self._ranks_checked = True
             if need_graph and not getattr(self, "_heads_checked", False):  # the first draw with a graph
-                check_same_heads(self._heads_to_agree_on(losses), self.device)
+                check_same_heads(self.jacobian_engine, losses, self._shared_params(), self.device)
                 self._heads_checked = True
             finite, rows = agree_on_losses(losses, finite_columns(losses).flags())
             if not self.capturable:  # equal shards, checked with the guards (a capturable step trusts them)
@@ -479,14 +479,6 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             f"non-finite (NaN or Inf) per-sample losses for task(s) {bad} in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))
         return losses
-
-    def _heads_to_agree_on(self, losses: Tensor) -> list[Tensor]:
-        """The heads of ``losses`` for the cross-rank check; none where the graph is refused (the step raises
-        that itself, later, with its own message)."""
-        try:
-            return self.jacobian_engine.heads(losses, self._shared_params(), feed_heads=True)
-        except ValueError:
-            return []
 
     def _collective_settings(self) -> dict[str, Any]:
         """What every rank must agree on before a step's collectives: the method, the Jacobian mode and the
