@@ -149,3 +149,17 @@ def test_one_sample_leaves_the_temperature_undefined_not_fitted_on_itself() -> N
     block = robust_eval.temperature_block(logits, labels, ("chi2", 0.8))
     assert block["fold_temperatures"] == [] and math.isnan(block["mean"]["mean_loss"])
     assert robust_eval.metrics_block(logits, labels, ("chi2", 0.8))["mean"]["accuracy"] == 1.0
+
+
+def test_overflowed_logits_leave_the_loss_numbers_undefined_and_the_accuracy_defined() -> None:
+    # a run stopped at a non-finite step keeps its last finite weights, which can still give an infinite logit
+    logits = [torch.tensor([[math.inf, 0.0], [0.0, 1.0], [2.0, 0.0]])]
+    labels = torch.tensor([[0], [1], [1]])
+    block = robust_eval.metrics_block(logits, labels, ("chi2", 0.8), weights=torch.ones(3, 1))
+    mean = block["mean"]
+    assert mean["accuracy"] == pytest.approx(2 / 3) and mean["worst_class_accuracy"] == 0.5
+    for key in (*robust_eval.LOSS_METRICS, *robust_eval.WEIGHTED_METRICS, "ece", "misclassified_loss"):
+        assert math.isnan(mean[key]), key
+    scaled = robust_eval.temperature_block(logits, labels, ("chi2", 0.8))
+    assert math.isnan(scaled["whole_split_temperature"][0]) and math.isnan(scaled["mean"]["mean_loss"])
+    assert robust_eval.label_shift_block(logits, labels, ("chi2", 0.8))["points"][0]["mean"]["accuracy"] > 0

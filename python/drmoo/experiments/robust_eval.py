@@ -161,20 +161,32 @@ def scored_metrics(scored: Scored, ball: tuple[str, float], weights: Tensor | No
     y, losses, predictions = scored.labels, scored.losses, scored.predictions
     correct = predictions == y
     tail = loss_metrics(losses, ball, weights)
+    finite = _finite(losses) and _finite(scored.confidence)
     values = {
         "accuracy": float(correct.double().mean()),
         "balanced_accuracy": dr_metrics.balanced_accuracy(y, predictions),
         "worst_class_accuracy": dr_metrics.worst_class_accuracy(y, predictions),
         **{key: tail.pop(key) for key in LOSS_METRICS},
-        "ece": dr_metrics.expected_calibration_error(scored.confidence, correct),
-        "misclassified_loss": dr_metrics.misclassified_loss(losses, correct),
+        "ece": dr_metrics.expected_calibration_error(scored.confidence, correct) if finite else math.nan,
+        "misclassified_loss": dr_metrics.misclassified_loss(losses, correct) if finite else math.nan,
     }
     return {**values, **tail}  # then the weighted ones
 
 
+def _finite(values: Tensor) -> bool:
+    return bool(torch.isfinite(values).all())
+
+
 def loss_metrics(losses: Tensor, ball: tuple[str, float], weights: Tensor | None = None) -> dict[str, float]:
     """:data:`LOSS_METRICS` of one task's per-sample ``losses`` ``[N]`` (what needs no prediction), and
-    :data:`WEIGHTED_METRICS` when importance ``weights`` ``[N]`` are given."""
+    :data:`WEIGHTED_METRICS` when importance ``weights`` ``[N]`` are given.
+
+    A model whose logits overflowed (a run that stopped at a non-finite step keeps its last finite
+    weights, which can still produce an infinite logit) has an infinite or undefined loss: every number
+    here is then undefined (NaN), while the accuracies of :func:`scored_metrics` stay what the top labels give.
+    """
+    if not _finite(losses):
+        return {key: math.nan for key in (*LOSS_METRICS, *(WEIGHTED_METRICS if weights is not None else ()))}
     run = dr_metrics.worst_case(losses, ball[1], ball[0])
     values = {
         "mean_loss": float(losses.double().mean()),
@@ -241,7 +253,7 @@ def temperature_block(logits: Sequence[Tensor], labels: Tensor, ball: tuple[str,
                       weights: Tensor | None = None) -> dict[str, Any]:
     """:func:`metrics_block` of the temperature-scaled logits, each task's temperature cross-fitted on the
     evaluated split (:func:`drmoo.experiments.temperature.cross_fitted_temperatures`), with the fits."""
-    from .temperature import cross_fitted_temperatures, fit_temperature, scaled
+    from .temperature import Fit, cross_fitted_temperatures, fit_temperature, scaled
 
     if labels.shape[0] < 2:  # no other half to fit on: every number undefined
         undefined = {key: [math.nan] * len(logits) for key in metrics_block(logits, labels, ball, weights)["per_task"]}
@@ -251,6 +263,11 @@ def temperature_block(logits: Sequence[Tensor], labels: Tensor, ball: tuple[str,
     scaled_logits, fits, whole = [], [], []
     with single_thread():
         for i, z in enumerate(logits):
+            if not _finite(z):  # overflowed logits: no likelihood to fit, every scaled number undefined
+                scaled_logits.append(z.double())
+                fits.append([Fit(math.nan, False), Fit(math.nan, False)])
+                whole.append(math.nan)
+                continue
             per_sample, task_fits = cross_fitted_temperatures(z, labels[:, i])
             scaled_logits.append(scaled(z, per_sample))
             fits.append(task_fits)
