@@ -85,9 +85,11 @@ dual step (``steps_taken`` + 1), micro-batches of any sizes.  Each micro-batch's
 its m per-task gradients, its heads' gradients, all taken at the step's starting eta -- is reduced at
 once and its graph freed; nothing is written into ``.grad`` before the last.  Cost: m backward passes
 per micro-batch and one [m, n] buffer.  MGDA, MoDo, SDMGrad, MoCo,
-Nash-MTL and FAMO accumulate; Double-Clip and Double-Loop (whose gradients are taken at an eta that
-depends on the whole batch's losses) and ``jacobian="features"`` (whose one trunk backward needs the
-final weights) are refused with the reason.  A step that raises drops the micro-batches accumulated
+Nash-MTL and FAMO accumulate; with ``jacobian="features"`` (MoCo aside) a micro-batch also keeps the m x m
+Gram of its rows w.r.t. z, and its m per-task gradients are its rows lifted through the trunk (m trunk
+backward passes instead of features mode's one), so that the step has the full batch's Gram and lift.
+Double-Clip and Double-Loop (whose gradients are taken at an eta that depends on the whole batch's
+losses) are refused with the reason.  A step that raises drops the micro-batches accumulated
 for it.  Without ``accumulate``, a second ``backward`` before the optimizer stepped, or a gradient
 already put into the shared parameters' ``.grad`` by another backward (``loss.backward()``), is added
 to silently by autograd's convention: the balancer warns (``drmoo.GradientAccumulationWarning``),
@@ -198,6 +200,20 @@ def _refuse_scaled_losses(losses: Any, scaler: torch.amp.GradScaler | None) -> N
             "backward(losses, scaler=scaler), not scaler.scale(losses) (the losses' values set the DR weights; "
             "the balancer applies the scale to its backward passes)"
         )
+
+
+def _scaler_scale(scaler: torch.amp.GradScaler | None, device: torch.device) -> float:
+    """The GradScaler's current scale (1.0 without one, or disabled)."""
+    if scaler is None:
+        return 1.0
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if not scaler.is_enabled():
+        return 1.0
+    # scaler.scale() (public) also creates the scaler's state on our device, which
+    # scaler.step() requires ("did not use scaler.scale(loss)" otherwise); a host read.
+    one = torch.ones((), dtype=torch.float32, device=device)
+    return float(scaler.scale(one))
 
 
 class Balancer:
@@ -428,7 +444,7 @@ class Balancer:
         finding = self._grad_watch.finding()
         if finding is not None:
             warnings.warn(finding, GradientAccumulationWarning, stacklevel=2)
-        scale = self._scale_of(scaler)
+        scale = _scaler_scale(scaler, self._algorithm.device)
         _refuse_scaled_losses(losses, scaler)
         if check_flag("accumulate", accumulate):
             return self._reduce_micro_batch(losses, features, scale, scaler)
@@ -484,19 +500,6 @@ class Balancer:
             algorithm.losses_origin = "the closure returned"
         self._grad_watch.note_own()
         return objectives
-
-    def _scale_of(self, scaler: torch.amp.GradScaler | None) -> float:
-        """The GradScaler's current scale (1.0 without one, or disabled)."""
-        if scaler is None:
-            return 1.0
-        if not isinstance(scaler, torch.amp.GradScaler):
-            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-        if not scaler.is_enabled():
-            return 1.0
-        # scaler.scale() (public) also creates the scaler's state on our device, which
-        # scaler.step() requires ("did not use scaler.scale(loss)" otherwise); a host read.
-        one = torch.ones((), dtype=torch.float32, device=self._algorithm.device)
-        return float(scaler.scale(one))
 
     # ---------------------------------------------------------------------- gradient accumulation
     def _reduce_micro_batch(self, losses: LossesInput, features: Tensor | tuple[Tensor, ...] | None, scale: float,

@@ -93,6 +93,7 @@ from ._hyperparameters import (
 )
 from ._losses import check_losses
 from ._parameters import ParametersJacobian
+from ._presets import Presets
 from ._shared_reach import SharedReach
 from ._state_dict import STATE_KEY, initial_state, owned_state, validate_state_dict
 from .types import Closure, ParamsT  # the closure protocol (above), the shared parameters
@@ -197,7 +198,7 @@ def overflow_hint(divergence: Divergence) -> str:
     return ""
 
 
-class MultiObjectiveOptimizer(torch.optim.Optimizer):
+class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
     """Base class: validated closure calls, per-task Jacobians (through its engine), w/eta state.
 
     Subclasses implement :meth:`step`.  The hyperparameters are global to the algorithm (the update
@@ -218,28 +219,12 @@ class MultiObjectiveOptimizer(torch.optim.Optimizer):
             ...
 
     accumulation: Accumulation | None = None  # the Balancer's, in a step closing an accumulation (_accumulate)
-    # Named paper settings of the method: preset name -> constructor keyword arguments.
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
     # Whether every batch a step draws is taken at the same (theta, eta) (MoDo, SDMGrad: yes; Double-Loop
     # draws at random inner iterates of eta): then draws over one graph give one Jacobian (jacobian_memo).
     DRAWS_SHARE_ONE_POINT: ClassVar[bool] = False
     # Whether a step forms the task Jacobian (every method but FAMO, whose step is one combined backward):
     # the heads-as-shared check reads it, and takes one backward per task where there is none.
     FORMS_JACOBIAN: ClassVar[bool] = True
-
-    @classmethod
-    def preset(cls, name: str) -> dict[str, Any]:
-        """Constructor keyword arguments of a named paper setting (``cls.PRESETS``), e.g.
-        ``DoubleClipMGDA(params, m, **DoubleClipMGDA.preset("multimnist"))``.
-
-        Args:
-            name: a key of ``cls.PRESETS``; another name raises ValueError listing them.
-        """
-        try:
-            return dict(cls.PRESETS[name])
-        except KeyError:
-            known = ", ".join(cls.PRESETS) or "none"
-            raise ValueError(f"{cls.__name__} has no preset {name!r}; known presets: {known}") from None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
