@@ -69,6 +69,17 @@ def test_sharding_after_the_balancer_was_built_is_named_in_the_message() -> None
         balancer.backward(losses)
 
 
+@pytest.mark.usefixtures("group_of_one")
+def test_accumulating_micro_batches_in_features_mode_on_sharded_parameters_is_refused() -> None:
+    net = two_task_net()
+    fully_shard(net["trunk"])
+    balancer = drmoo.Balancer("mgda", net["trunk"].parameters(), 2, lr=0.1, jacobian="features")
+    z = net["trunk"](torch.randn(6, 4))
+    with pytest.raises(ValueError, match=r"cannot accumulate micro-batches on FSDP-sharded.*one backward"):
+        balancer.backward((net["heads"](z) - 1.0) ** 2, features=z, accumulate=True)
+    assert balancer.steps_taken == 0 and all(p.grad is None for p in net.parameters())
+
+
 # ------------------------------------------------------------------------------ 2 ranks vs 1 process
 STEPS, GLOBAL_BATCH = 3, 16
 CASES = {"mgda": {"pref_lr": 0.3}, "double-clip": {"pref_lr": 0.3, "c2": 0.05, "features_rate_chosen": True}}

@@ -103,14 +103,37 @@ def absolute_terms(model: nn.Module, x: Tensor, y: Tensor, eta: Tensor) -> tuple
     return absolute, rows, z_terms
 
 
+def features_gram(model: nn.Module, x: Tensor, y: Tensor, eta: Tensor) -> Tensor:
+    """The Gram J_z J_z^T of the dual objectives' gradients w.r.t. the features z (features mode's)."""
+    z = model.trunk(x)
+    losses = (torch.cat([head(z) for head in model.heads], dim=1) - y) ** 2
+    _, _, cotangent = dual_forward(losses.detach(), eta, 0.8, 1.0, get_divergence("chi2"))
+    rows = torch.stack([torch.autograd.grad(losses[:, task], z, grad_outputs=cotangent[:, task],
+                                            retain_graph=True)[0].reshape(-1) for task in range(M)])
+    return rows @ rows.T
+
+
+def balanced_backward(balancer: drmoo.Balancer, model: nn.Module, x: Tensor, y: Tensor, weight: Tensor | None,
+                      features: bool, accumulate: bool = False) -> None:
+    """One backward of the balancer on (x, y): with z in features mode."""
+    z = model.trunk(x)
+    losses = (torch.cat([head(z) for head in model.heads], dim=1) - y) ** 2
+    given = losses if weight is None else (losses, weight)
+    balancer.backward(given, features=z if features else None, accumulate=accumulate)
+
+
 def run(case: str, *, accumulate: bool, weighted: bool = False,
-        splits: dict[int, list[int]] = SPLITS) -> dict[str, Any]:
+        splits: dict[int, list[int]] = SPLITS, features: bool = False) -> dict[str, Any]:
     """STEPS steps of SGD on the whole batch, or accumulated over micro-batches of ``splits[step]`` rows; under
-    torch.distributed each rank takes its shard of the batch (every W-th row), then its micro-batches."""
+    torch.distributed each rank takes its shard of the batch (every W-th row), then its micro-batches.
+    ``features``: jacobian="features" (the Gram over z: the reference is features mode's own full batch)."""
     name, hparams = ACCEPTED[case]
     model, stream = TwoTaskNet(), batches()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    balancer = drmoo.Balancer(name, model.trunk.parameters(), M, optimizer=optimizer, lam=0.8, **hparams)
+    mode: dict[str, Any] = {"jacobian": "features"} if features else {}
+    if features and name in ("mgda", "nashmtl"):
+        mode["features_rate_chosen"] = True  # their step size reads gradient norms, taken over z here
+    balancer = drmoo.Balancer(name, model.trunk.parameters(), M, optimizer=optimizer, lam=0.8, **hparams, **mode)
     record: dict[str, Any] = {"grads": [], "eta": [], "w": [], "steps": [], "bounds": [], "cond": [], "z": [],
                               "mass": []}
     for step in range(STEPS):
@@ -118,7 +141,7 @@ def run(case: str, *, accumulate: bool, weighted: bool = False,
         weight = torch.linspace(0.5, 1.5, BATCH, dtype=torch.float64)[:, None].expand(BATCH, M) if weighted else None
         if not accumulate:
             absolute, jacobian, z_terms = absolute_terms(model, x, y, balancer.eta.clone())
-            gram = jacobian @ jacobian.T
+            gram = features_gram(model, x, y, balancer.eta.clone()) if features else jacobian @ jacobian.T
             record["bounds"].append(absolute)
             record["cond"].append(float(torch.linalg.cond(gram)))
             record["z"].append(float(z_terms))
@@ -131,14 +154,13 @@ def run(case: str, *, accumulate: bool, weighted: bool = False,
             for k, size in enumerate(sizes):
                 rows = slice(start, start + size)
                 start += size
-                losses = losses_of(model, x[rows], y[rows])
-                balancer.backward(losses if weight is None else (losses, weight[rows]), accumulate=k < len(sizes) - 1)
+                balanced_backward(balancer, model, x[rows], y[rows], None if weight is None else weight[rows],
+                                  features, accumulate=k < len(sizes) - 1)
                 if k < len(sizes) - 1:
                     assert balancer.steps_taken == step  # no dual step before the last micro-batch
                     assert all(p.grad is None for p in model.parameters())  # nothing written yet
         else:
-            losses = losses_of(model, x, y)
-            balancer.backward(losses if weight is None else (losses, weight))
+            balanced_backward(balancer, model, x, y, weight, features)
         record["grads"].append([p.grad.clone() for p in model.parameters()])
         record["eta"].append(balancer.eta.clone())
         record["w"].append(balancer.w.clone())
@@ -168,6 +190,7 @@ def _accumulating_rank(rank: int, world: int, init_file: str, out_dir: str) -> N
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         runs = {case: run(case, accumulate=True, splits=RANK_SPLITS) for case in RANK_CASES}
+        runs["features"] = run("mgda", accumulate=True, splits=RANK_SPLITS, features=True)  # z's Gram over ranks
         torch.save(runs, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -181,6 +204,7 @@ def test_two_ranks_accumulating_their_shards_give_the_full_batch_step(tmp_path: 
         for first, second in zip(ranks[0][case]["grads"], ranks[1][case]["grads"]):
             assert all(torch.equal(a, b) for a, b in zip(first, second))  # the replicas stay identical
         assert_full_batch_step(run(case, accumulate=False), ranks[0][case])
+    assert_full_batch_step(run("mgda", accumulate=False, features=True), ranks[0]["features"])
 
 
 def assert_full_batch_step(full: dict[str, Any], micro: dict[str, Any]) -> None:
@@ -237,14 +261,14 @@ def test_methods_whose_gradients_need_the_whole_batch_first_are_refused(method: 
     assert balancer.steps_taken == 0 and all(p.grad is None for p in model.parameters())
 
 
-def test_features_mode_is_refused_in_accumulate_mode() -> None:
-    model, stream = TwoTaskNet(), batches()
-    balancer = drmoo.Balancer("mgda", model.trunk.parameters(), M, lr=LR, jacobian="features")
-    x, y = next(stream)
-    z = model.trunk(x[:16])
-    losses = (torch.cat([head(z) for head in model.heads], dim=1) - y[:16]) ** 2
-    with pytest.raises(ValueError, match=r"jacobian='features' cannot accumulate.*jacobian='parameters'"):
-        balancer.backward(losses, features=z, accumulate=True)
+# Features mode: every method it runs (MoCo's tracked Jacobian is refused there); its Gram is over z, so the
+# reference is features mode's own full batch, and the bounds' condition number is that Gram's.
+@pytest.mark.parametrize(("case", "weighted"), [*((case, False) for case in ACCEPTED if case != "moco"),
+                                                ("famo", True)])
+def test_micro_batches_give_the_full_batch_step_in_features_mode(case: str, weighted: bool) -> None:
+    full = run(case, accumulate=False, weighted=weighted, features=True)
+    micro = run(case, accumulate=True, weighted=weighted, features=True)
+    assert_full_batch_step(full, micro)
 
 
 def test_a_closure_neither_accumulates_nor_closes_an_accumulation() -> None:

@@ -27,6 +27,17 @@ Cost: m backward passes per micro-batch (every method, FAMO included, whose own 
 combined backward: its weights depend on the whole batch's objective, known only at the last) and
 one [m, n] buffer besides the method's own; the memory of one micro-batch's graph.
 
+Features mode (``jacobian="features"``).  The method's algebra runs on J_z, the rows w.r.t. the
+micro-batch's z, whose columns are its own samples: the full batch's J_z is the micro-batches' side
+by side, so its Gram (and every m x m product of one batch's rows) is the sum of theirs.  Each
+micro-batch keeps the m x m Gram of its J_z rows and, as its [m, n] part, those rows lifted through
+the trunk one by one (g_i = (dz/dtheta)^T J_z[i], m backward passes instead of features mode's one:
+the step's weights are not known yet).  The last micro-batch's step adds the earlier Grams to its own
+(:meth:`Accumulation.with_earlier_gram`, also in the norm of a combined z-gradient), and the lift of
+its direction c^T J_z adds c^T (the earlier g_i) / B (:meth:`Accumulation.add_lifted`): the same
+Gram, weights and trunk ``.grad`` as one backward on the whole batch.  On FSDP-sharded shared
+parameters it is refused.
+
 Methods that cannot be exact this way are refused in accumulate mode (their class's
 ``ACCUMULATE_REFUSAL``): Double-Clip takes its gradients at eta_{t+1}, and Double-Loop at inner
 iterates of eta, which depend on the whole batch's losses -- each micro-batch's per-sample weights are
@@ -41,7 +52,16 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from drmoo.jacobian import copy_into_row, require_reached
+
 from ._engine import EngineHost, JacobianEngine
+from ._fsdp import is_sharded
+
+
+class FeaturesOfStep(Protocol):
+    """What accumulation reads of features mode's engine: the z of the micro-batch being reduced."""
+
+    features: tuple[Tensor, ...] | None
 
 __all__ = ["Accumulation", "accumulate_refusal", "accumulated_rows", "full_batch", "reduce_micro_batch"]
 
@@ -53,7 +73,7 @@ class AccumulationHost(EngineHost, Protocol):
     jacobian_engine: JacobianEngine
 
     @property
-    def features_engine(self) -> object | None: ...
+    def features_engine(self) -> FeaturesOfStep | None: ...
 
     @property
     def eta(self) -> Tensor: ...
@@ -75,11 +95,10 @@ def accumulate_refusal(optimizer: AccumulationHost) -> str | None:
     Every method takes its step's gradients at (theta_t, eta_t) but those whose class says why not in
     ``ACCUMULATE_REFUSAL`` (Double-Clip, Double-Loop)."""
     name = type(optimizer).__name__
-    if optimizer.features_engine is not None:
-        return (f"{name} with jacobian='features' cannot accumulate micro-batches: its one backward through "
-                "the trunk needs the step's final weights, known only after the last micro-batch, when the "
-                "earlier ones' graphs are gone; use jacobian='parameters' (exact, m backward passes per "
-                "micro-batch) or pass the whole batch to one backward")
+    if optimizer.features_engine is not None and is_sharded(optimizer._shared_params()):
+        return (f"{name} with jacobian='features' cannot accumulate micro-batches on FSDP-sharded shared "
+                "parameters: each micro-batch's m per-task trunk gradients would be taken through the sharded "
+                "trunk; pass the whole batch to one backward, or keep the trunk replicated (DDP)")
     reason = getattr(type(optimizer), "ACCUMULATE_REFUSAL", None)
     if reason is not None:
         return (f"{name} cannot accumulate micro-batches exactly: {reason}; pass the whole batch to one "
@@ -105,6 +124,10 @@ class Accumulation:
         self.z: Tensor | None = None
         self.jacobian: Tensor | None = None
         self.heads: dict[int, tuple[Tensor, Tensor]] = {}
+        # Features mode: sum_k J_z,k J_z,k^T (float64, this rank's columns; the full batch's Gram times B^2),
+        # and the step's combined z-gradient with the task weights it was taken with (see FeaturesAccumulation).
+        self.features_gram: Tensor | None = None
+        self.combined: tuple[Tensor, Tensor] | None = None
         self.micro_batches = 0
         # Set for the step that closes the accumulation (the last micro-batch's rows are then known).
         self.total_rows = 0
@@ -113,9 +136,12 @@ class Accumulation:
         self.found_inf = False
 
     def add(self, rows: int, objective: Tensor, z: Tensor, jacobian: Tensor,
-            heads: dict[int, tuple[Tensor, Tensor]]) -> None:
+            heads: dict[int, tuple[Tensor, Tensor]], features_gram: Tensor | None = None) -> None:
         """Add one micro-batch's part (``rows`` samples): the means ``objective``, ``z``; the sums ``jacobian``,
-        ``heads``."""
+        ``heads``; in features mode the Gram of its rows w.r.t. its z (taken with the same cotangents)."""
+        if features_gram is not None:
+            gram = features_gram.double()
+            self.features_gram = gram if self.features_gram is None else self.features_gram + gram
         weighted_objective, weighted_z = rows * objective.double(), rows * z.double()
         if self.jacobian is None:
             self.objective, self.z, self.jacobian = weighted_objective, weighted_z, jacobian.clone()
@@ -160,6 +186,37 @@ class Accumulation:
         earlier = task_weights.to(acc) @ self.jacobian.to(acc)
         combined.add_(earlier.to(combined.dtype), alpha=1.0 / self.total_rows)
 
+    # ------------------------------------------------------------- features mode (jacobian="features")
+    def with_earlier_gram(self, gram: Tensor) -> Tensor:
+        """The last micro-batch's Gram of J_z rows (taken with the full batch's cotangents) + the earlier ones':
+        their z coordinates are disjoint, so the full batch's Gram is the sum (this rank's columns)."""
+        assert self.features_gram is not None
+        return gram + (self.features_gram / self.total_rows**2).to(gram.dtype)
+
+    def combined_square(self, square: Tensor) -> Tensor:
+        """||c^T J_z||^2 of the last micro-batch's combined z-gradient (``combined``) + the earlier ones',
+        c^T K c (this rank's columns)."""
+        assert self.features_gram is not None and self.combined is not None
+        weights = self.combined[1].double()
+        return square + (weights @ self.features_gram @ weights / self.total_rows**2).to(square.dtype)
+
+    def add_lifted(self, grads: list[Tensor], rows: Tensor, coefficients: Tensor, gain: Tensor | float) -> None:
+        """The lift of ``gain * coefficients^T rows`` through the last micro-batch's trunk (``grads``, one per
+        shared parameter, this rank's) += the earlier micro-batches' part, ``gain * c^T G / B`` from their
+        lifted rows G.  ``rows`` may be the step's combined z-gradient (one row): its task weights are
+        then those it was taken with."""
+        assert self.jacobian is not None
+        acc = torch.float64 if self.jacobian.dtype == torch.float64 else torch.float32
+        weights = coefficients.to(acc)
+        if self.combined is not None and rows.shape[0] == 1 and rows.data_ptr() == self.combined[0].data_ptr():
+            weights = weights[0] * self.combined[1].to(acc)
+        earlier = (weights * (gain / self.total_rows)) @ self.jacobian.to(acc)
+        offset = 0
+        for index, grad in enumerate(grads):
+            part = earlier[offset: offset + grad.numel()].view_as(grad)
+            grads[index] = grad + part.to(grad.dtype)
+            offset += grad.numel()
+
     def add_heads(self) -> list[Tensor]:
         """The earlier micro-batches' head gradients / B into the heads' ``.grad`` (once per step); returns
         the heads so written (the step sets them aside first and checks them with its own)."""
@@ -199,7 +256,7 @@ def accumulated_rows(host: AccumulationHost, fed: Sequence[Tensor], feed_heads: 
     accumulation = host.accumulation
     if accumulation is None:
         return list(fed)
-    if jacobian is not None:
+    if jacobian is not None and host.features_engine is None:  # features rows: their Gram and lift take it
         accumulation.add_jacobian(jacobian)
     if not feed_heads:
         return list(fed)
@@ -224,11 +281,35 @@ def reduce_micro_batch(host: AccumulationHost, given: Tensor | tuple[Tensor, ...
     kept = [(head, head.grad) for head in heads]
     for head in heads:
         head.grad = None
+    features_gram = None
     try:
         jacobian = engine.task_jacobian(host, losses, cotangent * rows, "accumulate", heads=heads, feed_heads=True)
         head_sums = {id(head): (head, head.grad.detach()) for head in heads if head.grad is not None}
+        features = host.features_engine
+        if features is not None:  # J_z: its Gram, then each row lifted through the trunk (m backward passes)
+            features_gram = engine.gram(host._ops, jacobian).detach().clone()
+            jacobian = lift_rows(features.features, jacobian, shared)
     finally:
         for head, grad in kept:
             head.grad = grad
-    accumulation.add(rows, objective, z, jacobian, head_sums)
+        engine.end_step()  # features mode: this micro-batch's z is forgotten (the next one brings its own)
+    accumulation.add(rows, objective, z, jacobian, head_sums, features_gram)
     return objective.detach()
+
+
+def lift_rows(features: Sequence[Tensor] | None, rows: Tensor, shared: Sequence[Tensor]) -> Tensor:
+    """Each row of J_z (w.r.t. the pieces of z, flattened) lifted through the trunk to the shared parameters:
+    [m, n], row i = (dz/dtheta)^T J_z[i], by m backward passes (the trunk's graph freed by the last)."""
+    assert features is not None
+    out = torch.empty(rows.shape[0], sum(param.numel() for param in shared), dtype=shared[0].dtype,
+                      device=shared[0].device)
+    for task in range(rows.shape[0]):
+        cotangents, offset = [], 0
+        for piece in features:
+            cotangents.append(rows[task, offset: offset + piece.numel()].view_as(piece).to(piece.dtype))
+            offset += piece.numel()
+        grads = torch.autograd.grad(list(features), list(shared), grad_outputs=cotangents,
+                                    retain_graph=task < rows.shape[0] - 1, allow_unused=True)
+        require_reached(grads)
+        copy_into_row(shared, out[task], grads)
+    return out

@@ -24,6 +24,15 @@ from torch import Tensor
 from ._guards import FiniteValues
 
 
+class EarlierMicroBatches(Protocol):
+    """In a step closing a gradient accumulation (:mod:`drmoo.optim._accumulate`), what features mode adds for
+    the micro-batches before the last: their Gram, and their part of the lifted direction."""
+
+    def with_earlier_gram(self, gram: Tensor) -> Tensor: ...
+
+    def add_lifted(self, grads: list[Tensor], rows: Tensor, coefficients: Tensor, gain: Tensor | float) -> None: ...
+
+
 class EngineHost(Protocol):
     """What an engine reads from, and asks of, the optimizer whose step it serves."""
 
@@ -37,6 +46,11 @@ class EngineHost(Protocol):
     @property
     def jacobian_strategy(self) -> str:
         """``"loop"`` or ``"batched"`` (see :func:`drmoo.jacobian.task_jacobian`)."""
+        ...
+
+    @property
+    def accumulation(self) -> EarlierMicroBatches | None:
+        """The accumulated micro-batches this step closes (``Balancer.backward(..., accumulate=True)``), or None."""
         ...
 
     @property

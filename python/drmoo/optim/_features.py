@@ -65,7 +65,7 @@ from drmoo.jacobian import (
 )
 
 from ._direction import write_direction
-from ._engine import EngineHost
+from ._engine import EarlierMicroBatches, EngineHost
 from ._fsdp import is_sharded, lift_into_shards
 from ._guards import finite_together
 from ._overlap import views_overlap
@@ -186,6 +186,7 @@ class FeaturesJacobian:
         self._checked: tuple[Tensor, list[Tensor]] | None = None  # (losses, heads above z)
         self._split: tuple[Tensor, TaskSplit | None] | None = None  # (losses, their per-task heads, if any)
         self._factored: tuple[Tensor, int, LinearHead] | None = None  # (rows, their version, the linear heads)
+        self._earlier: EarlierMicroBatches | None = None  # closing an accumulation: the earlier micro-batches
 
     # ------------------------------------------------------------------------------ the closure
     def unpack(self, result: Any, *, need_graph: bool) -> Any:
@@ -256,6 +257,7 @@ class FeaturesJacobian:
         batch walk it again, and the trunk's graph below z -- the large one -- is freed by the lift."""
         assert self.features is not None
         shared = host._shared_params()
+        self._earlier = host.accumulation  # their Gram is added to these rows' (gram)
         scale = host.loss_scale
         scaled = cotangent * scale if scale != 1.0 else cotangent
         out = self._buffer(slot, host.num_tasks, shared[0].dtype, shared[0].device)
@@ -300,11 +302,14 @@ class FeaturesJacobian:
 
     def gram(self, ops: Any, rows: Tensor) -> Tensor:
         """J J^T of this step's rows: from the linear heads' factors when the rows are theirs, as written
-        (:meth:`drmoo._linear_head.LinearHead.gram`), else the backend's ``gram`` op."""
+        (:meth:`drmoo._linear_head.LinearHead.gram`), else the backend's ``gram`` op; closing an accumulation,
+        plus the earlier micro-batches' (their z coordinates are disjoint from these rows')."""
         factored = self._factored
         if factored is not None and factored[0] is rows and rows._version == factored[1]:
-            return factored[2].gram()
-        return cast(Tensor, ops.gram(rows))
+            gram = factored[2].gram()
+        else:
+            gram = cast(Tensor, ops.gram(rows))
+        return gram if self._earlier is None else self._earlier.with_earlier_gram(gram)
 
     @staticmethod
     def products_over_ranks(small: Tensor) -> Tensor:
@@ -360,6 +365,8 @@ class FeaturesJacobian:
         require_reached(grads)
         with torch.no_grad():
             grads = [torch.zeros_like(param) if grad is None else grad for param, grad in zip(shared, grads)]
+            if host.accumulation is not None:  # the earlier micro-batches' part, from their lifted rows
+                host.accumulation.add_lifted(grads, rows, coefficients, factor * scale if scale != 1.0 else factor)
             if distributed.is_distributed():  # shard directions -> the global batch's (one flat all-reduce)
                 joined = torch.cat([grad.reshape(-1) for grad in grads])
                 distributed.all_reduce_sum_(joined)

@@ -194,6 +194,8 @@ class JointBaseline(MultiObjectiveOptimizer):
         if scale != 1.0:
             flat.div_(scale)
         if features is not None:
+            if self.accumulation is not None:  # its norm and lift add the earlier micro-batches' c^T J_z
+                self.accumulation.combined = (flat, task_weights)
             return flat
         distributed.all_reduce_sum_(flat)  # shard gradients -> the global batch's
         if self.accumulation is not None:  # the earlier micro-batches' part, from their rows
@@ -205,6 +207,8 @@ class JointBaseline(MultiObjectiveOptimizer):
         if self.features_engine is None:
             return norm_f64(combined)
         square = torch.linalg.vector_norm(combined).double() ** 2
+        if self.accumulation is not None:  # closing an accumulation: + the earlier micro-batches' c^T K c
+            square = self.accumulation.combined_square(square)
         return torch.sqrt(self.features_engine.products_over_ranks(square.reshape(1)))[0]
 
     def combined_finite(self, combined: Tensor, norm: Tensor) -> Tensor:
@@ -217,7 +221,9 @@ class JointBaseline(MultiObjectiveOptimizer):
         the J part summed over ranks (each holds its samples' columns)."""
         if self.features_engine is None:
             return joint_cross(first, z_first, second, z_second)
-        cross = self.features_engine.products_over_ranks(cross_gram(first, second))
+        local = cross_gram(first, second)  # one batch (features mode): closing an accumulation, + the earlier ones'
+        cross = self.features_engine.products_over_ranks(
+            local if self.accumulation is None else self.accumulation.with_earlier_gram(local))
         return cross + torch.diag(z_first.double() * z_second.double())
 
     def _vector(self, name: str) -> Tensor:
