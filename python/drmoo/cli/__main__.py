@@ -1,0 +1,5 @@
+"""``python -m drmoo.cli``: the same as ``drmoo``."""
+
+from drmoo.cli import main
+
+raise SystemExit(main())
