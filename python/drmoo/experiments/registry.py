@@ -42,7 +42,8 @@ class MethodHparams(Protocol):
 class Experiment:
     """What ``drmoo train / eval / compare`` need to know about one deep experiment.
 
-    ``evaluate(run_dir, eps=..., progress=..., device=...)`` writes and returns eval.json's report,
+    ``evaluate(run_dir, eps=..., progress=..., device=..., noise_sigmas=...)`` writes and returns eval.json's
+    report (``noise_sigmas``: the pixel-noise grid of the robustness block, ``drmoo eval --noise``),
     ``eval_table(report)`` prints it, ``compare(configs, out, eps=..., progress=...)`` trains and
     evaluates every config and returns the markdown table.  ``eps`` matters to FGSM experiments only.
     ``check_data(config)`` raises (FileNotFoundError / ValueError, one line) when the config's data
