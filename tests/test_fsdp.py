@@ -34,14 +34,14 @@ def two_task_net() -> nn.Module:
 
 
 @pytest.mark.usefixtures("group_of_one")
-def test_sharded_shared_parameters_are_refused_when_built() -> None:
+def test_sharded_shared_parameters_in_parameters_mode_are_refused_when_built_but_for_mgda_and_modo() -> None:
     net = two_task_net()
     fully_shard(net["trunk"])
-    expected = r"sharded DTensors \(FSDP2's fully_shard.*jacobian='features'.*DistributedDataParallel"
-    with pytest.raises(ValueError, match=expected):
-        drmoo.Balancer("mgda", net["trunk"].parameters(), 2, lr=0.1)
-    with pytest.raises(ValueError, match=expected):
-        create("double-clip", net["trunk"].parameters(), 2)
+    expected = r"cannot run in parameters mode on FSDP-sharded.*jacobian='features'.*MGDA, MoDo.*DataParallel"
+    for method in ("double-clip", "famo", "nashmtl", "sdmgrad"):
+        with pytest.raises(ValueError, match=expected):
+            create(method, net["trunk"].parameters(), 2)
+    drmoo.Balancer("mgda", net["trunk"].parameters(), 2, lr=0.1)  # parameters mode: accepted
 
 
 @pytest.mark.usefixtures("group_of_one")
@@ -85,17 +85,23 @@ STEPS, GLOBAL_BATCH = 3, 16
 CASES = {"mgda": {"pref_lr": 0.3}, "double-clip": {"pref_lr": 0.3, "c2": 0.05, "features_rate_chosen": True}}
 
 
-def train_features_mode(method: str, shard: bool) -> dict[str, Any]:
-    """STEPS steps of SGD with the features-mode balancer; under a process group each rank passes its shard of
-    every global batch (every W-th row), and with ``shard`` the trunk is wrapped by fully_shard (heads not)."""
+# Parameters mode: the methods it runs on sharded parameters (each Gram a sum of the shards' local Grams).
+PARAMETER_CASES = {"mgda": {"pref_lr": 0.3}, "modo": {"pref_lr": 0.3}}
+
+
+def train_features_mode(method: str, shard: bool, jacobian: str = "features") -> dict[str, Any]:
+    """STEPS steps of SGD with the balancer (features mode unless ``jacobian``); under a process group each rank
+    passes its shard of every global batch (every W-th row), and with ``shard`` the trunk is wrapped by
+    fully_shard (heads not)."""
+    features = jacobian == "features"
     torch.manual_seed(0)
     trunk = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6), nn.Tanh()).double()
     heads = nn.ModuleList([nn.Linear(6, 1) for _ in range(2)]).double()
     if shard:
         fully_shard(trunk)
     optimizer = torch.optim.SGD([*trunk.parameters(), *heads.parameters()], lr=0.1)
-    balancer = drmoo.Balancer(method, trunk.parameters(), 2, jacobian="features",  # type: ignore[call-overload]
-                              optimizer=optimizer, **CASES[method])
+    balancer = drmoo.Balancer(method, trunk.parameters(), 2, jacobian=jacobian,  # type: ignore[call-overload]
+                              optimizer=optimizer, **(CASES if features else PARAMETER_CASES)[method])
     generator = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         x = torch.randn(GLOBAL_BATCH, 4, generator=generator, dtype=torch.float64)
@@ -104,7 +110,7 @@ def train_features_mode(method: str, shard: bool) -> dict[str, Any]:
         optimizer.zero_grad()
         z = trunk(x[rows])
         losses = (torch.cat([head(z) for head in heads], dim=1) - y[rows]) ** 2
-        balancer.backward(losses, features=z)
+        balancer.backward(losses, features=z if features else None)
         optimizer.step()
     params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in [*trunk.parameters(), *heads.parameters()]]
     return {"params": [p.detach().clone() for p in params], "eta": balancer.eta.clone(), "w": balancer.w.clone(),
@@ -115,7 +121,9 @@ def _fsdp_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        torch.save({method: train_features_mode(method, shard=True) for method in CASES}, Path(out_dir) / f"{rank}.pt")
+        runs = {method: train_features_mode(method, shard=True) for method in CASES}
+        runs |= {f"parameters {method}": train_features_mode(method, True, "parameters") for method in PARAMETER_CASES}
+        torch.save(runs, Path(out_dir) / f"{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -124,8 +132,9 @@ def test_two_ranks_with_a_fully_sharded_trunk_equal_one_process_on_the_global_ba
         tmp_path: Path, run_ranks: Callable[..., None]) -> None:
     run_ranks(_fsdp_rank, 2, str(tmp_path / "init"), str(tmp_path))
     ranks = [torch.load(tmp_path / f"{rank}.pt", weights_only=False) for rank in (0, 1)]
-    for method in CASES:
-        single = train_features_mode(method, shard=False)
+    singles = {method: train_features_mode(method, shard=False) for method in CASES}
+    singles |= {f"parameters {method}": train_features_mode(method, False, "parameters") for method in PARAMETER_CASES}
+    for method, single in singles.items():
         for result in ranks:
             assert result[method]["steps"] == STEPS
             for a, b in zip(result[method]["params"], single["params"]):

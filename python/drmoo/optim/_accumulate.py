@@ -95,10 +95,10 @@ def accumulate_refusal(optimizer: AccumulationHost) -> str | None:
     Every method takes its step's gradients at (theta_t, eta_t) but those whose class says why not in
     ``ACCUMULATE_REFUSAL`` (Double-Clip, Double-Loop)."""
     name = type(optimizer).__name__
-    if optimizer.features_engine is not None and is_sharded(optimizer._shared_params()):
-        return (f"{name} with jacobian='features' cannot accumulate micro-batches on FSDP-sharded shared "
-                "parameters: each micro-batch's m per-task trunk gradients would be taken through the sharded "
-                "trunk; pass the whole batch to one backward, or keep the trunk replicated (DDP)")
+    if is_sharded(optimizer._shared_params()):
+        return (f"{name} cannot accumulate micro-batches on FSDP-sharded shared parameters: each micro-batch's "
+                "m per-task trunk gradients would be kept across the sharded trunk's backward passes; pass the "
+                "whole batch to one backward, or keep the trunk replicated (DDP)")
     reason = getattr(type(optimizer), "ACCUMULATE_REFUSAL", None)
     if reason is not None:
         return (f"{name} cannot accumulate micro-batches exactly: {reason}; pass the whole batch to one "

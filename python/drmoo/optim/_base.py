@@ -125,7 +125,7 @@ def configure_jacobian(optimizer: MultiObjectiveOptimizer, jacobian: str, strate
     optimizer.jacobian_strategy = strategy
     if jacobian not in JACOBIANS:
         raise ValueError(f"jacobian must be one of {', '.join(JACOBIANS)}; got {jacobian!r}")
-    refuse_sharded(optimizer._shared_params(), jacobian)  # FSDP: features mode only (drmoo.optim._fsdp)
+    refuse_sharded(optimizer._shared_params(), jacobian, type(optimizer).__name__)  # FSDP (drmoo.optim._fsdp)
     if jacobian == "parameters":
         return ParametersJacobian()
     refusal = getattr(type(optimizer), "FEATURES_REFUSAL", None)

@@ -1,4 +1,5 @@
-"""Shared parameters sharded by FSDP: features mode's Balancer runs on them; the rest is refused in one line.
+"""Shared parameters sharded by FSDP2: the Balancer runs on them (features mode; parameters mode for MGDA and
+MoDo); the rest is refused in one line.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) replaces a module's parameters by sharded ``DTensor``
 parameters and runs the forward pass on all-gathered, unsharded copies: the losses' autograd graph
@@ -13,10 +14,17 @@ into the shards' ``.grad`` -- each rank then holds its shard of the global batch
 neither J nor any n-sized vector is gathered.  Only m x m products and the dual statistics cross ranks
 besides FSDP's own collectives.
 
-What is refused, with one line naming FSDP and the alternative: parameters mode (its m per-task
-gradients are taken with respect to the parameters the balancer holds, which FSDP's forward never
-uses), the ``step(closure)`` optimizers (they write theta themselves), FSDP1's ``FlatParameter``, a
-GradScaler and capturable steps on sharded parameters.
+Parameters mode, for the methods whose step reads J only through its Gram and one direction J^T w
+(:data:`PARAMETERS_MODE_METHODS`: MGDA, MoDo): one ordinary backward per task, restricted to FSDP's
+unsharded copies of the shared parameters (found in FSDP2's own records, :func:`unsharded_copies`, and
+so never taken for heads), which FSDP reduce-scatters into the shards' ``.grad``
+(:func:`sharded_task_jacobian`).  Each rank keeps its shard's columns of J [m, n_local]; the Gram is
+the sum of the shards' local Grams (one all-reduce of m x m), and each shard's ``.grad`` is its part
+of J^T w (:func:`add_sharded_direction`).  The m per-task gradients are never gathered.
+
+What is refused, with one line naming FSDP and the alternative: parameters mode for the other methods,
+the ``step(closure)`` optimizers (they write theta themselves), gradient accumulation, FSDP1's
+``FlatParameter``, a GradScaler and capturable steps on sharded parameters.
 """
 
 from __future__ import annotations
@@ -55,12 +63,23 @@ def is_sharded(params: Sequence[Tensor]) -> bool:
     return any(isinstance(param, dtensor) for param in params)
 
 
-def refuse_sharded(params: Sequence[Tensor], jacobian: str) -> None:
+# The methods whose parameters-mode step reads the per-task gradients only through their Gram and one
+# direction J^T w: on sharded parameters both are sums over the shards (one m x m all-reduce; no gather).
+PARAMETERS_MODE_METHODS = ("MGDA", "MoDo")
+
+
+def refuse_sharded(params: Sequence[Tensor], jacobian: str, method: str = "") -> None:
     """Raise ValueError, naming FSDP and the alternative, if ``params`` are sharded in a way the ``jacobian``
-    mode cannot run on (every way but FSDP2 in features mode)."""
+    mode cannot run on (every way but FSDP2 in features mode, and FSDP2 in parameters mode for
+    :data:`PARAMETERS_MODE_METHODS`)."""
     sharding = sharding_of(params)
-    if sharding is None or (jacobian == "features" and is_sharded(params)):
+    if sharding is None or (is_sharded(params) and (jacobian == "features" or method in PARAMETERS_MODE_METHODS)):
         return
+    if is_sharded(params) and jacobian == "parameters":
+        raise ValueError(
+            f"{method or 'this method'} cannot run in parameters mode on FSDP-sharded shared parameters (its step "
+            "reads more of the per-task gradients than their Gram and one direction); use "
+            f"jacobian='features', a method among {', '.join(PARAMETERS_MODE_METHODS)}, or {ALTERNATIVE}")
     raise ValueError(
         f"the shared parameters are {sharding}: drmoo's parameters mode takes its per-task gradients with respect "
         "to the parameters it holds, which FSDP's forward never uses (it computes with all-gathered copies); "
@@ -77,13 +96,7 @@ def lift_into_shards(host: EngineHost, features: Sequence[Tensor], cotangents: S
     The cotangents are the global batch's (divided by the world size, as every rank's share of the dual's
     mean); FSDP's default reduction averages over ranks, so they are multiplied by the world size first, to
     sum.  A gradient divide factor set on the module (``set_gradient_divide_factor``) would change that."""
-    if not host.direction_mode:
-        raise ValueError("a drmoo optimizer's step(closure) writes theta itself and cannot run on FSDP-sharded "
-                         "parameters: use drmoo.Balancer(..., jacobian='features') and a torch optimizer, or "
-                         f"{ALTERNATIVE}")
-    if host.loss_scale != 1.0 or host.grad_scale != 1.0 or host.found_inf is not None:
-        raise ValueError("a GradScaler or capturable steps with FSDP-sharded shared parameters are not supported: "
-                         "use FSDP's MixedPrecisionPolicy (bf16 needs no scaler), or " + ALTERNATIVE)
+    refuse_unsupported(host)
     world = distributed.world_size()
     host.set_aside_head_grads(shared)  # the step's .grad, committed once it succeeds
     torch.autograd.backward(list(features), grad_tensors=[c * world if world != 1 else c for c in cotangents])
@@ -100,6 +113,85 @@ def lift_into_shards(host: EngineHost, features: Sequence[Tensor], cotangents: S
     host.require_finite(finite, lambda _: (
         f"non-finite gradient of the shared parameters from the backward pass through the trunk in "
         f"{host.failing_iteration}; the step was abandoned and nothing was updated"))
+
+
+def refuse_unsupported(host: EngineHost) -> None:
+    """What a step on FSDP-sharded parameters cannot do: write theta itself, or scale its gradients."""
+    if not host.direction_mode:
+        raise ValueError("a drmoo optimizer's step(closure) writes theta itself and cannot run on FSDP-sharded "
+                         "parameters: use drmoo.Balancer and a torch optimizer, or " + ALTERNATIVE)
+    if host.loss_scale != 1.0 or host.grad_scale != 1.0 or host.found_inf is not None:
+        raise ValueError("a GradScaler or capturable steps with FSDP-sharded shared parameters are not supported: "
+                         "use FSDP's MixedPrecisionPolicy (bf16 needs no scaler), or " + ALTERNATIVE)
+
+
+def unsharded_copies(shared: Sequence[Tensor]) -> list[Tensor]:
+    """The unsharded parameters FSDP2 all-gathered for the forward pass of ``shared`` (what the losses' graph
+    reaches), read from FSDP2's own parameter records: never to be taken for the heads."""
+    from torch.distributed import _composable_state
+
+    wanted = {id(param) for param in shared}
+    copies = []
+    for entry in list(_composable_state._module_state_mapping.values()):
+        state: Any = entry() if not hasattr(entry, "_fsdp_param_group") and callable(entry) else entry
+        group = getattr(state, "_fsdp_param_group", None)
+        for record in getattr(group, "fsdp_params", ()):
+            if id(record.sharded_param) in wanted and hasattr(record, "_unsharded_param"):
+                copies.append(record._unsharded_param)
+    if len(copies) != len(shared):
+        raise ValueError(f"found the FSDP2 unsharded copies of {len(copies)} of the {len(shared)} sharded shared "
+                         "parameters: the losses must come from a forward pass of the fully_shard modules that hold "
+                         f"them (this torch's FSDP2 may also keep them elsewhere); use jacobian='features', or "
+                         f"{ALTERNATIVE}")
+    return copies
+
+
+def sharded_task_jacobian(host: EngineHost, losses: Tensor, cotangent: Tensor, shared: Sequence[Tensor]) -> Tensor:
+    """Parameters mode on FSDP2-sharded shared parameters: this rank's columns of the global batch's J [m, n_local].
+
+    One ordinary backward per task, restricted to FSDP's unsharded copies (the heads are not touched), which
+    FSDP reduce-scatters into the shards' ``.grad``: row i's shard, read and cleared before the next task.
+    The cotangents are times the world size against FSDP's mean, as in :func:`lift_into_shards`.  No per-task
+    gradient crosses ranks whole: the Gram is the sum of the shards' local Grams (``products_over_ranks``)."""
+    refuse_unsupported(host)
+    copies = unsharded_copies(shared)
+    world = distributed.world_size()
+    dtensor = _dtensor()
+    host.set_aside_head_grads(shared)  # the passes below write the shards' .grad; the step's own comes later
+    rows = []
+    for task in range(host.num_tasks):
+        torch.autograd.backward(losses[:, task], grad_tensors=cotangent[:, task].to(losses.dtype) * world,
+                                inputs=copies, retain_graph=True)
+        local = [param.grad.to_local() if isinstance(param.grad, dtensor) else param.grad for param in shared]
+        rows.append(torch.cat([torch.zeros(_local_numel(param), dtype=shared[0].dtype, device=shared[0].device)
+                               if grad is None else grad.reshape(-1) for param, grad in zip(shared, local)]))
+        for param in shared:
+            param.grad = None
+    return torch.stack(rows)
+
+
+def add_sharded_direction(host: EngineHost, rows: Tensor, coefficients: Tensor, factor: Tensor | float,
+                          shared: Sequence[Tensor]) -> None:
+    """Direction mode on FSDP2-sharded parameters: each shard's ``.grad`` = its part of factor * J^T w, from this
+    rank's columns ``rows`` (a sharded DTensor gradient, as FSDP's own backward leaves it)."""
+    refuse_unsupported(host)
+    dtensor = _dtensor()
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        direction = (coefficients.to(acc) @ rows.to(acc)) * factor
+        host.set_aside_head_grads(shared)
+        offset = 0
+        for param in shared:
+            local = param.to_local() if isinstance(param, dtensor) else param
+            part = direction[offset: offset + local.numel()].view_as(local).to(param.dtype)
+            offset += local.numel()
+            param.grad = (dtensor.from_local(part, param.device_mesh, param.placements, shape=param.shape,
+                                             stride=param.stride()) if isinstance(param, dtensor) else part)
+
+
+def _local_numel(param: Tensor) -> int:
+    dtensor = _dtensor()
+    return int(param.to_local().numel()) if isinstance(param, dtensor) else param.numel()
 
 
 def _dtensor() -> Any:

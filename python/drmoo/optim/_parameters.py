@@ -17,10 +17,11 @@ import torch
 from torch import Tensor
 
 from drmoo import distributed
-from drmoo.jacobian import head_leaves, task_jacobian
+from drmoo.jacobian import feed_head_grads, head_leaves, task_jacobian
 
 from ._direction import write_direction
 from ._engine import EngineHost
+from ._fsdp import add_sharded_direction, is_sharded, sharded_task_jacobian, unsharded_copies
 from ._guards import finite_each
 
 
@@ -32,18 +33,23 @@ class ParametersJacobian:
 
     def __init__(self) -> None:
         self._buffers: dict[str, Tensor] = {}
+        self.sharded = False  # FSDP2-sharded shared parameters: the rows hold this rank's columns (_fsdp)
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._buffers = {}
+        self.sharded = False
 
     def unpack(self, result: Any, *, need_graph: bool) -> Any:
         return result
 
     def heads(self, losses: Tensor, shared: Sequence[Tensor], *, feed_heads: bool) -> list[Tensor]:
-        return head_leaves(losses, shared) if feed_heads else []
+        if not feed_heads:
+            return []
+        # FSDP2: the graph's leaves are the unsharded copies of the shared parameters, not the shards
+        return head_leaves(losses, [*shared, *unsharded_copies(shared)] if is_sharded(shared) else shared)
 
     def _buffer(self, slot: str, shared: Sequence[Tensor], rows: int) -> Tensor:
         n = sum(p.numel() for p in shared)
@@ -56,6 +62,11 @@ class ParametersJacobian:
     def task_jacobian(self, host: EngineHost, losses: Tensor, cotangent: Tensor, slot: str, *,
                       heads: Sequence[Tensor], feed_heads: bool) -> Tensor:
         shared = host._shared_params()
+        self.sharded = is_sharded(shared)
+        if self.sharded:  # this rank's columns, reduce-scattered by FSDP (drmoo.optim._fsdp)
+            if feed_heads and heads:
+                feed_head_grads(losses, heads, cotangent, retain_graph=True)
+            return sharded_task_jacobian(host, losses, cotangent, shared)
         scale = host.loss_scale
         scaled = cotangent * scale if scale != 1.0 else cotangent
         jacobian = task_jacobian(losses, scaled, shared, self._buffer(slot, shared, host.num_tasks),
@@ -69,7 +80,8 @@ class ParametersJacobian:
         return cast(Tensor, ops.gram(rows))
 
     def products_over_ranks(self, small: Tensor) -> Tensor:
-        return small  # the rows are already the global batch's
+        # the rows are already the global batch's, or (FSDP2) its columns held by this rank: summed then
+        return distributed.all_reduce_sum_(small) if self.sharded else small
 
     def apply(self, host: EngineHost, rows: Tensor, coefficients: Tensor, factor: Tensor | float) -> None:
         """``factor * rows^T coefficients`` into theta (or ``.grad``), once the coefficients are known finite.
@@ -82,6 +94,9 @@ class ParametersJacobian:
         host.require_finite(finite_each(*guarded), lambda _: (
             f"non-finite task weights (or step factor) in {host.failing_iteration}: {coefficients.tolist()}; "
             "the step was abandoned and nothing was updated"))
+        if self.sharded:
+            add_sharded_direction(host, rows, coefficients, factor, host._shared_params())
+            return
         write_direction(host, rows, coefficients, factor, self._buffers)
 
     def end_step(self) -> None:
