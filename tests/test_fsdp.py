@@ -34,11 +34,11 @@ def two_task_net() -> nn.Module:
 
 
 @pytest.mark.usefixtures("group_of_one")
-def test_sharded_shared_parameters_in_parameters_mode_are_refused_when_built_but_for_mgda_and_modo() -> None:
+def test_sharded_shared_parameters_in_parameters_mode_are_refused_when_built_but_for_the_gram_methods() -> None:
     net = two_task_net()
     fully_shard(net["trunk"])
-    expected = r"cannot run in parameters mode on FSDP-sharded.*jacobian='features'.*MGDA, MoDo.*DataParallel"
-    for method in ("double-clip", "famo", "nashmtl", "sdmgrad"):
+    expected = r"cannot run in parameters mode on FSDP-sharded.*jacobian='features'.*MGDA, MoDo, SDMGrad.*DataParallel"
+    for method in ("double-clip", "famo", "nashmtl", "moco"):
         with pytest.raises(ValueError, match=expected):
             create(method, net["trunk"].parameters(), 2)
     drmoo.Balancer("mgda", net["trunk"].parameters(), 2, lr=0.1)  # parameters mode: accepted
@@ -86,7 +86,7 @@ CASES = {"mgda": {"pref_lr": 0.3}, "double-clip": {"pref_lr": 0.3, "c2": 0.05, "
 
 
 # Parameters mode: the methods it runs on sharded parameters (each Gram a sum of the shards' local Grams).
-PARAMETER_CASES = {"mgda": {"pref_lr": 0.3}, "modo": {"pref_lr": 0.3}}
+PARAMETER_CASES = {"mgda": {"pref_lr": 0.3}, "modo": {"pref_lr": 0.3}, "sdmgrad": {"pref_lr": 0.3}}
 
 
 def train_features_mode(method: str, shard: bool, jacobian: str = "features") -> dict[str, Any]:

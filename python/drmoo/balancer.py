@@ -99,10 +99,10 @@ shared parameter, with no device read.
 FSDP2.  With ``jacobian="features"``, the shared parameters may be a trunk wrapped by
 ``torch.distributed.fsdp.fully_shard`` (the heads replicated): the one backward through the trunk is
 an ordinary one, which FSDP reduce-scatters into each rank's shard of ``.grad``; nothing n-sized is
-gathered.  In parameters mode MGDA and MoDo run there too: each task's backward is an ordinary one that FSDP
-reduce-scatters, each rank keeps its shard's columns of J, and the Gram is the sum of the shards' local Grams
-(one m x m all-reduce).  The other methods in parameters mode, the ``step(closure)`` optimizers and FSDP1
-are refused with one line naming the alternative.
+gathered.  In parameters mode MGDA, MoDo and SDMGrad run there too: each task's backward is an ordinary
+one that FSDP reduce-scatters, each rank keeps its shard's columns of J, and the Gram is the sum of the
+shards' local Grams (one m x m all-reduce).  The other methods in parameters mode, the ``step(closure)``
+optimizers and FSDP1 are refused with one line naming the alternative.
 
 torch.compile.  A compiled model (``torch.compile(model)``) works as it is: the balancer walks the
 autograd graph that the compiled forward builds and runs its backward passes through it.

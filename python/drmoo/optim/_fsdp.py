@@ -1,5 +1,5 @@
-"""Shared parameters sharded by FSDP2: the Balancer runs on them (features mode; parameters mode for MGDA and
-MoDo); the rest is refused in one line.
+"""Shared parameters sharded by FSDP2: the Balancer runs on them (features mode; parameters mode for MGDA,
+MoDo and SDMGrad); the rest is refused in one line.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) replaces a module's parameters by sharded ``DTensor``
 parameters and runs the forward pass on all-gathered, unsharded copies: the losses' autograd graph
@@ -15,7 +15,7 @@ neither J nor any n-sized vector is gathered.  Only m x m products and the dual 
 besides FSDP's own collectives.
 
 Parameters mode, for the methods whose step reads J only through its Gram and one direction J^T w
-(:data:`PARAMETERS_MODE_METHODS`: MGDA, MoDo): one ordinary backward per task, restricted to FSDP's
+(:data:`PARAMETERS_MODE_METHODS`: MGDA, MoDo, SDMGrad): one ordinary backward per task, restricted to FSDP's
 unsharded copies of the shared parameters (found in FSDP2's own records, :func:`unsharded_copies`, and
 so never taken for heads), which FSDP reduce-scatters into the shards' ``.grad``
 (:func:`sharded_task_jacobian`).  Each rank keeps its shard's columns of J [m, n_local]; the Gram is
@@ -65,7 +65,7 @@ def is_sharded(params: Sequence[Tensor]) -> bool:
 
 # The methods whose parameters-mode step reads the per-task gradients only through their Gram and one
 # direction J^T w: on sharded parameters both are sums over the shards (one m x m all-reduce; no gather).
-PARAMETERS_MODE_METHODS = ("MGDA", "MoDo")
+PARAMETERS_MODE_METHODS = ("MGDA", "MoDo", "SDMGrad")
 
 
 def refuse_sharded(params: Sequence[Tensor], jacobian: str, method: str = "") -> None:

@@ -217,13 +217,12 @@ class JointBaseline(MultiObjectiveOptimizer):
         return all_finite(combined) if self.features_engine is None else torch.isfinite(norm)
 
     def task_cross(self, first: Tensor, z_first: Tensor, second: Tensor, z_second: Tensor) -> Tensor:
-        """The joint cross product J_1 J_2^T + diag(z_1 (.) z_2) (:func:`joint_cross`); features rows:
-        the J part summed over ranks (each holds its samples' columns)."""
-        if self.features_engine is None:
-            return joint_cross(first, z_first, second, z_second)
-        local = cross_gram(first, second)  # one batch (features mode): closing an accumulation, + the earlier ones'
-        cross = self.features_engine.products_over_ranks(
-            local if self.accumulation is None else self.accumulation.with_earlier_gram(local))
+        """The joint cross product J_1 J_2^T + diag(z_1 (.) z_2) (:func:`joint_cross`); features rows (each rank
+        holds its samples' columns) and FSDP-sharded rows (its shard's): the J part summed over ranks."""
+        local = cross_gram(first, second)
+        if self.features_engine is not None and self.accumulation is not None:  # one batch: + the earlier ones'
+            local = self.accumulation.with_earlier_gram(local)
+        cross = self.jacobian_engine.products_over_ranks(local)
         return cross + torch.diag(z_first.double() * z_second.double())
 
     def _vector(self, name: str) -> Tensor:
