@@ -104,6 +104,9 @@ declare -A dry_stub=(
 )
 
 if [ "$dry" = 1 ]; then
+    # One OpenMP thread: on a CPU shared with other jobs, torch's idle threads spin-wait and burn CPU time
+    # (the train_graph stage took twice the CPU time with two threads); the code paths are the same.
+    export OMP_NUM_THREADS=1
     echo "[gpu_check] DRY RUN on the CPU: every stage at tiny sizes, device-specific parts stubbed (see the summary)" \
         | tee -a "$summary"
 else
@@ -132,10 +135,27 @@ reserve_launches=$(( reserve_tasks + cap_tasks ))
 reserve_tests=$(( reserve_launches + cap_launches ))
 reserve_build=$(( reserve_tests + cap_tests ))
 
+# The optional modules the stages adapt to, each probed by importing it, all in one interpreter (torchjd
+# imports cvxpy and torch: separate probes paid those imports again, seconds each).
+probe=(cvxpy torchjd)
+[ "$dry" = 0 ] && probe+=(xdist pytest_timeout)
+importable=" $("$python" - "${probe[@]}" 2>/dev/null <<'EOF' || true  # no interpreter: none of them
+import importlib
+import sys
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except BaseException:  # whatever stops the import: the stage goes without the module
+        continue
+    print(name, end=" ")
+EOF
+) "
+has() { [[ "$importable" == *" $1 "* ]]; }
+
 parallel=()  # pytest-xdist spreads the tests over the machine's cores when it is there
 if [ "$dry" = 0 ]; then
-    "$python" -c "import xdist" 2>/dev/null && parallel=(-n 16)
-    "$python" -c "import pytest_timeout" 2>/dev/null && parallel+=(--timeout 180)  # a hung test fails alone
+    has xdist && parallel=(-n 16)
+    has pytest_timeout && parallel+=(--timeout 180)  # a hung test fails alone
 fi
 
 # ------------------------------------------------------------------------------------------------ build
@@ -172,8 +192,7 @@ grep "backends:" "$logs/build.log" >> "$summary" || true
 if [ "$what" != bench ]; then
     # cvxpy (a dev requirement, checked against Nash-MTL's weights on the CPU) is not on GPU images.
     skip=()
-    "$python" -c "import cvxpy" 2>/dev/null \
-        || skip=(--deselect tests/optim/test_baselines.py::test_nash_weights_match_cvxpy)
+    has cvxpy || skip=(--deselect tests/optim/test_baselines.py::test_nash_weights_match_cvxpy)
     # The files that exercise the GPU first (pytest-xdist hands tests out in this order), so that a stage
     # cut at its cap has run them; then the rest of the suites (a path given twice is collected once).
     # Every failure is written to failures.txt with its traceback the moment it happens.
@@ -208,7 +227,7 @@ if [ "$what" != tests ]; then
 
     # ---------------------------------------------------------------------------------- tasks scaling
     scaling_variants=(plain rep-grad parameters parameters-loop parameters-batched features features-double-clip)
-    if "$python" -c "import torchjd" 2>/dev/null; then
+    if has torchjd; then
         scaling_variants+=(torchjd-mgda torchjd-upgrad)
     else
         note torchjd "skipped in tasks_scaling and tasks_graph (TorchJD is not installed)"

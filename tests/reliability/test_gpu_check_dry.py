@@ -28,7 +28,9 @@ def test_dry_run_walks_every_stage_and_names_the_failing_test(tmp_path: Path) ->
     failing.write_text("def test_planted_failure():\n    assert 1 == 2\n")
     environment = {**os.environ, "DRMOO_GPU_CHECK_DRY": "1", "GPU_CHECK_LOGS": str(logs), "TMPDIR": str(temporary),
                    "GPU_CHECK_TESTS": str(failing), "PYTHON": sys.executable,
-                   "GPU_CHECK_BUDGET_S": "2400"}  # a loaded CPU: the stages' own caps (x4 in a dry run) decide
+                   "GPU_CHECK_BUDGET_S": "2400",  # a loaded CPU: the stages' own caps (x4 in a dry run) decide
+                   # the planted file needs no plugin: not importing hypothesis and the others saves a second
+                   "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     for name in ("OUT", "GPU_CHECK_PREBUILT", "DRMOO_GPU_CHECK_DRY_ALL"):
         environment.pop(name, None)
     result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], cwd=tmp_path, env=environment,
