@@ -85,7 +85,7 @@
 #        from the preset's (sweep_rule.py tuned: e.g. mgda[lr=1.0]), their twins without the importance weights
 #        and, for Double-Clip and MGDA, their lam=100 twins at those rates, so "what wins", "does DR help" and
 #        "do the weights help" are asked at tuned rates too.
-# dr-path: what DR changes on 2 digits, metric by metric: Double-Clip at lam 0.1, 0.8 (the paper's) and 100 (DR
+# dr-path: what DR changes on 2 digits, metric by metric: Double-Clip at lam 0.1, 0.3, 0.8 (the paper's) and 100 (DR
 #        off: the chi^2 dual then within a few percent of the mean loss), 5 paired seeds, each at the preset's
 #        rate (the lam 0.8 row's validated 1.0); every run scored with drmoo eval's robustness metrics (tail,
 #        worst case, calibration, worst digit, FGSM, label shift, pixel noise, the fitted temperature: compare's
@@ -304,7 +304,7 @@ attributes|attributes-key)
 dr-path)
     out=results/multimnist2-small/dr-path
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
-        --methods "double-clip[lam=0.1],double-clip,double-clip[lam=100]" --reference "double-clip[lam=100]" \
+        --methods "double-clip[lam=0.1],double-clip[lam=0.3],double-clip,double-clip[lam=100]" --reference "double-clip[lam=100]" \
         --device cpu --quiet --out "$out"
     "$python" scripts/dr_path.py "$out"
     "$python" scripts/multiple_comparisons.py "$out" ;;
