@@ -4,15 +4,16 @@
 
 Reads every test-split run directory of FOLDER (its ``config.json`` and the ``eval.json`` that ``drmoo
 eval`` or ``drmoo compare`` wrote, with its robustness block) and writes ``contrasts.csv``, with no
-training: each DR row minus its λ 100 twin (plain training: the χ² dual at λ 100 is within a few percent
-of the mean loss) per column of :data:`AGAINST_ERM`, paired over seeds (mean, 95 % Student-t interval,
-``wins``: the seeds on which the DR row's value is higher); and the same DR row minus the twin with its
-fitted temperature (the other row named ``<twin>+T``) on the loss, tail and calibration columns of
-:data:`AGAINST_ERM_T` (a temperature changes no top label, so accuracies would repeat the first
-contrast).  The columns are those of ``drmoo compare``'s ``dr-table.csv``
+training: each DR row minus its λ 100 twin (the same method with every other setting equal, at λ 100:
+plain training, the χ² dual there being within a few percent of the mean loss; Double-Clip's rows against
+``double-clip[lam=100]``, MGDA's against ``mgda[lam=100]``) per column of :data:`AGAINST_ERM`, paired over
+seeds (mean, 95 % Student-t interval, ``wins``: the seeds on which the DR row's value is higher); and the
+same DR row minus the twin with its fitted temperature (the other row named ``<twin>+T``) on the loss,
+tail and calibration columns of :data:`AGAINST_ERM_T` (a temperature changes no top label, so accuracies
+would repeat the first contrast). The columns are those of ``drmoo compare``'s ``dr-table.csv``
 (:func:`drmoo.experiments.dr_tables.dr_columns`: ``clean:cvar_0.05``, ``T:ece``, ``eps=0.2:accuracy``,
 ``label=4:accuracy``, ``noise=0.3:cvar_0.05``; accuracies and the ECE in %, losses in nats), which holds
-every row's mean ± std.  The contrasts are the family ``scripts/multiple_comparisons.py`` corrects with
+every row's mean ± std. The contrasts are the family ``scripts/multiple_comparisons.py`` corrects with
 Holm's method: one distinct hypothesis each, chosen before any run was scored.
 """
 

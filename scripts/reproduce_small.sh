@@ -85,12 +85,13 @@
 #        from the preset's (sweep_rule.py tuned: e.g. mgda[lr=1.0]), their twins without the importance weights
 #        and, for Double-Clip and MGDA, their lam=100 twins at those rates, so "what wins", "does DR help" and
 #        "do the weights help" are asked at tuned rates too.
-# dr-path: what DR changes on 2 digits, metric by metric: Double-Clip at lam 0.1, 0.3, 0.8 (the paper's) and 100 (DR
-#        off: the chi^2 dual then within a few percent of the mean loss), 5 paired seeds, each at the preset's
-#        rate (the lam 0.8 row's validated 1.0); every run scored with drmoo eval's robustness metrics (tail,
+# dr-path: what DR changes on 2 digits, metric by metric: Double-Clip at lam 0.1, 0.3, 0.8 (the paper's), 3 and 100
+#        (DR off: the chi^2 dual then within a few percent of the mean loss), and MGDA at lam 0.8 and 100, 5 paired
+#        seeds, each at the preset's rate (Double-Clip: the lam 0.8 row's validated 1.0; MGDA: its validated 0.1,
+#        that of the 2-digit comparison); every run scored with drmoo eval's robustness metrics (tail,
 #        worst case, calibration, worst digit, FGSM, label shift, pixel noise, the fitted temperature: compare's
-#        dr-table.csv), then scripts/dr_path.py (contrasts.csv: each lam against lam 100 and against lam 100
-#        with its temperature) and Holm's correction over those contrasts; results in
+#        dr-table.csv), then scripts/dr_path.py (contrasts.csv: each lam against the same method's lam 100 and
+#        against that with its temperature) and Holm's correction over those contrasts; results in
 #        results/multimnist2-small/dr-path/.
 # Finished runs are reused, so an interrupted call continues where it stopped.
 set -euo pipefail
@@ -304,7 +305,8 @@ attributes|attributes-key)
 dr-path)
     out=results/multimnist2-small/dr-path
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
-        --methods "double-clip[lam=0.1],double-clip[lam=0.3],double-clip,double-clip[lam=100]" --reference "double-clip[lam=100]" \
+        --methods "double-clip[lam=0.1],double-clip[lam=0.3],double-clip,double-clip[lam=3],double-clip[lam=100],mgda,mgda[lam=100]" \
+        --reference "double-clip[lam=100]" \
         --device cpu --quiet --out "$out"
     "$python" scripts/dr_path.py "$out"
     "$python" scripts/multiple_comparisons.py "$out" ;;

@@ -20,12 +20,13 @@ def _means(base: float) -> dict[str, float]:
 def _run(folder: Path, label: str, seed: int, base: float, temperature_shift: float) -> None:
     run = folder / f"{label}-seed{seed}"
     run.mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps({"label": label if "[" in label else "", "method": "double-clip",
+    method = label.split("[")[0]
+    (run / "config.json").write_text(json.dumps({"label": label if "[" in label else "", "method": method,
                                                  "seed": seed, "eval_split": "test"}))
     shifted = {k: v + temperature_shift for k, v in _means(base).items()}
     report = {
         "run": str(run),
-        "label": label, "method": "double-clip", "seed": seed,
+        "label": label, "method": method, "seed": seed,
         "results": [{"eps": eps, "metrics": {"mean": _means(base - eps)}} for eps in (0.0, 0.05, 0.2)],
         "robustness": {
             "clean": {"mean": _means(base)},
@@ -70,6 +71,31 @@ def test_contrasts_against_erm_and_erm_with_temperature(tmp_path: Path, load_scr
     # under FGSM at 0.2 the fake metrics fall by eps for both rows: the same difference
     (fgsm,) = [r for r in against_erm if r["column"] == "eps=0.2:cvar_0.05"]
     assert float(fgsm["mean"]) == pytest.approx(sum(differences) / 3)
+
+
+def test_each_method_is_contrasted_with_its_own_lambda_100_twin(tmp_path: Path, load_script: Any) -> None:
+    module = load_script("dr_path")
+    for seed in range(3):
+        _run(tmp_path, "double-clip", seed, 0.5 + seed / 10, temperature_shift=0.0)
+        _run(tmp_path, "double-clip[lam=3]", seed, 0.4, temperature_shift=0.0)
+        _run(tmp_path, "double-clip[lam=100]", seed, 0.6, temperature_shift=0.0)
+        _run(tmp_path, "mgda", seed, 0.3 + seed / 10, temperature_shift=0.0)
+        _run(tmp_path, "mgda[lam=100]", seed, 0.1, temperature_shift=-0.1)
+    assert module.main(["x", str(tmp_path)]) == 0
+    rows = _rows(tmp_path / "contrasts.csv")
+    pairs = {(r["reference"], r["other"]) for r in rows}
+    assert pairs == {("double-clip", "double-clip[lam=100]"), ("double-clip", "double-clip[lam=100]+T"),
+                     ("double-clip[lam=3]", "double-clip[lam=100]"), ("double-clip[lam=3]", "double-clip[lam=100]+T"),
+                     ("mgda", "mgda[lam=100]"), ("mgda", "mgda[lam=100]+T")}
+    (mgda_cvar,) = [r for r in rows if (r["reference"], r["other"], r["column"])
+                    == ("mgda", "mgda[lam=100]", "clean:cvar_0.05")]
+    assert float(mgda_cvar["mean"]) == pytest.approx(0.3)  # (0.3 + s/10) - 0.1, meaned over s = 0, 1, 2
+    (mgda_t,) = [r for r in rows if (r["reference"], r["other"], r["column"])
+                 == ("mgda", "mgda[lam=100]+T", "clean:cvar_0.05")]
+    assert float(mgda_t["mean"]) == pytest.approx(0.4)
+    # rows by method, then by increasing λ (the default, 0.8, before 3)
+    assert [r["reference"] for r in rows][::len(module.AGAINST_ERM) + len(module.AGAINST_ERM_T)] == [
+        "double-clip", "double-clip[lam=3]", "mgda"]
 
 
 def test_a_run_without_the_robustness_block_is_refused(tmp_path: Path, load_script: Any) -> None:
