@@ -125,6 +125,7 @@ from .optim._base import MultiObjectiveOptimizer
 from .optim._features import with_features
 from .optim._fsdp import ALTERNATIVE, is_sharded
 from .optim._hyperparameters import check_flag
+from .optim._loss_scale import LossScale
 
 LossesInput = Tensor | tuple[Tensor, Tensor] | Callable[[], Any]
 """What :meth:`Balancer.backward` takes: per-sample losses ``[B, m]`` (one column per task, with their
@@ -204,8 +205,9 @@ def _refuse_scaled_losses(losses: Any, scaler: torch.amp.GradScaler | None) -> N
         )
 
 
-def _scaler_scale(scaler: torch.amp.GradScaler | None, device: torch.device) -> float:
-    """The GradScaler's current scale (1.0 without one, or disabled)."""
+def _scaler_scale(scaler: torch.amp.GradScaler | None, device: torch.device) -> LossScale:
+    """The GradScaler's current scale: the float 1.0 without one (or disabled), else a 0-d tensor on
+    ``device``, never read on the host (the step's one host read stays its guards')."""
     if scaler is None:
         return 1.0
     if not isinstance(scaler, torch.amp.GradScaler):
@@ -213,9 +215,9 @@ def _scaler_scale(scaler: torch.amp.GradScaler | None, device: torch.device) -> 
     if not scaler.is_enabled():
         return 1.0
     # scaler.scale() (public) also creates the scaler's state on our device, which
-    # scaler.step() requires ("did not use scaler.scale(loss)" otherwise); a host read.
+    # scaler.step() requires ("did not use scaler.scale(loss)" otherwise); 1 * scale, on the device.
     one = torch.ones((), dtype=torch.float32, device=device)
-    return float(scaler.scale(one))
+    return scaler.scale(one)
 
 
 class Balancer:
@@ -504,7 +506,7 @@ class Balancer:
         return objectives
 
     # ---------------------------------------------------------------------- gradient accumulation
-    def _reduce_micro_batch(self, losses: LossesInput, features: Tensor | tuple[Tensor, ...] | None, scale: float,
+    def _reduce_micro_batch(self, losses: LossesInput, features: Tensor | tuple[Tensor, ...] | None, scale: LossScale,
                             scaler: torch.amp.GradScaler | None) -> Tensor:
         """``backward(losses, accumulate=True)``: reduce this micro-batch into the pending accumulation
         (``drmoo.optim._accumulate.reduce_micro_batch``); nothing else changes."""

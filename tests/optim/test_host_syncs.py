@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import drmoo
 from drmoo.optim import NonFiniteStepError, available, create
+from drmoo.optim._loss_scale import divide_, times
 
 aten = torch.ops.aten
 
@@ -86,8 +87,9 @@ def counting_syncs(monkeypatch: pytest.MonkeyPatch) -> Iterator[SyncCounter]:
 class Driver:
     """One method on the toy problem, driven through one API in one Jacobian mode."""
 
-    def __init__(self, problem: Any, method: str, mode: str, api: str, **hparams: Any) -> None:
-        self.problem, self.mode, self.api = problem, mode, api
+    def __init__(self, problem: Any, method: str, mode: str, api: str, *,
+                 scaler: torch.amp.GradScaler | None = None, **hparams: Any) -> None:
+        self.problem, self.mode, self.api, self.scaler = problem, mode, api, scaler
         self.draw = problem.batches(1)
         self.poison: Callable[[Tensor], Tensor] | None = None
         hparams = {"lr": 0.05, **EXTRA.get(method, {}), **hparams}
@@ -108,9 +110,9 @@ class Driver:
         if self.api == "balancer":
             losses, z = self._batch(self.draw())
             if self.mode == "features":
-                self.balancer.backward(losses, features=z)
+                self.balancer.backward(losses, features=z, scaler=self.scaler)
             else:
-                self.balancer.backward(losses)
+                self.balancer.backward(losses, scaler=self.scaler)
             return
         if self.mode == "parameters":  # a fresh batch at every call, as the closure protocol asks
             self.optimizer.step(lambda: self._batch(self.draw())[0])
@@ -183,6 +185,30 @@ def test_a_non_finite_eager_step_still_names_the_losses_and_changes_nothing(toy,
     for key, want in state.items():
         got = driver.optimizer.state["drmoo"][key]
         assert torch.equal(got, want) if isinstance(want, Tensor) else got == want, f"{key} changed"
+
+
+@pytest.mark.parametrize(("method", "mode"), [(method, mode) for method, mode, api in CASES if api == "balancer"])
+def test_a_balancer_step_under_a_grad_scaler_reads_the_host_once(
+        toy: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, method: str, mode: str) -> None:
+    """An enabled GradScaler's scale multiplies every backward pass and divides the gradients back as a 0-d
+    tensor on the device: read as a float before the passes, it was a second host read in every step."""
+    driver = Driver(toy(), method, mode, "balancer", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16))
+    reads = steady_step_reads(driver, monkeypatch)
+    assert len(reads) == 1, f"{method} {mode} (GradScaler): {len(reads)} host reads in one eager step: {reads}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_a_scale_tensor_applies_as_the_float_did_without_a_read(monkeypatch: pytest.MonkeyPatch,
+                                                                dtype: torch.dtype) -> None:
+    """Times 2^16 and back, as the float 65536.0 did, in every dtype (fp16's largest finite value is 65504)."""
+    values = torch.tensor([0.5, -0.25, 1e-4, 0.0], dtype=dtype)
+    scale = torch.tensor(2.0**16)
+    with counting_syncs(monkeypatch) as counter:
+        scaled = times(values, scale)
+        back = divide_(scaled.clone(), scale)
+    assert counter.reads == []
+    assert scaled.dtype == dtype and torch.equal(scaled, values * 2.0**16)
+    assert torch.equal(back, values)
 
 
 # Other code paths a steady eager step can take (parameters mode, step(closure)).

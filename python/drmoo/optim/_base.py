@@ -91,6 +91,7 @@ from ._hyperparameters import (
     recheck_hyperparameters,
     shared_device,
 )
+from ._loss_scale import LossScale, times
 from ._losses import check_losses
 from ._parameters import ParametersJacobian
 from ._presets import Presets
@@ -245,7 +246,7 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
         # .grad, times grad_scale (a GradScaler's scale), instead of writing theta, and sums the
         # heads' gradients over ranks under torch.distributed (drmoo.optim._head_grads).
         self.direction_mode = False
-        self.grad_scale: float = 1.0
+        self.grad_scale: LossScale = 1.0
         # How many more backward passes will run over the graph of the losses being used: a
         # Balancer given one batch hands the same losses to every draw of a multi-batch method
         # (MoDo, SDMGrad, Double-Loop), whose Jacobians must then keep the graph for the next one.
@@ -281,7 +282,7 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
         # cotangents times loss_scale, so small fp16 gradients do not underflow; the shared-parameter
         # gradients are divided back before use.  The heads' .grad stay scaled: divide them before
         # stepping the heads (the trainer does).  An overflow surfaces as NonFiniteStepError.
-        self.loss_scale: float = 1.0
+        self.loss_scale: LossScale = 1.0
         self._jacobian_strategy = "auto"
         self.stats: dict[str, Tensor] = {}
         self.state[STATE_KEY] = initial_state(num_tasks, method=type(self).__name__, device=self.device,
@@ -558,8 +559,7 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
             # The first draw's buffer itself (already unscaled and summed over ranks): the methods
             # that memoize (MoDo, SDMGrad) only read their Jacobians, so no copy of [m, n] is made.
             # The heads still get this draw's gradient, from a pass above them only.
-            scale = self.loss_scale
-            scaled = cotangent * scale if scale != 1.0 else cotangent
+            scaled = times(cotangent, self.loss_scale)
             feed_head_grads(losses, heads, scaled, retain_graph=self.take_graph_reuse())
             self.check_head_grads(accumulated_rows(self, heads, feed_heads))
             return memo[2]

@@ -15,6 +15,7 @@ from torch import Tensor
 from drmoo.jacobian import column_views
 
 from ._engine import EngineHost
+from ._loss_scale import is_unit, with_scale
 
 
 def write_direction(host: EngineHost, jacobian: Tensor, w: Tensor, factor: Tensor | float,
@@ -51,8 +52,8 @@ def add_direction_to_grad(host: EngineHost, jacobian: Tensor, w: Tensor, factor:
     acc = torch.float64 if jacobian.dtype == torch.float64 else torch.float32
     with torch.no_grad():
         direction = w.to(acc) @ jacobian.to(acc)  # [n], a fresh tensor: the .grad views keep it
-        scale = factor * host.grad_scale if host.grad_scale != 1.0 else factor
-        if not (isinstance(scale, float) and scale == 1.0):
+        scale = with_scale(factor, host.grad_scale)
+        if not is_unit(scale):
             direction.mul_(scale)
         found_inf = host.found_inf
         if found_inf is not None:

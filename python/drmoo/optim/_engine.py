@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from ._guards import FiniteValues
+from ._loss_scale import LossScale
 
 
 class EarlierMicroBatches(Protocol):
@@ -38,8 +39,8 @@ class EngineHost(Protocol):
 
     num_tasks: int
     # fp16: every backward runs on cotangents times loss_scale; direction mode's .grad carries grad_scale
-    loss_scale: float
-    grad_scale: float
+    loss_scale: LossScale
+    grad_scale: LossScale
     direction_mode: bool  # drmoo.Balancer: the step adds its direction to .grad instead of writing theta
     _ops: ModuleType  # the backend's ops (gram, combine, ...)
 

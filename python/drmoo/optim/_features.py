@@ -68,6 +68,7 @@ from ._direction import write_direction
 from ._engine import EarlierMicroBatches, EngineHost
 from ._fsdp import is_sharded, lift_into_shards
 from ._guards import finite_together
+from ._loss_scale import divide_, is_unit, times, with_scale
 from ._overlap import views_overlap
 
 FeaturesInput = Tensor | tuple[Tensor, ...] | list[Tensor]  # z: one tensor, or the pieces the heads read
@@ -259,7 +260,7 @@ class FeaturesJacobian:
         shared = host._shared_params()
         self._earlier = host.accumulation  # their Gram is added to these rows' (gram)
         scale = host.loss_scale
-        scaled = cotangent * scale if scale != 1.0 else cotangent
+        scaled = times(cotangent, scale)
         out = self._buffer(slot, host.num_tasks, shared[0].dtype, shared[0].device)
         strategy = host.jacobian_strategy
         linear = linear_head(losses, self.features) if strategy == "auto" else None
@@ -284,9 +285,7 @@ class FeaturesJacobian:
                 strategy = without_vmap_over_compiled(strategy, resolved, losses, self.features)
                 jacobian = task_jacobian(losses, scaled, self.features, out, strategy=strategy,
                                          feed_heads=bool(heads), retain_graph=True, heads=heads)
-        if scale != 1.0:
-            jacobian.div_(scale)
-        return jacobian
+        return divide_(jacobian, scale)
 
     def combined_gradient(self, host: EngineHost, losses: Tensor, weighted: Tensor, slot: str, *,
                           retain_graph: bool) -> Tensor:
@@ -348,8 +347,7 @@ class FeaturesJacobian:
             direction = torch.mv(rows.to(acc).T, coefficients.to(acc))  # [sum numel z], z's coordinates
             if not (isinstance(factor, float) and factor == 1.0):
                 direction = direction * factor
-            if scale != 1.0:
-                direction = direction * scale
+            direction = times(direction, scale)
             found_inf = host.found_inf
             if found_inf is not None:  # a skipped capturable step: a zero cotangent, no NaN into the trunk
                 direction = direction.masked_fill(found_inf, 0.0)
@@ -366,7 +364,7 @@ class FeaturesJacobian:
         with torch.no_grad():
             grads = [torch.zeros_like(param) if grad is None else grad for param, grad in zip(shared, grads)]
             if host.accumulation is not None:  # the earlier micro-batches' part, from their lifted rows
-                host.accumulation.add_lifted(grads, rows, coefficients, factor * scale if scale != 1.0 else factor)
+                host.accumulation.add_lifted(grads, rows, coefficients, with_scale(factor, scale))
             if distributed.is_distributed():  # shard directions -> the global batch's (one flat all-reduce)
                 joined = torch.cat([grad.reshape(-1) for grad in grads])
                 distributed.all_reduce_sum_(joined)
@@ -376,9 +374,10 @@ class FeaturesJacobian:
                 f"non-finite gradient of the shared parameters from the backward pass through the trunk in "
                 f"{host.failing_iteration}; the step was abandoned and nothing was updated"))
             if host.direction_mode:
-                gain = host.grad_scale / scale
-                if gain != 1.0:
-                    torch._foreach_mul_(grads, gain)
+                if host.grad_scale is not scale:  # the Balancer's: one scale, the trunk's .grad kept scaled
+                    gain = host.grad_scale / scale
+                    if not is_unit(gain):
+                        torch._foreach_mul_(grads, gain)
                 if found_inf is not None:
                     for grad in grads:
                         grad.masked_fill_(found_inf, 0.0)
@@ -391,6 +390,4 @@ class FeaturesJacobian:
             if flat is None or flat.numel() != n or flat.dtype != shared[0].dtype or flat.device != shared[0].device:
                 flat = self._buffers["theta"] = torch.empty(n, dtype=shared[0].dtype, device=shared[0].device)
             copy_into_row(shared, flat, grads)
-            if scale != 1.0:
-                flat.div_(scale)
-            return flat
+            return divide_(flat, scale)

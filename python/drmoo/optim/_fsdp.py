@@ -37,6 +37,8 @@ from torch import Tensor
 
 from drmoo import distributed
 
+from ._loss_scale import is_unit
+
 if TYPE_CHECKING:
     from ._engine import EngineHost
 
@@ -120,7 +122,7 @@ def refuse_unsupported(host: EngineHost) -> None:
     if not host.direction_mode:
         raise ValueError("a drmoo optimizer's step(closure) writes theta itself and cannot run on FSDP-sharded "
                          "parameters: use drmoo.Balancer and a torch optimizer, or " + ALTERNATIVE)
-    if host.loss_scale != 1.0 or host.grad_scale != 1.0 or host.found_inf is not None:
+    if not is_unit(host.loss_scale) or not is_unit(host.grad_scale) or host.found_inf is not None:
         raise ValueError("a GradScaler or capturable steps with FSDP-sharded shared parameters are not supported: "
                          "use FSDP's MixedPrecisionPolicy (bf16 needs no scaler), or " + ALTERNATIVE)
 

@@ -36,6 +36,7 @@ from ._accumulate import accumulated_rows
 from ._base import MultiObjectiveOptimizer
 from ._guards import FiniteValues, finite_entries, flags_of
 from ._hyperparameters import check_count, check_fraction, check_positive
+from ._loss_scale import divide_, times
 from ._state_dict import STATE_KEY
 from .types import Closure
 
@@ -168,7 +169,7 @@ class JointBaseline(MultiObjectiveOptimizer):
         features = self.features_engine
         heads = head_leaves(batch.losses, shared) if features is None else features.heads(batch.losses, shared)
         scale = self.loss_scale  # fp16 gradient scaling (see MultiObjectiveOptimizer.loss_scale)
-        weighted = (batch.cotangent * task_weights.to(batch.cotangent.dtype) * scale).to(batch.losses.dtype)
+        weighted = times(batch.cotangent * task_weights.to(batch.cotangent.dtype), scale).to(batch.losses.dtype)
         reuse = self.take_graph_reuse()
         if features is None and not self.FORMS_JACOBIAN:  # the heads-as-shared check has no Jacobian to read
             self._refuse_partly_shared_params_by_backward(batch.losses, batch.cotangent)
@@ -189,10 +190,9 @@ class JointBaseline(MultiObjectiveOptimizer):
             # a backward runs the heads' AccumulateGrad hooks, which DistributedDataParallel's reducer counts on,
             # and a DDP model outside no_sync() then failed its next forward ("Expected to have finished
             # reduction in the prior iteration").
-            feed_head_grads(batch.losses, heads, batch.cotangent * scale, retain_graph=reuse)
+            feed_head_grads(batch.losses, heads, times(batch.cotangent, scale), retain_graph=reuse)
             self.check_head_grads(accumulated_rows(self, heads, True))
-        if scale != 1.0:
-            flat.div_(scale)
+        divide_(flat, scale)
         if features is not None:
             if self.accumulation is not None:  # its norm and lift add the earlier micro-batches' c^T J_z
                 self.accumulation.combined = (flat, task_weights)

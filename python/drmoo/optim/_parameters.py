@@ -23,6 +23,7 @@ from ._direction import write_direction
 from ._engine import EngineHost
 from ._fsdp import add_sharded_direction, is_sharded, sharded_task_jacobian, unsharded_copies
 from ._guards import finite_each
+from ._loss_scale import divide_, times
 
 
 class ParametersJacobian:
@@ -68,12 +69,11 @@ class ParametersJacobian:
                 feed_head_grads(losses, heads, cotangent, retain_graph=True)
             return sharded_task_jacobian(host, losses, cotangent, shared)
         scale = host.loss_scale
-        scaled = cotangent * scale if scale != 1.0 else cotangent
+        scaled = times(cotangent, scale)
         jacobian = task_jacobian(losses, scaled, shared, self._buffer(slot, shared, host.num_tasks),
                                  strategy=host.jacobian_strategy, feed_heads=feed_heads,
                                  retain_graph=host.take_graph_reuse())
-        if scale != 1.0:
-            jacobian.div_(scale)
+        divide_(jacobian, scale)
         return distributed.all_reduce_sum_(jacobian)  # shard Jacobians -> the global batch's
 
     def gram(self, ops: Any, rows: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ from drmoo_kernels.reference import project_simplex
 
 from ._base import MultiObjectiveOptimizer, configure_jacobian
 from ._hyperparameters import check_flag, check_positive
+from ._loss_scale import divide_, times
 from ._state_dict import STATE_KEY
 from .types import Closure, ParamsT
 
@@ -303,10 +304,6 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
         assert features is not None
         features.heads(losses, self._shared_params())  # the same refusal as the Jacobians' (no head fed)
         scale = self.loss_scale
-        weighted = cotangent * self.w.to(cotangent.dtype)[None, :]
-        if scale != 1.0:
-            weighted = weighted * scale
+        weighted = times(cotangent * self.w.to(cotangent.dtype)[None, :], scale)
         flat = features.combined_gradient(self, losses, weighted.to(losses.dtype), "Y_tilde^T w", retain_graph=True)
-        if scale != 1.0:
-            flat.div_(scale)
-        return flat
+        return divide_(flat, scale)
