@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drmoo.cli import main
+from drmoo.cli import EXIT_DIVERGED, EXIT_USAGE, main
 from drmoo.experiments.problems import make_linear_problem
 
 
@@ -87,6 +87,7 @@ def test_cli_overrides_and_several_seeds(tmp_path: Path) -> None:
         (["--methods", "nope"], "unknown method"),
         (["--problem", "cubic"], "invalid choice: 'cubic'"),
         (["--hp", "lam=-1"], "lam must be finite and > 0"),
+        # a run that reaches a non-finite step diverged: its own exit status, not a refused setting's
         (["--hp", "divergence=kl", "--hp", "lam=0.1"], "kl weights exp((loss - eta)/lam) overflow"),
     ],
 )
@@ -95,5 +96,5 @@ def test_cli_errors_are_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFix
         code = main(["synthetic", "--steps", "2", "--out", str(tmp_path / "x"), "--quiet", *args])
     except SystemExit as exit_:  # argparse refuses an invalid choice itself, with the same one line and status
         code = exit_.code
-    assert code == 2
+    assert code == (EXIT_DIVERGED if "overflow" in message else EXIT_USAGE)
     assert message in capsys.readouterr().err
