@@ -6,12 +6,13 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 
@@ -155,3 +156,13 @@ def _run_ranks(worker: RankWorker, world: int, init_file: str, *args: Any) -> No
 def run_ranks() -> Callable[..., None]:
     """:func:`_run_ranks`: ``run_ranks(worker, world, init_file, *args)`` runs a DDP test's ranks."""
     return _run_ranks
+
+
+@pytest.fixture
+def group_of_one(tmp_path: Path) -> Iterator[None]:
+    """A gloo process group of one rank in this process (torch.distributed code paths without spawning)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -4,7 +4,7 @@ with a message that blames the user's losses (a gloo group of one: fully_shard n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +17,6 @@ from torch.distributed.fsdp import fully_shard
 import drmoo
 from drmoo import distributed
 from drmoo.optim import create
-
-
-@pytest.fixture
-def group_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def two_task_net() -> nn.Module:
