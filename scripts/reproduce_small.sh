@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path]
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path|attributes-dr-path]
 #   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
@@ -93,6 +93,13 @@
 #        dr-table.csv), then scripts/dr_path.py (contrasts.csv: each lam against the same method's lam 100 and
 #        against that with its temperature) and Holm's correction over those contrasts; results in
 #        results/multimnist2-small/dr-path/.
+# attributes-dr-path: the same lam path on the attributes, with the importance weights (mnist-attributes) and
+#        without (mnist-attributes-unweighted): Double-Clip at lam 0.1, 0.3, 0.8, 3 and 100 at its validated rate
+#        1.0 (the preset's), MGDA at lam 0.8 and 100 at its validated 0.3, 5 paired seeds, run seed by seed so
+#        that an interrupted call leaves whole seeds; every run scored with the robustness metrics (tail, worst
+#        case under the empirical and the label-balancing nominal, calibration, the worse label, label shift,
+#        pixel noise, the fitted temperature), then scripts/dr_path.py and Holm's correction per set-up;
+#        results in results/mnist-attributes-small/dr-path/{weighted,unweighted}/.
 # Finished runs are reused, so an interrupted call continues where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -302,6 +309,24 @@ attributes|attributes-key)
         attributes mnist-attributes-unweighted "$seeds" "$unweighted" results/mnist-attributes-small/unweighted
     fi
     "$python" scripts/attribute_contrasts.py results/mnist-attributes-small ;;
+attributes-dr-path)
+    rows="double-clip[lam=0.1],double-clip[lam=0.3],double-clip,double-clip[lam=3],double-clip[lam=100]"
+    rows="$rows,mgda[lr=0.3],mgda[lam=100,lr=0.3]"
+    done_seeds=""
+    for seed in ${SEEDS:-0 1 2 3 4}; do
+        done_seeds="$done_seeds${done_seeds:+,}$seed"
+        for setup in weighted unweighted; do
+            experiment=mnist-attributes
+            [ "$setup" = weighted ] || experiment=mnist-attributes-unweighted
+            "$drmoo" compare --experiment "$experiment" --preset small --seeds "$done_seeds" --jobs "$jobs" \
+                --methods "$rows" --reference "double-clip[lam=100]" --device cpu --quiet \
+                --out "results/mnist-attributes-small/dr-path/$setup" > /dev/null
+        done
+    done
+    for setup in weighted unweighted; do
+        "$python" scripts/dr_path.py "results/mnist-attributes-small/dr-path/$setup"
+        "$python" scripts/multiple_comparisons.py "results/mnist-attributes-small/dr-path/$setup"
+    done ;;
 dr-path)
     out=results/multimnist2-small/dr-path
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
@@ -344,7 +369,7 @@ moco-sweep)
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path]" >&2
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path|attributes-dr-path]" >&2
     exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s, $jobs jobs on $(nproc --all) cores"
