@@ -1,6 +1,7 @@
 """The λ path: what DR changes, metric by metric, against plain training (λ 100) with and without a temperature.
 
     python scripts/dr_path.py results/multimnist2-small/dr-path
+    python scripts/dr_path.py results/mnist-attributes-small/dr-path/weighted
 
 Reads every test-split run directory of FOLDER (its ``config.json`` and the ``eval.json`` that ``drmoo
 eval`` or ``drmoo compare`` wrote, with its robustness block) and writes ``contrasts.csv``, with no
@@ -40,11 +41,39 @@ AGAINST_ERM = (
     *(f"{c}:{m}" for c in ("eps=0.05", "eps=0.2", "label=4", "noise=0.3") for m in ("accuracy", "cvar_0.05")),
 )
 AGAINST_ERM_T = tuple(f"clean:{m}" for m in LOSS_COLUMNS)
+# The attributes' hypotheses, chosen before any of their λ-path runs was scored: the same nominal columns,
+# balanced accuracy (what Table 2 ranks by) and the χ² 0.8 worst case around the label-balancing nominal (the
+# distribution the importance weights train for); the strongest label shift (each attribute's positive rate
+# mirrored about 1/2, s = 2: accuracy and the tail; balanced accuracy does not move under a label reweighting)
+# and the strongest pixel noise (accuracy, balanced accuracy, the tail).
+ATTRIBUTES_AGAINST_ERM = (
+    *(f"clean:{m}" for m in ("accuracy", "balanced_accuracy", "worst_class_accuracy", *LOSS_COLUMNS,
+                             "weighted_robust_chi2_0.8")),
+    *(f"label=2:{m}" for m in ("accuracy", "cvar_0.05")),
+    *(f"noise=0.3:{m}" for m in ("accuracy", "balanced_accuracy", "cvar_0.05")),
+)
+ATTRIBUTES_AGAINST_ERM_T = (*AGAINST_ERM_T, "clean:weighted_robust_chi2_0.8")
+
+
+def hypotheses(experiment: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The columns contrasted against λ 100 and against λ 100 with its temperature, for EXPERIMENT."""
+    if experiment.startswith("mnist-attributes") or experiment.startswith("celeba"):
+        return ATTRIBUTES_AGAINST_ERM, ATTRIBUTES_AGAINST_ERM_T
+    return AGAINST_ERM, AGAINST_ERM_T
 FIELDS = ("reference", "other", "column", "mean", "ci_low", "ci_high", "wins", "ties", "seeds")
 
 
 def row_name(config: dict[str, Any]) -> str:
     return str(config.get("label") or config["method"])
+
+
+def experiment_of(folder: Path) -> str:
+    """The one experiment of FOLDER's runs (the hypotheses depend on it)."""
+    experiments = {json.loads((run / "config.json").read_text()).get("experiment", "multimnist2")
+                   for run in folder.iterdir() if (run / "config.json").is_file()}
+    if len(experiments) != 1:
+        raise SystemExit(f"{folder}: the runs must share one experiment, found {sorted(experiments) or 'none'}")
+    return experiments.pop()
 
 
 def read_runs(folder: Path) -> dict[str, dict[str, dict[int, float]]]:
@@ -91,16 +120,18 @@ def erm_twin(row: str, rows: Iterable[str]) -> str | None:
     return None
 
 
-def contrasts(per_seed: dict[str, dict[str, dict[int, float]]]) -> list[dict[str, Any]]:
+def contrasts(per_seed: dict[str, dict[str, dict[int, float]]],
+              experiment: str = "multimnist2") -> list[dict[str, Any]]:
     """Each DR row minus its ERM twin (:data:`AGAINST_ERM`) and minus the twin with its temperature
-    (:data:`AGAINST_ERM_T`), rows by increasing λ."""
+    (:data:`AGAINST_ERM_T`; the attributes': :data:`ATTRIBUTES_AGAINST_ERM`), rows by increasing λ."""
+    against_erm, against_erm_t = hypotheses(experiment)
     rows = []
     dr_rows = sorted((r for r in per_seed if not r.endswith("+T") and erm_twin(r, per_seed)),
                      key=lambda r: (parse_variants(r)[0].method, lam_of(r) or 0.8))
     for row in dr_rows:
         twin = erm_twin(row, per_seed)
         assert twin is not None
-        for other, columns in ((twin, AGAINST_ERM), (f"{twin}+T", AGAINST_ERM_T)):
+        for other, columns in ((twin, against_erm), (f"{twin}+T", against_erm_t)):
             subset = {name: per_seed[name] for name in (row, other)}
             rows += paired_differences(subset, row, list(columns))
     return rows
@@ -119,7 +150,7 @@ def main(argv: list[str]) -> int:
         return 2
     folder = Path(argv[1])
     per_seed = read_runs(folder)
-    found = contrasts(per_seed)
+    found = contrasts(per_seed, experiment_of(folder))
     if not found:
         raise SystemExit(f"{folder}: no DR row has a λ {ERM_LAM:g} twin to be contrasted with")
     _write(folder / "contrasts.csv", FIELDS, found)

@@ -53,12 +53,21 @@ SUMMARY = ("family", "intervals", "exclude_0", "survive_holm", "distinct", "dist
            "distinct_survive_holm")
 
 
+def family_of(folder: Path) -> str:
+    """FOLDER's family name: its own name, or ``dr-path`` for a set-up's folder inside a λ path
+    (``mnist-attributes-small/dr-path/weighted``: one family per set-up)."""
+    if folder.name in FAMILIES:
+        return folder.name
+    if folder.parent.name == "dr-path":
+        return "dr-path"
+    raise SystemExit(f"{folder}: no family is defined for this folder (known: {', '.join(FAMILIES)})")
+
+
 def family_rows(folder: Path) -> list[dict[str, Any]]:
     """The family's intervals, each with its p-value, Holm-adjusted p and verdicts."""
-    if folder.name not in FAMILIES:
-        raise SystemExit(f"{folder}: no family is defined for this folder (known: {', '.join(FAMILIES)})")
+    family = family_of(folder)
     rows: list[dict[str, Any]] = []
-    for source in FAMILIES[folder.name]:
+    for source in FAMILIES[family]:
         path = folder / source
         if not path.is_file():
             raise SystemExit(f"{path}: missing (run the folder's reproduce_small.sh target first)")
@@ -73,7 +82,7 @@ def family_rows(folder: Path) -> list[dict[str, Any]]:
         row["survives_holm"] = not math.isnan(p_holm) and p_holm <= ALPHA
     first: dict[tuple[str, str, str], int] = {}
     for index, row in enumerate(rows):
-        row["hypothesis"] = first.setdefault(hypothesis(folder.name, row), index)
+        row["hypothesis"] = first.setdefault(hypothesis(family, row), index)
     return rows
 
 
@@ -107,7 +116,8 @@ def main(argv: list[str]) -> int:
             writer.writerows({field: row[field] for field in FIELDS} for row in rows)
         counts = summary(rows)
         with (folder / "multiple-comparisons-summary.csv").open("w", newline="") as handle:
-            csv.writer(handle, lineterminator="\n").writerows([SUMMARY, ("+".join(FAMILIES[folder.name]), *counts)])
+            sources = "+".join(FAMILIES[family_of(folder)])
+            csv.writer(handle, lineterminator="\n").writerows([SUMMARY, (sources, *counts)])
         print(f"{folder}: {counts[0]} intervals in the family ({counts[3]} distinct hypotheses), {counts[1]} "
               f"({counts[4]}) exclude 0 one at a time, {counts[2]} ({counts[5]}) survive Holm at family-wise "
               f"{ALPHA:.0%} -> {folder / 'multiple-comparisons.csv'}")

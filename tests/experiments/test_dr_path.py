@@ -106,3 +106,49 @@ def test_a_run_without_the_robustness_block_is_refused(tmp_path: Path, load_scri
     (run / "eval.json").write_text(json.dumps({"run": str(run), "results": []}))
     with pytest.raises(SystemExit, match="no robustness block"):
         module.read_runs(tmp_path)
+
+
+def _attributes_run(folder: Path, label: str, seed: int, base: float) -> None:
+    run = folder / f"{label}-seed{seed}"
+    run.mkdir(parents=True)
+    method = label.split("[")[0]
+    (run / "config.json").write_text(json.dumps({"label": label if "[" in label else "", "method": method,
+                                                 "seed": seed, "eval_split": "test",
+                                                 "experiment": "mnist-attributes"}))
+    means = {**_means(base), "weighted_robust_chi2_0.8": base + 1}
+    report = {
+        "run": str(run), "label": label, "method": method, "seed": seed, "results": [],
+        "robustness": {
+            "clean": {"mean": means},
+            "temperature_scaled": {"mean": {k: v - 0.1 for k, v in means.items()}},
+            "label_shift": {"points": [{"positive_rate_strength": s, "mean": _means(base - s)} for s in (1.0, 2.0)]},
+            "noise": {"points": [{"sigma": 0.3, "mean": _means(base - 0.3)}]},
+        },
+    }
+    (run / "eval.json").write_text(json.dumps(report))
+
+
+def test_the_attributes_have_their_own_hypotheses(tmp_path: Path, load_script: Any) -> None:
+    """No FGSM column on the attributes; the balanced accuracy, the label-balancing worst case, the mirrored
+    positive rate (s = 2) and the noise are contrasted, against λ 100 and (the losses) its temperature."""
+    module = load_script("dr_path")
+    for seed in range(3):
+        _attributes_run(tmp_path, "double-clip[lam=0.1]", seed, 0.5 + seed / 10)
+        _attributes_run(tmp_path, "double-clip[lam=100]", seed, 0.4)
+    assert module.main(["x", str(tmp_path)]) == 0
+    rows = _rows(tmp_path / "contrasts.csv")
+    against_erm = [r["column"] for r in rows if r["other"] == "double-clip[lam=100]"]
+    assert against_erm == list(module.ATTRIBUTES_AGAINST_ERM)
+    assert not any(column.startswith("eps=") for column in against_erm)
+    assert {"clean:balanced_accuracy", "clean:weighted_robust_chi2_0.8", "label=2:cvar_0.05"} <= set(against_erm)
+    (worst_case,) = [r for r in rows if (r["other"], r["column"])
+                     == ("double-clip[lam=100]+T", "clean:weighted_robust_chi2_0.8")]
+    assert float(worst_case["mean"]) == pytest.approx(0.3)  # 1.6 (seeds meaned) - (1.4 - 0.1: the temperature)
+
+
+def test_runs_of_two_experiments_in_one_folder_are_refused(tmp_path: Path, load_script: Any) -> None:
+    module = load_script("dr_path")
+    _attributes_run(tmp_path, "double-clip[lam=100]", 0, 0.4)
+    _run(tmp_path, "double-clip", 0, 0.5, temperature_shift=0.0)
+    with pytest.raises(SystemExit, match="share one experiment"):
+        module.experiment_of(tmp_path)

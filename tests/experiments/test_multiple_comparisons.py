@@ -62,6 +62,10 @@ def test_script_writes_the_family_and_refuses_unknown_folders(tmp_path: Path, lo
         ("True", "True"), ("True", "False"), ("False", "False")]
     with pytest.raises(SystemExit, match="no family"):
         module.family_rows(tmp_path)
+    # a set-up's folder inside a λ path is that path's family; the same name elsewhere is not
+    assert module.family_of(tmp_path / "mnist-attributes-small" / "dr-path" / "weighted") == "dr-path"
+    with pytest.raises(SystemExit, match="no family"):
+        module.family_of(tmp_path / "mnist-attributes-small" / "weighted")
 
 
 def test_a_hypothesis_listed_twice_counts_once(tmp_path: Path, load_script: Any) -> None:
