@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path|attributes-dr-path]
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path|attributes-dr-path|attributes-dr-path-rates]
 #   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
@@ -100,6 +100,10 @@
 #        case under the empirical and the label-balancing nominal, calibration, the worse label, label shift,
 #        pixel noise, the fitted temperature), then scripts/dr_path.py and Holm's correction per set-up;
 #        results in results/mnist-attributes-small/dr-path/{weighted,unweighted}/.
+# attributes-dr-path-rates: the check of attributes-dr-path's rates on the validation split (seed 0): each lam's
+#        Double-Clip row at 0.3, 1 and 3 (around the lam 0.8 winner, 1.0) and MGDA's lam 100 row at 0.1, 0.3 and 1
+#        (around its winner, 0.3), the grid grown by the project's rule while the best rate sits at an end
+#        (scripts/sweep_rule.py extension); results in results/mnist-attributes-small/dr-path/{weighted,unweighted}/lr-check/.
 # Finished runs are reused, so an interrupted call continues where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -309,6 +313,18 @@ attributes|attributes-key)
         attributes mnist-attributes-unweighted "$seeds" "$unweighted" results/mnist-attributes-small/unweighted
     fi
     "$python" scripts/attribute_contrasts.py results/mnist-attributes-small ;;
+attributes-dr-path-rates)
+    spec=""
+    for lam in 0.1 0.3 3 100; do
+        for lr in 0.3 1.0 3.0; do spec="$spec${spec:+,}double-clip[lam=$lam,lr=$lr]"; done
+    done
+    spec="$spec,mgda[lam=100,lr=0.1],mgda[lam=100,lr=0.3],mgda[lam=100,lr=1.0]"
+    grown_sweep mnist-attributes results/mnist-attributes-small/dr-path/weighted/lr-check "$spec"
+    grown_sweep mnist-attributes-unweighted results/mnist-attributes-small/dr-path/unweighted/lr-check "$spec"
+    for setup in weighted unweighted; do
+        echo "$setup: stage-1 best rates: $("$python" scripts/sweep_rule.py finalists \
+            "results/mnist-attributes-small/dr-path/$setup/lr-check")"
+    done ;;
 attributes-dr-path)
     rows="double-clip[lam=0.1],double-clip[lam=0.3],double-clip,double-clip[lam=3],double-clip[lam=100]"
     rows="$rows,mgda[lr=0.3],mgda[lam=100,lr=0.3]"
@@ -369,7 +385,7 @@ moco-sweep)
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path|attributes-dr-path]" >&2
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path|attributes-dr-path|attributes-dr-path-rates]" >&2
     exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s, $jobs jobs on $(nproc --all) cores"
