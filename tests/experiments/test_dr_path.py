@@ -122,7 +122,10 @@ def _attributes_run(folder: Path, label: str, seed: int, base: float) -> None:
             "clean": {"mean": means},
             "temperature_scaled": {"mean": {k: v - 0.1 for k, v in means.items()}},
             "label_shift": {"points": [{"positive_rate_strength": s, "mean": _means(base - s)} for s in (1.0, 2.0)]},
-            "noise": {"points": [{"sigma": 0.3, "mean": _means(base - 0.3)}]},
+            "temperature_label_shift": {"points": [{"positive_rate_strength": s, "mean": _means(base - s - 0.1)}
+                                                   for s in (1.0, 2.0)]},
+            "noise": {"points": [{"sigma": 0.3, "mean": _means(base - 0.3),
+                                  "temperature_scaled": {"mean": _means(base - 0.5)}}]},
         },
     }
     (run / "eval.json").write_text(json.dumps(report))
@@ -152,3 +155,25 @@ def test_runs_of_two_experiments_in_one_folder_are_refused(tmp_path: Path, load_
     _run(tmp_path, "double-clip", 0, 0.5, temperature_shift=0.0)
     with pytest.raises(SystemExit, match="share one experiment"):
         module.experiment_of(tmp_path)
+
+
+def test_under_shift_each_lambda_meets_lambda_100_with_its_clean_temperature(tmp_path: Path,
+                                                                             load_script: Any) -> None:
+    """The second family: the shifted tail and ECE against the twin's T@ numbers, Holm-corrected on its own."""
+    module = load_script("dr_path")
+    for seed in range(3):
+        _attributes_run(tmp_path, "double-clip[lam=0.1]", seed, 0.5 + seed / 10)
+        _attributes_run(tmp_path, "double-clip[lam=100]", seed, 0.4)
+    assert module.main(["x", str(tmp_path)]) == 0
+    rows = _rows(tmp_path / "contrasts-temperature-shift.csv")
+    assert [r["column"] for r in rows] == list(module.ATTRIBUTES_AGAINST_ERM_T_SHIFT)
+    assert {r["other"] for r in rows} == {"double-clip[lam=100]+T"}
+    (noise,) = [r for r in rows if r["column"] == "noise=0.3:cvar_0.05"]
+    # DR 0.6 - 0.3 meaned over seeds, against the twin's temperature-scaled 0.4 - 0.5 (+ cvar_0.05's offset)
+    assert float(noise["mean"]) == pytest.approx(0.3 - (-0.1))
+    (label,) = [r for r in rows if r["column"] == "label=2:cvar_0.05"]
+    assert float(label["mean"]) == pytest.approx((0.6 - 2) - (0.4 - 2 - 0.1))
+    assert all(0 <= float(r["p"]) <= float(r["p_holm"]) <= 1 for r in rows)
+    # the first family is unchanged by it
+    assert [r["column"] for r in _rows(tmp_path / "contrasts.csv") if r["other"].endswith("+T")] == list(
+        module.ATTRIBUTES_AGAINST_ERM_T)

@@ -72,6 +72,22 @@ def test_eval_recomputes_an_older_eval_json_with_the_robustness_block(multimnist
     assert [p["sigma"] for p in block["noise"]["points"]] == [0.2, 0.4]
     for point in (*block["label_shift"]["points"], *block["noise"]["points"]):
         _check_block(point, 2)
+    # every shift also with the clean split's cross-fitted temperatures: the same top labels as unscaled, and
+    # at eps 0 exactly the clean temperature-scaled numbers (the same logits, the same temperatures)
+    scaled_shift = [*(r["metrics_temperature_scaled"] for r in report["results"]),
+                    *block["temperature_label_shift"]["points"],
+                    *(p["temperature_scaled"] for p in block["noise"]["points"])]
+    plain_shift = [*(r["metrics"] for r in report["results"]), *block["label_shift"]["points"],
+                   *block["noise"]["points"]]
+    for with_t, plain in zip(scaled_shift, plain_shift, strict=True):
+        _check_block(with_t, 2)
+        for key in ("accuracy", "balanced_accuracy", "worst_class_accuracy"):
+            assert with_t["per_task"][key] == plain["per_task"][key]
+        assert with_t["per_task"]["mean_loss"] != plain["per_task"]["mean_loss"]  # a temperature was applied
+    assert report["results"][0]["metrics_temperature_scaled"]["per_task"] == {
+        key: values for key, values in scaled["per_task"].items() if key in robust_eval.METRICS}
+    assert "k = 4 with T" in printed and "sigma 0.4 with T" in printed
+    assert "eps 0.05 with T" in printed
 
 
 def test_noise_is_the_same_draw_whatever_the_batch(multimnist_run: Path) -> None:
@@ -106,11 +122,14 @@ def test_attribute_runs_report_the_weighted_nominal_and_the_prevalence_shift(
 
 def _report(label: str, seed: int, cvar: float, accuracy: float) -> dict:
     block = {"per_task": {}, "mean": {"cvar_0.05": cvar, "accuracy": accuracy, "misclassified_loss": None}}
+    scaled = {"per_task": {}, "mean": {"cvar_0.05": cvar / 2, "accuracy": accuracy, "misclassified_loss": None}}
     return {"label": label, "method": label, "seed": seed,
-            "results": [{"eps": 0.0, "metrics": block}, {"eps": 0.05, "metrics": block}],
+            "results": [{"eps": 0.0, "metrics": block}, {"eps": 0.05, "metrics": block,
+                                                         "metrics_temperature_scaled": scaled}],
             "robustness": {"clean": block, "temperature_scaled": block,
                            "label_shift": {"points": [{"digit_factor": 4.0, **block}]},
-                           "noise": {"points": [{"sigma": 0.2, **block}]}}}
+                           "temperature_label_shift": {"points": [{"digit_factor": 4.0, **scaled}]},
+                           "noise": {"points": [{"sigma": 0.2, **block, "temperature_scaled": scaled}]}}}
 
 
 def test_compare_tables_carry_every_robustness_column_with_paired_differences(tmp_path: Path) -> None:
@@ -132,6 +151,12 @@ def test_compare_tables_carry_every_robustness_column_with_paired_differences(tm
     scaled = next(r for r in paired if r["other"] == "mgda+T" and r["column"] == "clean:cvar_0.05")
     assert float(scaled["mean"]) == pytest.approx(-0.75)
     assert any(r["other"] == "double-clip+T" for r in paired)
+    # under each shift, the reference's numbers against each row with the clean split's temperature (T@ columns,
+    # here half the unscaled cvar): mgda's cvar 1.5 and 3.0 halved, against double-clip's 1.0 and 2.0
+    assert {"T@eps=0.05:cvar_0.05", "T@label=4:cvar_0.05", "T@noise=0.2:cvar_0.05"} <= set(columns)
+    for where in ("eps=0.05", "label=4", "noise=0.2"):
+        shifted = next(r for r in paired if r["other"] == "mgda+T" and r["column"] == f"{where}:cvar_0.05")
+        assert float(shifted["mean"]) == pytest.approx(1.5 - 2.25 / 2)
     table = list(csv.DictReader((tmp_path / "dr-table.csv").open()))
     assert any(r["column"] == "noise=0.2:cvar_0.05" and r["method"] == "mgda" for r in table)
 

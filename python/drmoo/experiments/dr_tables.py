@@ -3,10 +3,11 @@
 Every task-averaged number of a run's eval.json robustness block (:mod:`drmoo.experiments.robust_eval`)
 becomes one column, named ``<where>:<metric>``: ``clean:cvar_0.05``, ``T:ece`` (with the fitted
 temperature), ``eps=0.03:mean_loss`` (under FGSM), ``label=2:accuracy`` (label shift at that strength or
-digit factor), ``noise=0.2:cvar_0.1`` (pixel noise of that sigma).  ``dr-table.csv`` holds every column's
+digit factor), ``noise=0.2:cvar_0.1`` (pixel noise of that sigma); a shift's column with the clean split's
+temperature carries ``T@`` (``T@noise=0.2:cvar_0.1``).  ``dr-table.csv`` holds every column's
 mean ± std over seeds per row, ``dr-paired.csv`` the reference row minus every other row per column
 (:func:`drmoo.experiments.paired_stats.paired_differences`), and also minus every row with its fitted
-temperature (rows ``<row>+T``: that row's ``T:`` numbers paired with the reference's ``clean:`` ones, what a
+temperature (rows ``<row>+T``: that row's ``T:`` and ``T@`` numbers paired with the reference's unscaled ones, what a
 recalibration of the other row gives without the reference's training); table.md shows the clean and
 temperature-scaled summary columns.
 """
@@ -23,7 +24,7 @@ from drmoo.store import remove_file, write_csv
 from .paired_stats import paired_differences, paired_markdown
 from .summaries import mean_std
 
-__all__ = ["SHOWN", "dr_columns", "dr_comparison"]
+__all__ = ["SHOWN", "dr_columns", "dr_comparison", "unscaled_column"]
 
 # the columns table.md shows (dr-table.csv and dr-paired.csv hold every column)
 SHOWN = ("clean:mean_loss", "clean:cvar_0.05", "clean:robust_run", "clean:robust_chi2_0.8", "clean:ece",
@@ -51,12 +52,17 @@ def dr_columns(report: dict[str, Any]) -> dict[str, float]:
     columns = {**_means("clean", block.get("clean")), **_means("T", block.get("temperature_scaled"))}
     for result in report.get("results", []):
         if isinstance(result, dict) and "metrics" in result:
-            columns.update(_means(f"eps={_number(result.get('eps')):g}", result["metrics"]))
-    for point in block.get("label_shift", {}).get("points", []):
-        strength = point.get("positive_rate_strength", point.get("digit_factor"))
-        columns.update(_means(f"label={_number(strength):g}", point))
+            where = f"eps={_number(result.get('eps')):g}"
+            columns.update(_means(where, result["metrics"]))
+            columns.update(_means(f"T@{where}", result.get("metrics_temperature_scaled")))
+    for shift, prefix in (("label_shift", ""), ("temperature_label_shift", "T@")):
+        for point in block.get(shift, {}).get("points", []):
+            strength = point.get("positive_rate_strength", point.get("digit_factor"))
+            columns.update(_means(f"{prefix}label={_number(strength):g}", point))
     for point in block.get("noise", {}).get("points", []):
-        columns.update(_means(f"noise={_number(point.get('sigma')):g}", point))
+        where = f"noise={_number(point.get('sigma')):g}"
+        columns.update(_means(where, point))
+        columns.update(_means(f"T@{where}", point.get("temperature_scaled")))
     return {name: 100 * value if name.split(":")[1] in _PERCENT else value for name, value in columns.items()}
 
 
@@ -68,9 +74,15 @@ def _with_temperature_rows(per_seed: dict[str, dict[str, dict[int, float]]]
                            ) -> dict[str, dict[str, dict[int, float]]]:
     """``per_seed`` and, per row, a row ``<row>+T``: its temperature-scaled numbers under the clean columns'
     names, so that the reference's clean numbers are paired with every row's recalibrated ones (and its own)."""
-    scaled = {f"{label}+T": {"clean:" + column[2:]: seeds for column, seeds in values.items()
-                             if column.startswith("T:")} for label, values in per_seed.items()}
+    scaled = {f"{label}+T": {unscaled_column(column): seeds for column, seeds in values.items()
+                             if column.startswith(("T:", "T@"))} for label, values in per_seed.items()}
     return {**per_seed, **{label: values for label, values in scaled.items() if values}}
+
+
+def unscaled_column(column: str) -> str:
+    """The column a temperature-scaled one pairs with: ``T:ece`` -> ``clean:ece``, ``T@noise=0.3:ece`` ->
+    ``noise=0.3:ece``."""
+    return "clean:" + column[2:] if column.startswith("T:") else column[2:]
 
 
 def dr_comparison(reports: Sequence[dict[str, Any]], reference: str, out: Path) -> str:

@@ -110,27 +110,34 @@ def evaluate_robustness(
     checkpoint evaluated (step, payload SHA-256), all read from the checkpoint the weights came from.
     When eval.json cannot be written, :class:`drmoo.store.ResultNotSaved` carries the report.
     """
-    from .robust_eval import collect_logits, json_safe, metrics_block, robustness_report, run_ball
+    from .robust_eval import collect_logits, fit_temperatures, json_safe, metrics_block, robustness_report, run_ball
 
     eps_values = check_eps(eps_values)
     config, model, data, target, provenance = load_trained_run(run_dir, build, device)
     batch, labels, ball = 2 * config.batch_size, data.test_labels, run_ball(config)
     step_scale = pixel_step(model, eps_space)
-    results, clean = [], None
+    results, attacked, clean = [], [], None
     for eps in tqdm(eps_values, desc="FGSM", disable=not progress):
         logits = collect_logits(model, data.test_images, labels, data.images, batch, target, eps=eps,
                                 step_scale=step_scale)
         task_acc = task_accuracies(logits, labels)
         results.append({"eps": eps, "mean_acc": sum(task_acc) / len(task_acc), "task_acc": task_acc,
                         "metrics": metrics_block(logits, labels, ball)})
+        attacked.append(logits)
         clean = logits if eps == 0 else clean
     if clean is None:
         clean = collect_logits(model, data.test_images, labels, data.images, batch, target)
+    # The clean split's cross-fitted temperatures, applied to each eps's logits as well: what a model
+    # recalibrated on clean data meets under the attack (the attack itself sees the unscaled model).
+    fitted = fit_temperatures(clean, labels) if labels.shape[0] >= 2 else None
+    if fitted is not None:
+        for result, logits in zip(results, attacked, strict=True):
+            result["metrics_temperature_scaled"] = metrics_block(fitted.apply(logits), labels, ball)
     report = {"run": str(run_dir), "method": config.method, "label": config.name, "seed": config.seed,
               "experiment": config.experiment, "model": config.model, "eval_split": config.eval_split,
               "attack": "fgsm", "eps_space": eps_space, "test_samples": int(labels.shape[0]),
               **provenance, "results": results,
               "robustness": robustness_report(model, data.test_images, labels, data.images, batch, target, config,
-                                              clean, noise_sigmas=noise_sigmas)}
+                                              clean, noise_sigmas=noise_sigmas, fitted=fitted)}
     save_result(run_dir / "eval.json", json_safe(report))  # strict JSON: NaN as null
     return report

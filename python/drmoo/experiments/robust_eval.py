@@ -46,10 +46,10 @@ from drmoo_kernels import get_divergence
 from . import dr_metrics
 from .run_config import RunConfig
 
-__all__ = ["CVAR_LEVELS", "LOSS_METRICS", "METRICS", "REFERENCE_BALLS", "WEIGHTED_METRICS", "Scored", "block_means",
-           "collect_logits", "json_safe", "label_shift_block", "loss_metrics", "method_ball", "metrics_block",
-           "noise_block", "robustness_report", "robustness_tables", "run_ball", "scored_metrics", "single_thread",
-           "task_metrics", "temperature_block"]
+__all__ = ["CVAR_LEVELS", "LOSS_METRICS", "METRICS", "REFERENCE_BALLS", "WEIGHTED_METRICS", "FittedTemperatures",
+           "Scored", "block_means", "collect_logits", "fit_temperatures", "json_safe", "label_shift_block",
+           "loss_metrics", "method_ball", "metrics_block", "noise_block", "robustness_report", "robustness_tables",
+           "run_ball", "scored_metrics", "single_thread", "task_metrics", "temperature_block"]
 
 _T = TypeVar("_T")
 CVAR_LEVELS = (0.1, 0.05)
@@ -249,34 +249,63 @@ def block_means(per_task: dict[str, list[float]]) -> dict[str, float]:
     return {key: _nanmean(values) for key, values in per_task.items()}
 
 
-def temperature_block(logits: Sequence[Tensor], labels: Tensor, ball: tuple[str, float],
-                      weights: Tensor | None = None) -> dict[str, Any]:
-    """:func:`metrics_block` of the temperature-scaled logits, each task's temperature cross-fitted on the
-    evaluated split (:func:`drmoo.experiments.temperature.cross_fitted_temperatures`), with the fits."""
-    from .temperature import Fit, cross_fitted_temperatures, fit_temperature, scaled
+@dataclass(frozen=True)
+class FittedTemperatures:
+    """Each task's cross-fitted temperatures (:func:`fit_temperatures`): per sample, the one fitted on the
+    other half of the evaluated split (None for a task whose logits overflowed: nothing to fit), the two
+    folds' fits and the whole split's fit."""
 
+    per_sample: list[Tensor | None]
+    fits: list[list[Any]]
+    whole: list[float]
+
+    def apply(self, logits: Sequence[Tensor]) -> list[Tensor]:
+        """``logits`` (the evaluated split's samples, in order: clean, noisy or attacked) divided by each
+        sample's temperature, in float64; a task without a fit is left as it is."""
+        from .temperature import scaled
+
+        return [z.double() if temperatures is None else scaled(z, temperatures)
+                for z, temperatures in zip(logits, self.per_sample, strict=True)]
+
+
+def fit_temperatures(logits: Sequence[Tensor], labels: Tensor) -> FittedTemperatures:
+    """Each task's temperature, cross-fitted on the evaluated split's clean logits (two folds: no sample is
+    scaled by a temperature fitted on it; :func:`drmoo.experiments.temperature.cross_fitted_temperatures`).
+    Needs at least 2 samples."""
+    from .temperature import Fit, cross_fitted_temperatures, fit_temperature
+
+    per_sample: list[Tensor | None] = []
+    fits: list[list[Any]] = []
+    whole: list[float] = []
+    with single_thread():
+        for i, z in enumerate(logits):
+            if not _finite(z):  # overflowed logits: no likelihood to fit, every scaled number undefined
+                per_sample.append(None)
+                fits.append([Fit(math.nan, False), Fit(math.nan, False)])
+                whole.append(math.nan)
+                continue
+            temperatures, task_fits = cross_fitted_temperatures(z, labels[:, i])
+            per_sample.append(temperatures)
+            fits.append(task_fits)
+            whole.append(fit_temperature(z, labels[:, i]).temperature)
+    return FittedTemperatures(per_sample, fits, whole)
+
+
+def temperature_block(logits: Sequence[Tensor], labels: Tensor, ball: tuple[str, float],
+                      weights: Tensor | None = None, fitted: FittedTemperatures | None = None) -> dict[str, Any]:
+    """:func:`metrics_block` of the temperature-scaled logits, each task's temperature cross-fitted on the
+    evaluated split (:func:`fit_temperatures`, or ``fitted`` when given), with the fits."""
     if labels.shape[0] < 2:  # no other half to fit on: every number undefined
         undefined = {key: [math.nan] * len(logits) for key in metrics_block(logits, labels, ball, weights)["per_task"]}
         return {"protocol": "two-fold cross-fit on the evaluated split: not possible with one sample",
                 "fold_temperatures": [], "at_bound": [], "whole_split_temperature": [],
                 "per_task": undefined, "mean": block_means(undefined)}
-    scaled_logits, fits, whole = [], [], []
-    with single_thread():
-        for i, z in enumerate(logits):
-            if not _finite(z):  # overflowed logits: no likelihood to fit, every scaled number undefined
-                scaled_logits.append(z.double())
-                fits.append([Fit(math.nan, False), Fit(math.nan, False)])
-                whole.append(math.nan)
-                continue
-            per_sample, task_fits = cross_fitted_temperatures(z, labels[:, i])
-            scaled_logits.append(scaled(z, per_sample))
-            fits.append(task_fits)
-            whole.append(fit_temperature(z, labels[:, i]).temperature)
+    fitted = fit_temperatures(logits, labels) if fitted is None else fitted
     return {"protocol": "two-fold cross-fit on the evaluated split",
-            "fold_temperatures": [[fit.temperature for fit in task] for task in fits],
-            "at_bound": [any(fit.at_bound for fit in task) for task in fits],
-            "whole_split_temperature": whole,
-            **metrics_block(scaled_logits, labels, ball, weights)}
+            "fold_temperatures": [[fit.temperature for fit in task] for task in fitted.fits],
+            "at_bound": [any(fit.at_bound for fit in task) for task in fitted.fits],
+            "whole_split_temperature": fitted.whole,
+            **metrics_block(fitted.apply(logits), labels, ball, weights)}
 
 
 def label_shift_block(logits: Sequence[Tensor], labels: Tensor, ball: tuple[str, float]) -> dict[str, Any]:
@@ -309,36 +338,49 @@ def label_shift_block(logits: Sequence[Tensor], labels: Tensor, ball: tuple[str,
 
 
 def noise_block(model: nn.Module, items: Tensor, labels: Tensor, to_input: Callable[[Tensor], Tensor],
-                batch_size: int, device: torch.device, ball: tuple[str, float], sigmas: Sequence[float]
-                ) -> dict[str, Any]:
-    """The metrics under Gaussian pixel noise of each ``sigmas`` (one model pass per sigma)."""
+                batch_size: int, device: torch.device, ball: tuple[str, float], sigmas: Sequence[float],
+                fitted: FittedTemperatures | None = None) -> dict[str, Any]:
+    """The metrics under Gaussian pixel noise of each ``sigmas`` (one model pass per sigma); with
+    ``fitted``, also each point's ``temperature_scaled`` metrics: the noisy logits divided by the clean
+    split's cross-fitted temperatures (what a model recalibrated on clean data meets under the noise)."""
     points = []
     for sigma in sigmas:
         logits = collect_logits(model, items, labels, to_input, batch_size, device, noise_sigma=sigma)
-        points.append({"sigma": sigma, **metrics_block(logits, labels, ball)})
+        point = {"sigma": sigma, **metrics_block(logits, labels, ball)}
+        if fitted is not None:
+            point["temperature_scaled"] = metrics_block(fitted.apply(logits), labels, ball)
+        points.append(point)
     return {"family": "Gaussian noise of standard deviation sigma on the [0, 1] image, clamped", "points": points}
 
 
 def robustness_report(model: nn.Module, items: Tensor, labels: Tensor, to_input: Callable[[Tensor], Tensor],
                       batch_size: int, device: torch.device, config: RunConfig, clean_logits: Sequence[Tensor],
                       sample_weight: Callable[[Tensor], Tensor] | None = None,
-                      noise_sigmas: Sequence[float] | None = None) -> dict[str, Any]:
+                      noise_sigmas: Sequence[float] | None = None,
+                      fitted: FittedTemperatures | None = None) -> dict[str, Any]:
     """eval.json's ``robustness`` block of a run: the clean metrics (with the importance weights' nominal
-    when the experiment has them), temperature-scaled, under label shift and under pixel noise."""
+    when the experiment has them), temperature-scaled, under label shift and under pixel noise, each shift
+    also with the clean split's cross-fitted temperatures (``temperature_label_shift``, each noise point's
+    ``temperature_scaled``).  ``fitted``: those temperatures when the caller has fitted them already."""
     from .shifts import NOISE_SIGMAS
 
     ball = run_ball(config)
     weights = sample_weight(labels).to(torch.float64) if sample_weight is not None else None
     sigmas = NOISE_SIGMAS if noise_sigmas is None else tuple(noise_sigmas)
-    return {
+    if fitted is None and labels.shape[0] >= 2:
+        fitted = fit_temperatures(clean_logits, labels)
+    report = {
         "run_ball": {"divergence": ball[0], "lam": ball[1]},
         "reference_balls": [{"divergence": name, "lam": lam} for name, lam in REFERENCE_BALLS],
         "weighted_nominal": weights is not None,
         "clean": metrics_block(clean_logits, labels, ball, weights),
-        "temperature_scaled": temperature_block(clean_logits, labels, ball, weights),
+        "temperature_scaled": temperature_block(clean_logits, labels, ball, weights, fitted),
         "label_shift": label_shift_block(clean_logits, labels, ball),
-        "noise": noise_block(model, items, labels, to_input, batch_size, device, ball, sigmas),
+        "noise": noise_block(model, items, labels, to_input, batch_size, device, ball, sigmas, fitted),
     }
+    if fitted is not None:  # the resamples draw the same samples: each keeps its other-half temperature
+        report["temperature_label_shift"] = label_shift_block(fitted.apply(clean_logits), labels, ball)
+    return report
 
 
 # ---------------------------------------------------------------------------- printed tables
@@ -380,16 +422,36 @@ def robustness_tables(report: dict[str, Any]) -> str:
         lines.append(f"| {key} | " + " | ".join(cells) + f" | {_cell(key, clean['mean'][key])} | "
                      f"{_cell(key, scaled['mean'].get(key))} |")
     lines.append("")
+    note = " (with T: the clean split's temperatures applied to the shifted logits)"
     fgsm = [r for r in report.get("results", []) if isinstance(r, dict) and "metrics" in r]
     if fgsm:
-        lines += _rows_table("Under FGSM (means over tasks), per eps", [f"eps {r['eps']:g}" for r in fgsm],
-                             [r["metrics"] for r in fgsm], _SUMMARY)
+        names, blocks = _with_scaled([f"eps {r['eps']:g}" for r in fgsm], [r["metrics"] for r in fgsm],
+                                     [r.get("metrics_temperature_scaled") for r in fgsm])
+        lines += _rows_table(f"Under FGSM (means over tasks), per eps{note}", names, blocks, _SUMMARY)
     shift = block["label_shift"]["points"]
-    names = [f"s = {p['positive_rate_strength']:g}" if "positive_rate_strength" in p else f"k = {p['digit_factor']:g}"
-             for p in shift]
-    lines += _rows_table(f"Label shift ({block['label_shift']['family']}; means over tasks)",
-                         ["nominal", *names], [clean, *shift], _SUMMARY)
+    scaled_shift = block.get("temperature_label_shift", {}).get("points", [None] * len(shift))
+    names, blocks = _with_scaled(
+        [f"s = {p['positive_rate_strength']:g}" if "positive_rate_strength" in p else f"k = {p['digit_factor']:g}"
+         for p in shift], shift, scaled_shift)
+    lines += _rows_table(f"Label shift ({block['label_shift']['family']}; means over tasks){note}",
+                         ["nominal", *names], [clean, *blocks], _SUMMARY)
     noise = block["noise"]["points"]
-    lines += _rows_table("Gaussian pixel noise (means over tasks)",
-                         ["nominal", *(f"sigma {p['sigma']:g}" for p in noise)], [clean, *noise], _SUMMARY)
+    names, blocks = _with_scaled([f"sigma {p['sigma']:g}" for p in noise], noise,
+                                 [p.get("temperature_scaled") for p in noise])
+    lines += _rows_table(f"Gaussian pixel noise (means over tasks){note}", ["nominal", *names], [clean, *blocks],
+                         _SUMMARY)
     return "\n".join(lines)
+
+
+def _with_scaled(names: Sequence[str], blocks: Sequence[dict[str, Any]], scaled: Sequence[dict[str, Any] | None]
+                 ) -> tuple[list[str], list[dict[str, Any]]]:
+    """Each row followed by its temperature-scaled row (``<name> with T``) where the report has one."""
+    out_names: list[str] = []
+    out_blocks: list[dict[str, Any]] = []
+    for name, block, with_t in zip(names, blocks, scaled, strict=True):
+        out_names.append(name)
+        out_blocks.append(block)
+        if isinstance(with_t, dict) and isinstance(with_t.get("mean"), dict):
+            out_names.append(f"{name} with T")
+            out_blocks.append(with_t)
+    return out_names, out_blocks
