@@ -100,9 +100,9 @@
 #        case under the empirical and the label-balancing nominal, calibration, the worse label, label shift,
 #        pixel noise, the fitted temperature), then scripts/dr_path.py and Holm's correction per set-up;
 #        results in results/mnist-attributes-small/dr-path/{weighted,unweighted}/.
-# attributes-dr-path-rates: the check of attributes-dr-path's rates on the validation split (seed 0): each lam's
-#        Double-Clip row at 0.3, 1 and 3 (around the lam 0.8 winner, 1.0) and MGDA's lam 100 row at 0.1, 0.3 and 1
-#        (around its winner, 0.3), the grid grown by the project's rule while the best rate sits at an end
+# attributes-dr-path-rates: the check of attributes-dr-path's rates on the validation split (seed 0): Double-Clip
+#        at the path's two ends, lam 0.1 and 100 (LAMS="0.1 0.3 3 100" for every lam), at 0.3, 1 and 3 (around the
+#        lam 0.8 winner, 1.0), the grid grown by the project's rule while the best rate sits at an end
 #        (scripts/sweep_rule.py extension); results in results/mnist-attributes-small/dr-path/{weighted,unweighted}/lr-check/.
 # Finished runs are reused, so an interrupted call continues where it stopped.
 set -euo pipefail
@@ -315,10 +315,9 @@ attributes|attributes-key)
     "$python" scripts/attribute_contrasts.py results/mnist-attributes-small ;;
 attributes-dr-path-rates)
     spec=""
-    for lam in 0.1 0.3 3 100; do
+    for lam in ${LAMS:-0.1 100}; do
         for lr in 0.3 1.0 3.0; do spec="$spec${spec:+,}double-clip[lam=$lam,lr=$lr]"; done
     done
-    spec="$spec,mgda[lam=100,lr=0.1],mgda[lam=100,lr=0.3],mgda[lam=100,lr=1.0]"
     grown_sweep mnist-attributes results/mnist-attributes-small/dr-path/weighted/lr-check "$spec"
     grown_sweep mnist-attributes-unweighted results/mnist-attributes-small/dr-path/unweighted/lr-check "$spec"
     for setup in weighted unweighted; do
