@@ -25,29 +25,50 @@ def two_task_net() -> nn.Module:
 
 
 @pytest.mark.usefixtures("group_of_one")
-def test_sharded_shared_parameters_in_parameters_mode_are_refused_when_built_but_for_the_gram_methods() -> None:
+def test_moco_alone_is_refused_in_parameters_mode_on_sharded_parameters_when_built() -> None:
     net = two_task_net()
     fully_shard(net["trunk"])
-    expected = r"cannot run in parameters mode on FSDP-sharded.*jacobian='features'.*MGDA, MoDo, SDMGrad.*DataParallel"
-    for method in ("double-clip", "famo", "nashmtl", "moco"):
-        with pytest.raises(ValueError, match=expected):
-            create(method, net["trunk"].parameters(), 2)
-    drmoo.Balancer("mgda", net["trunk"].parameters(), 2, lr=0.1)  # parameters mode: accepted
+    expected = r"MoCo cannot run in parameters mode on FSDP-sharded.*state_dict would depend on the sharding.*DataPar"
+    with pytest.raises(ValueError, match=expected):
+        create("moco", net["trunk"].parameters(), 2)
+    with pytest.raises(ValueError, match=expected):
+        drmoo.Balancer("moco", net["trunk"].parameters(), 2, lr=0.1)
+    for method in ("mgda", "modo", "sdmgrad", "double-clip", "nashmtl", "famo", "double-loop"):
+        create(method, net["trunk"].parameters(), 2)  # parameters mode: accepted
 
 
-@pytest.mark.usefixtures("group_of_one")
-def test_a_step_closure_optimizer_on_sharded_parameters_is_refused_at_its_step() -> None:
-    net = two_task_net()
-    fully_shard(net["trunk"])
-    optimizer = create("mgda", net["trunk"].parameters(), 2, jacobian="features")
-    x = torch.randn(6, 4)
-
+def sharded_closure(net: nn.ModuleDict, x: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
     def closure() -> tuple[torch.Tensor, torch.Tensor]:
         z = net["trunk"](x)
         return (net["heads"](z) - 1.0) ** 2, z
 
-    with pytest.raises(ValueError, match=r"step\(closure\) writes theta itself and cannot run on FSDP-sharded"):
-        optimizer.step(closure)
+    return closure
+
+
+@pytest.mark.usefixtures("group_of_one")
+def test_a_capturable_step_on_sharded_parameters_is_refused_and_changes_nothing() -> None:
+    net = two_task_net()
+    fully_shard(net["trunk"])
+    shards: list[Any] = list(net["trunk"].parameters())
+    optimizer = create("mgda", shards, 2, jacobian="features", capturable=True)
+    before = [p.full_tensor().clone() for p in shards]
+    with pytest.raises(ValueError, match=r"capturable steps with FSDP-sharded shared parameters are not supported"):
+        optimizer.step(sharded_closure(net, torch.randn(6, 4)))
+    assert all(torch.equal(p.full_tensor(), b) for p, b in zip(shards, before))
+    assert optimizer.steps_taken == 0 and all(p.grad is None for p in [*shards, *net["heads"].parameters()])
+
+
+@pytest.mark.usefixtures("group_of_one")
+@pytest.mark.parametrize("jacobian", ["parameters", "features"])
+def test_sharded_heads_are_refused_before_anything_changes(jacobian: str) -> None:
+    net = two_task_net()
+    fully_shard(net["trunk"])
+    fully_shard(net["heads"])  # FSDP would never reduce the gradients a step feeds them
+    balancer = drmoo.Balancer("mgda", net["trunk"].parameters(), 2, lr=0.1, jacobian=jacobian)  # type: ignore[call-overload]
+    losses, z = sharded_closure(net, torch.randn(6, 4))()
+    with pytest.raises(ValueError, match=r"heads\) are FSDP-sharded.*fully_shard to the trunk.*heads replicated"):
+        balancer.backward(losses, features=z if jacobian == "features" else None)
+    assert balancer.steps_taken == 0 and all(p.grad is None for p in net.parameters())
 
 
 @pytest.mark.usefixtures("group_of_one")
@@ -73,48 +94,93 @@ def test_accumulating_micro_batches_in_features_mode_on_sharded_parameters_is_re
 
 # ------------------------------------------------------------------------------ 2 ranks vs 1 process
 STEPS, GLOBAL_BATCH = 3, 16
-CASES = {"mgda": {"pref_lr": 0.3}, "double-clip": {"pref_lr": 0.3, "c2": 0.05, "features_rate_chosen": True}}
+# Per method, hyperparameters that move w and eta visibly in STEPS steps (Nash-MTL: a weight update, then a step
+# that reuses the weights through one combined backward, then an update; Double-Loop: its own index generator).
+CASES: dict[str, dict[str, Any]] = {
+    "mgda": {"pref_lr": 0.3}, "modo": {"pref_lr": 0.3}, "sdmgrad": {"pref_lr": 0.3},
+    "double-clip": {"pref_lr": 0.3, "c2": 0.05}, "nashmtl": {"update_every": 2}, "famo": {"pref_lr": 0.1},
+    "double-loop": {"pref_lr": 0.3, "dual_lr": 0.1, "inner_steps": 2, "seed": 0},
+}
+RATE_CHOSEN = {"double-clip", "nashmtl"}  # features mode warns unless the rate was chosen for it
+# (method, form, jacobian): the Balancer in both modes; the step(closure) optimizers in both modes (they write
+# each rank's shards themselves; FAMO in its same-batch form, which re-evaluates the batch after that write).
+RUNS = ([(method, "balancer", "parameters") for method in CASES]
+        + [(method, "balancer", "features") for method in ("mgda", "double-clip", "nashmtl", "famo")]
+        + [(method, "closure", jacobian) for jacobian in ("parameters", "features") for method in CASES])
 
 
-# Parameters mode: the methods it runs on sharded parameters (each Gram a sum of the shards' local Grams).
-PARAMETER_CASES = {"mgda": {"pref_lr": 0.3}, "modo": {"pref_lr": 0.3}, "sdmgrad": {"pref_lr": 0.3}}
+def hyperparameters(method: str, jacobian: str) -> dict[str, Any]:
+    return {**CASES[method], **({"features_rate_chosen": True} if jacobian == "features" and method in RATE_CHOSEN
+                                 else {})}
 
 
-def train_features_mode(method: str, shard: bool, jacobian: str = "features") -> dict[str, Any]:
-    """STEPS steps of SGD with the balancer (features mode unless ``jacobian``); under a process group each rank
-    passes its shard of every global batch (every W-th row), and with ``shard`` the trunk is wrapped by
-    fully_shard (heads not)."""
+def train(method: str, form: str, jacobian: str, shard: bool) -> dict[str, Any]:
+    """STEPS steps of the Balancer with SGD (``form`` "balancer") or of the method's own step(closure) (heads by
+    SGD, their gradients summed over ranks); under a process group each rank passes its shard of every global
+    batch (every W-th row), and with ``shard`` the trunk is wrapped by fully_shard (heads not)."""
     features = jacobian == "features"
     torch.manual_seed(0)
     trunk = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6), nn.Tanh()).double()
     heads = nn.ModuleList([nn.Linear(6, 1) for _ in range(2)]).double()
     if shard:
         fully_shard(trunk)
-    optimizer = torch.optim.SGD([*trunk.parameters(), *heads.parameters()], lr=0.1)
-    balancer = drmoo.Balancer(method, trunk.parameters(), 2, jacobian=jacobian,  # type: ignore[call-overload]
-                              optimizer=optimizer, **(CASES if features else PARAMETER_CASES)[method])
     generator = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        x = torch.randn(GLOBAL_BATCH, 4, generator=generator, dtype=torch.float64)
-        y = torch.stack([torch.sin(x[:, 0]) + x[:, 1], -torch.sin(x[:, 0]) + 0.5 * x[:, 2]], dim=1)
-        rows = distributed.shard(torch.arange(GLOBAL_BATCH))
-        optimizer.zero_grad()
-        z = trunk(x[rows])
-        losses = (torch.cat([head(z) for head in heads], dim=1) - y[rows]) ** 2
-        balancer.backward(losses, features=z if features else None)
-        optimizer.step()
+    rows = distributed.shard(torch.arange(GLOBAL_BATCH))
+    batch: list[torch.Tensor] = []
+
+    def forward(same_batch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if not same_batch:  # a fresh global batch (FAMO's same-batch form recomputes the last one)
+            x = torch.randn(GLOBAL_BATCH, 4, generator=generator, dtype=torch.float64)
+            batch[:] = [x, torch.stack([torch.sin(x[:, 0]) + x[:, 1], -torch.sin(x[:, 0]) + 0.5 * x[:, 2]], dim=1)]
+        z = trunk(batch[0][rows])
+        return (torch.cat([head(z) for head in heads], dim=1) - batch[1][rows]) ** 2, z
+
+    if form == "balancer":
+        optimizer = torch.optim.SGD([*trunk.parameters(), *heads.parameters()], lr=0.1)
+        algorithm: Any = drmoo.Balancer(method, trunk.parameters(), 2, jacobian=jacobian,  # type: ignore[call-overload]
+                                        optimizer=optimizer, **hyperparameters(method, jacobian))
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            losses, z = forward()
+            algorithm.backward(losses, features=z if features else None)
+            optimizer.step()
+    else:
+        algorithm = create(method, trunk.parameters(), 2, jacobian=jacobian, lr=0.1,
+                           **hyperparameters(method, jacobian))
+        head_optimizer = torch.optim.SGD(heads.parameters(), lr=0.1)
+        for _ in range(STEPS):
+            head_optimizer.zero_grad()
+            algorithm.step(one_batch_closure(forward, features))
+            distributed.all_reduce_grads(heads.parameters())
+            head_optimizer.step()
     params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in [*trunk.parameters(), *heads.parameters()]]
-    return {"params": [p.detach().clone() for p in params], "eta": balancer.eta.clone(), "w": balancer.w.clone(),
-            "steps": balancer.steps_taken}
+    return {"params": [p.detach().clone() for p in params], "eta": algorithm.eta.clone(), "w": algorithm.w.clone(),
+            "steps": algorithm.steps_taken}
+
+
+def one_batch_closure(forward: Callable[[bool], tuple[torch.Tensor, torch.Tensor]], features: bool) -> Any:
+    """One step's closure: fresh batches; in features mode every draw with a graph after the first returns the first
+    (one z per step, as drmoo's own OneBatchPerStep does)."""
+    first: list[Any] = []
+
+    def closure(same_batch: bool = False) -> Any:
+        with_graph = torch.is_grad_enabled() and not same_batch
+        if features and with_graph and first:
+            return first[0]
+        losses, z = forward(same_batch)
+        result = (losses, z) if features else losses
+        if features and with_graph:
+            first.append(result)
+        return result
+
+    return closure
 
 
 def _fsdp_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        runs = {method: train_features_mode(method, shard=True) for method in CASES}
-        runs |= {f"parameters {method}": train_features_mode(method, True, "parameters") for method in PARAMETER_CASES}
-        torch.save(runs, Path(out_dir) / f"{rank}.pt")
+        torch.save({run: train(*run, shard=True) for run in RUNS}, Path(out_dir) / f"{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -123,16 +189,15 @@ def test_two_ranks_with_a_fully_sharded_trunk_equal_one_process_on_the_global_ba
         tmp_path: Path, run_ranks: Callable[..., None]) -> None:
     run_ranks(_fsdp_rank, 2, str(tmp_path / "init"), str(tmp_path))
     ranks = [torch.load(tmp_path / f"{rank}.pt", weights_only=False) for rank in (0, 1)]
-    singles = {method: train_features_mode(method, shard=False) for method in CASES}
-    singles |= {f"parameters {method}": train_features_mode(method, False, "parameters") for method in PARAMETER_CASES}
-    for method, single in singles.items():
+    torch.manual_seed(0)
+    initial = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6), nn.Tanh()).double()
+    for run in RUNS:
+        single = train(*run, shard=False)
         for result in ranks:
-            assert result[method]["steps"] == STEPS
-            for a, b in zip(result[method]["params"], single["params"]):
-                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=method)
+            assert result[run]["steps"] == STEPS
+            for a, b in zip(result[run]["params"], single["params"]):
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=str(run))
             for key in ("eta", "w"):
-                torch.testing.assert_close(result[method][key], single[key], rtol=1e-6, atol=1e-6,
-                                           msg=f"{method} {key}")
-        torch.manual_seed(0)
-        initial = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6), nn.Tanh()).double()
+                torch.testing.assert_close(result[run][key], single[key], rtol=1e-9, atol=1e-12, msg=f"{run} {key}")
         assert all(not torch.equal(a, b) for a, b in zip(single["params"], initial.parameters()))  # the trunk moved
+        assert single["eta"].abs().min() > 1e-3, run  # eta moved on every task

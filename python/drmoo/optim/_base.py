@@ -117,7 +117,8 @@ def configure_jacobian(optimizer: MultiObjectiveOptimizer, jacobian: str, strate
     constructor: ``self.jacobian_engine = configure_jacobian(self, jacobian, jacobian_strategy)``.
 
     A method that cannot be written in feature space says why in its class attribute
-    ``FEATURES_REFUSAL`` and is refused here, at construction (never a silent fallback).
+    ``FEATURES_REFUSAL`` and is refused here, at construction (never a silent fallback); likewise a method
+    whose parameters-mode step cannot run on FSDP2-sharded shared parameters, in ``SHARDED_REFUSAL``.
     """
     # Checked by the property (drmoo.jacobian.check_strategy: a ValueError naming the value and the choices).
     # It is kept as an attribute, like the property set later, not as a hyperparameter: outside param_groups
@@ -126,7 +127,10 @@ def configure_jacobian(optimizer: MultiObjectiveOptimizer, jacobian: str, strate
     optimizer.jacobian_strategy = strategy
     if jacobian not in JACOBIANS:
         raise ValueError(f"jacobian must be one of {', '.join(JACOBIANS)}; got {jacobian!r}")
-    refuse_sharded(optimizer._shared_params(), jacobian, type(optimizer).__name__)  # FSDP (drmoo.optim._fsdp)
+    # FSDP (drmoo.optim._fsdp): a method whose parameters-mode step cannot run on the shards' columns says why
+    # in its class attribute ``SHARDED_REFUSAL``.
+    refuse_sharded(optimizer._shared_params(), jacobian, type(optimizer).__name__,
+                   getattr(type(optimizer), "SHARDED_REFUSAL", None))
     if jacobian == "parameters":
         return ParametersJacobian()
     refusal = getattr(type(optimizer), "FEATURES_REFUSAL", None)

@@ -66,7 +66,7 @@ from drmoo.jacobian import (
 
 from ._direction import write_direction
 from ._engine import EarlierMicroBatches, EngineHost
-from ._fsdp import is_sharded, lift_into_shards
+from ._fsdp import is_sharded, lift_into_shards, refuse_sharded_heads
 from ._guards import finite_together
 from ._loss_scale import divide_, is_unit, times, with_scale
 from ._overlap import views_overlap
@@ -227,7 +227,9 @@ class FeaturesJacobian:
         if self.features is None:
             raise ValueError("jacobian='features': no features z were given with these losses")
         if self._checked is None or self._checked[0] is not losses:
-            self._checked = (losses, heads_above_features(losses, self.features, shared))
+            heads = heads_above_features(losses, self.features, shared)
+            refuse_sharded_heads(heads)  # FSDP2 would never reduce the gradients fed to them (drmoo.optim._fsdp)
+            self._checked = (losses, heads)
         return self._checked[1] if feed_heads else []
 
     def task_split(self, losses: Tensor) -> TaskSplit | None:

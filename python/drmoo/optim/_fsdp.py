@@ -65,35 +65,29 @@ def is_sharded(params: Sequence[Tensor]) -> bool:
     return any(isinstance(param, dtensor) for param in params)
 
 
-# The methods whose parameters-mode step reads the per-task gradients only through their Gram and one
-# direction J^T w: on sharded parameters both are sums over the shards (one m x m all-reduce; no gather).
-PARAMETERS_MODE_METHODS = ("MGDA", "MoDo", "SDMGrad")
-
-
-def refuse_sharded(params: Sequence[Tensor], jacobian: str, method: str = "") -> None:
+def refuse_sharded(params: Sequence[Tensor], jacobian: str, method: str = "", refusal: str | None = None) -> None:
     """Raise ValueError, naming FSDP and the alternative, if ``params`` are sharded in a way the ``jacobian``
-    mode cannot run on (every way but FSDP2 in features mode, and FSDP2 in parameters mode for
-    :data:`PARAMETERS_MODE_METHODS`)."""
+    mode cannot run on: FSDP1's ``FlatParameter`` always, FSDP2 in parameters mode for a method whose step
+    cannot be written from the shards' columns (its class's ``SHARDED_REFUSAL``, given as ``refusal``)."""
     sharding = sharding_of(params)
-    if sharding is None or (is_sharded(params) and (jacobian == "features" or method in PARAMETERS_MODE_METHODS)):
+    if sharding is None or (is_sharded(params) and (jacobian == "features" or not refusal)):
         return
-    if is_sharded(params) and jacobian == "parameters":
-        raise ValueError(
-            f"{method or 'this method'} cannot run in parameters mode on FSDP-sharded shared parameters (its step "
-            "reads more of the per-task gradients than their Gram and one direction); use "
-            f"jacobian='features', a method among {', '.join(PARAMETERS_MODE_METHODS)}, or {ALTERNATIVE}")
+    if is_sharded(params):
+        raise ValueError(f"{method or 'this method'} cannot run in parameters mode on FSDP-sharded shared "
+                         f"parameters: {refusal}; use {ALTERNATIVE}")
     raise ValueError(
         f"the shared parameters are {sharding}: drmoo's parameters mode takes its per-task gradients with respect "
         "to the parameters it holds, which FSDP's forward never uses (it computes with all-gathered copies); "
-        f"on a trunk wrapped by fully_shard use drmoo.Balancer(..., jacobian='features'), or {ALTERNATIVE}"
+        f"wrap the trunk with FSDP2's fully_shard instead, or {ALTERNATIVE}"
     )
 
 
 def lift_into_shards(host: EngineHost, features: Sequence[Tensor], cotangents: Sequence[Tensor],
                      shared: Sequence[Tensor]) -> None:
-    """Features mode's lift on FSDP2-sharded shared parameters, in direction mode: ONE ordinary backward of
-    ``cotangents`` from z, which FSDP reduce-scatters into the shards' ``.grad`` (kept apart until the step
-    succeeds, as every ``.grad`` a step writes), checked finite on every rank.
+    """Features mode's lift on FSDP2-sharded shared parameters: ONE ordinary backward of ``cotangents`` from z,
+    which FSDP reduce-scatters into the shards' ``.grad`` (kept apart until the step succeeds, as every
+    ``.grad`` a step writes), checked finite on every rank.  Direction mode leaves it there; ``step(closure)``
+    moves each shard by it (:func:`write_shards`) and leaves ``.grad`` as it found it.
 
     The cotangents are the global batch's (divided by the world size, as every rank's share of the dual's
     mean); FSDP's default reduction averages over ranks, so they are multiplied by the world size first, to
@@ -102,50 +96,112 @@ def lift_into_shards(host: EngineHost, features: Sequence[Tensor], cotangents: S
     world = distributed.world_size()
     host.set_aside_head_grads(shared)  # the step's .grad, committed once it succeeds
     torch.autograd.backward(list(features), grad_tensors=[c * world if world != 1 else c for c in cotangents])
-    dtensor = _dtensor()
-    local = [grad.to_local() if isinstance(grad, dtensor) else grad
-             for grad in (param.grad for param in shared) if grad is not None]
-    if len(local) != len(shared):
+    if any(param.grad is None for param in shared):
         raise ValueError("the backward pass from the features z reached none of the FSDP-sharded shared "
                          "parameters: z must be the output of the trunk they belong to")
+    local = take_local_grads(shared, clear=not host.direction_mode)
     with torch.no_grad():
-        finite = torch.isfinite(torch.stack([torch.linalg.vector_norm(part) for part in local]).sum()).reshape(1)
-        if distributed.is_distributed():  # every rank abandons the step, or none
-            finite = distributed.all_reduce_max((~finite).to(torch.int32)) == 0
-    host.require_finite(finite, lambda _: (
+        square = sum_over_ranks(torch.stack([torch.linalg.vector_norm(part).double() ** 2 for part in local]).sum())
+    host.require_finite(torch.isfinite(square).reshape(1), lambda _: (
         f"non-finite gradient of the shared parameters from the backward pass through the trunk in "
         f"{host.failing_iteration}; the step was abandoned and nothing was updated"))
+    if not host.direction_mode:
+        write_shards(host, shared, local, host.hyper("lr"))
 
 
 def refuse_unsupported(host: EngineHost) -> None:
-    """What a step on FSDP-sharded parameters cannot do: write theta itself, or scale its gradients."""
-    if not host.direction_mode:
-        raise ValueError("a drmoo optimizer's step(closure) writes theta itself and cannot run on FSDP-sharded "
-                         "parameters: use drmoo.Balancer and a torch optimizer, or " + ALTERNATIVE)
+    """What a step on FSDP-sharded parameters cannot do: scale its gradients (a GradScaler) or run capturable."""
     if not is_unit(host.loss_scale) or not is_unit(host.grad_scale) or host.found_inf is not None:
         raise ValueError("a GradScaler or capturable steps with FSDP-sharded shared parameters are not supported: "
                          "use FSDP's MixedPrecisionPolicy (bf16 needs no scaler), or " + ALTERNATIVE)
 
 
-def unsharded_copies(shared: Sequence[Tensor]) -> list[Tensor]:
-    """The unsharded parameters FSDP2 all-gathered for the forward pass of ``shared`` (what the losses' graph
-    reaches), read from FSDP2's own parameter records: never to be taken for the heads."""
+def local_views(params: Sequence[Tensor]) -> list[Tensor]:
+    """Each parameter's part held by this rank: a sharded DTensor's local shard (a view: writing it moves the
+    parameter FSDP all-gathers next), any other tensor itself."""
+    dtensor = _dtensor()
+    return [param.to_local() if isinstance(param, dtensor) else param for param in params]
+
+
+def take_local_grads(shared: Sequence[Tensor], *, clear: bool) -> list[Tensor]:
+    """The shards' ``.grad`` that FSDP's reduce-scatter left, as local tensors (zeros where none arrived);
+    with ``clear`` the ``.grad`` are emptied (the next pass, or the step's commit, starts from None)."""
+    dtensor = _dtensor()
+    local = []
+    for param, view in zip(shared, local_views(shared)):
+        grad = param.grad
+        local.append(torch.zeros_like(view) if grad is None else grad.to_local() if isinstance(grad, dtensor) else grad)
+        if clear:
+            param.grad = None
+    return local
+
+
+def sum_over_ranks(small: Tensor) -> Tensor:
+    """A small product of the shards' columns (a squared norm, a Gram), as the whole parameters': summed over
+    ranks (one all-reduce; unchanged on one process)."""
+    return distributed.all_reduce_sum_(small) if distributed.is_distributed() else small
+
+
+def write_shards(host: EngineHost, shared: Sequence[Tensor], direction: Sequence[Tensor], lr: Tensor | float) -> None:
+    """``step(closure)`` on FSDP2-sharded parameters: each rank moves its shard, ``theta -= lr * d``, from its part
+    of d (local tensors, one per parameter), once the step's guards are read (its only write that cannot be
+    undone).  The next forward all-gathers the moved shards."""
+    host.settle_guards()
+    with torch.no_grad():
+        for view, part in zip(local_views(shared), direction):
+            view.sub_(lr * part.to(view.dtype))
+
+
+def _fsdp_records() -> list[tuple[Tensor, Tensor]]:
+    """(sharded parameter, its unsharded copy) of every FSDP2 parameter all-gathered so far in this process, read
+    from FSDP2's own records (none without FSDP2)."""
     from torch.distributed import _composable_state
 
-    wanted = {id(param) for param in shared}
-    copies = []
+    pairs = []
     for entry in list(_composable_state._module_state_mapping.values()):
         state: Any = entry() if not hasattr(entry, "_fsdp_param_group") and callable(entry) else entry
         group = getattr(state, "_fsdp_param_group", None)
         for record in getattr(group, "fsdp_params", ()):
-            if id(record.sharded_param) in wanted and hasattr(record, "_unsharded_param"):
-                copies.append(record._unsharded_param)
+            if hasattr(record, "_unsharded_param"):
+                pairs.append((record.sharded_param, record._unsharded_param))
+    return pairs
+
+
+def unsharded_copies(shared: Sequence[Tensor]) -> list[Tensor]:
+    """The unsharded parameters FSDP2 all-gathered for the forward pass of ``shared`` (what the losses' graph
+    reaches), read from FSDP2's own parameter records: never to be taken for the heads."""
+    wanted = {id(param) for param in shared}
+    copies = [copy for sharded, copy in _fsdp_records() if id(sharded) in wanted]
     if len(copies) != len(shared):
         raise ValueError(f"found the FSDP2 unsharded copies of {len(copies)} of the {len(shared)} sharded shared "
                          "parameters: the losses must come from a forward pass of the fully_shard modules that hold "
                          f"them (this torch's FSDP2 may also keep them elsewhere); use jacobian='features', or "
                          f"{ALTERNATIVE}")
     return copies
+
+
+def refuse_sharded_heads(heads: Sequence[Tensor]) -> None:
+    """Raise ValueError if a head (a task-specific leaf of the losses' graph, whose gradient a step feeds) is
+    FSDP2's unsharded copy of a sharded parameter: that gradient is fed outside FSDP's backward hooks, so FSDP
+    would never reduce it into the head's shard (it would be lost, silently)."""
+    if not heads or not is_distributed_fsdp():
+        return
+    copies = {id(copy) for _, copy in _fsdp_records()}
+    if any(id(head) in copies for head in heads):
+        raise ValueError(
+            "the task-specific parameters (the heads) are FSDP-sharded (a fully_shard on them, or on a module "
+            "that holds them, e.g. the root): drmoo feeds each head its task's gradient outside FSDP's backward, "
+            "which would never reduce it into the shards; apply fully_shard to the trunk (or its blocks) only and "
+            "keep the heads replicated (the balancer sums their gradients over ranks)")
+
+
+def is_distributed_fsdp() -> bool:
+    """Whether FSDP2 (or another composable API) manages any module in this process: cheap, no record read."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed import _composable_state
+
+    return bool(_composable_state._module_state_mapping)
 
 
 def sharded_task_jacobian(host: EngineHost, losses: Tensor, cotangent: Tensor, shared: Sequence[Tensor]) -> Tensor:
@@ -155,45 +211,51 @@ def sharded_task_jacobian(host: EngineHost, losses: Tensor, cotangent: Tensor, s
     FSDP reduce-scatters into the shards' ``.grad``: row i's shard, read and cleared before the next task.
     The cotangents are times the world size against FSDP's mean, as in :func:`lift_into_shards`.  No per-task
     gradient crosses ranks whole: the Gram is the sum of the shards' local Grams (``products_over_ranks``)."""
+    rows = [sharded_combined_gradient(host, losses, cotangent[:, task:task + 1], shared, retain_graph=True,
+                                      columns=slice(task, task + 1))
+            for task in range(host.num_tasks)]
+    return torch.stack(rows)
+
+
+def sharded_combined_gradient(host: EngineHost, losses: Tensor, weighted: Tensor, shared: Sequence[Tensor], *,
+                              retain_graph: bool, columns: slice | None = None) -> Tensor:
+    """This rank's columns [n_local] of grad_theta sum_b,i weighted[b, i] losses[b, i] (``columns``: of those
+    loss columns only) on FSDP2-sharded shared parameters: ONE ordinary backward restricted to FSDP's
+    unsharded copies, which FSDP reduce-scatters into the shards' ``.grad`` (read, then cleared).  The
+    cotangent is times the world size against FSDP's mean reduction (see :func:`lift_into_shards`)."""
     refuse_unsupported(host)
     copies = unsharded_copies(shared)
     world = distributed.world_size()
-    dtensor = _dtensor()
     host.set_aside_head_grads(shared)  # the passes below write the shards' .grad; the step's own comes later
-    rows = []
-    for task in range(host.num_tasks):
-        torch.autograd.backward(losses[:, task], grad_tensors=cotangent[:, task].to(losses.dtype) * world,
-                                inputs=copies, retain_graph=True)
-        local = [param.grad.to_local() if isinstance(param.grad, dtensor) else param.grad for param in shared]
-        rows.append(torch.cat([torch.zeros(_local_numel(param), dtype=shared[0].dtype, device=shared[0].device)
-                               if grad is None else grad.reshape(-1) for param, grad in zip(shared, local)]))
-        for param in shared:
-            param.grad = None
-    return torch.stack(rows)
+    picked = losses if columns is None else losses[:, columns]
+    torch.autograd.backward(picked, grad_tensors=weighted.to(losses.dtype) * world, inputs=copies,
+                            retain_graph=retain_graph)
+    local = take_local_grads(shared, clear=True)
+    return torch.cat([part.reshape(-1) for part in local])
 
 
 def add_sharded_direction(host: EngineHost, rows: Tensor, coefficients: Tensor, factor: Tensor | float,
                           shared: Sequence[Tensor]) -> None:
-    """Direction mode on FSDP2-sharded parameters: each shard's ``.grad`` = its part of factor * J^T w, from this
-    rank's columns ``rows`` (a sharded DTensor gradient, as FSDP's own backward leaves it)."""
+    """The step along factor * J^T w on FSDP2-sharded parameters, from this rank's columns ``rows``: in direction
+    mode each shard's ``.grad`` = its part (a sharded DTensor gradient, as FSDP's own backward leaves it);
+    in ``step(closure)`` each shard moves by -lr times it (:func:`write_shards`)."""
     refuse_unsupported(host)
     dtensor = _dtensor()
     acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
     with torch.no_grad():
         direction = (coefficients.to(acc) @ rows.to(acc)) * factor
+        parts, offset = [], 0
+        for view in local_views(shared):
+            parts.append(direction[offset: offset + view.numel()].view_as(view))
+            offset += view.numel()
+        if not host.direction_mode:
+            write_shards(host, shared, parts, host.hyper("lr"))
+            return
         host.set_aside_head_grads(shared)
-        offset = 0
-        for param in shared:
-            local = param.to_local() if isinstance(param, dtensor) else param
-            part = direction[offset: offset + local.numel()].view_as(local).to(param.dtype)
-            offset += local.numel()
+        for param, part in zip(shared, parts):
+            part = part.to(param.dtype)
             param.grad = (dtensor.from_local(part, param.device_mesh, param.placements, shape=param.shape,
                                              stride=param.stride()) if isinstance(param, dtensor) else part)
-
-
-def _local_numel(param: Tensor) -> int:
-    dtensor = _dtensor()
-    return int(param.to_local().numel()) if isinstance(param, dtensor) else param.numel()
 
 
 def _dtensor() -> Any:

@@ -34,6 +34,7 @@ from drmoo_kernels.reference import project_simplex
 
 from ._accumulate import accumulated_rows
 from ._base import MultiObjectiveOptimizer
+from ._fsdp import is_sharded, sharded_combined_gradient, sum_over_ranks
 from ._guards import FiniteValues, finite_entries, flags_of
 from ._hyperparameters import check_count, check_fraction, check_positive
 from ._loss_scale import divide_, times
@@ -167,16 +168,23 @@ class JointBaseline(MultiObjectiveOptimizer):
         """
         shared = self._shared_params()
         features = self.features_engine
-        heads = head_leaves(batch.losses, shared) if features is None else features.heads(batch.losses, shared)
+        # (the engine's: on FSDP2 shards the graph's leaves are FSDP's copies of the shared parameters, not heads)
+        heads = self.jacobian_engine.heads(batch.losses, shared, feed_heads=True)
         scale = self.loss_scale  # fp16 gradient scaling (see MultiObjectiveOptimizer.loss_scale)
         weighted = times(batch.cotangent * task_weights.to(batch.cotangent.dtype), scale).to(batch.losses.dtype)
         reuse = self.take_graph_reuse()
-        if features is None and not self.FORMS_JACOBIAN:  # the heads-as-shared check has no Jacobian to read
+        # The heads-as-shared check has no Jacobian to read; on FSDP2 shards (whose losses reach FSDP's copies, not
+        # them) it does not run, as on the shards' columns of a Jacobian
+        if features is None and not self.FORMS_JACOBIAN and not self._sharded():
             self._refuse_partly_shared_params_by_backward(batch.losses, batch.cotangent)
         if features is not None:
             # jacobian="features": the gradient w.r.t. z (a pass above z only); apply_direction lifts it
             # through the trunk.  Each rank keeps its samples' entries (combined_norm sums over ranks).
             flat = features.combined_gradient(self, batch.losses, weighted, slot, retain_graph=reuse or bool(heads))
+        elif self._sharded():
+            # FSDP2: this rank's shard of the combined gradient, reduce-scattered by FSDP (combined_norm sums over
+            # ranks; apply_direction writes each shard from its own part)
+            flat = sharded_combined_gradient(self, batch.losses, weighted, shared, retain_graph=reuse or bool(heads))
         else:
             flat = self._vector(slot)
             grads = torch.autograd.grad(batch.losses, shared, grad_outputs=weighted,
@@ -197,6 +205,8 @@ class JointBaseline(MultiObjectiveOptimizer):
             if self.accumulation is not None:  # its norm and lift add the earlier micro-batches' c^T J_z
                 self.accumulation.combined = (flat, task_weights)
             return flat
+        if self._sharded():  # (accumulation is refused on sharded parameters)
+            return flat
         distributed.all_reduce_sum_(flat)  # shard gradients -> the global batch's
         if self.accumulation is not None:  # the earlier micro-batches' part, from their rows
             self.accumulation.add_combined(flat, task_weights)
@@ -204,17 +214,23 @@ class JointBaseline(MultiObjectiveOptimizer):
 
     def combined_norm(self, combined: Tensor) -> Tensor:
         """||combined|| (0-d float64) of a :meth:`combined_gradient`; features mode: over all ranks' samples."""
-        if self.features_engine is None:
+        if self.features_engine is None and not self._sharded():
             return norm_f64(combined)
         square = torch.linalg.vector_norm(combined).double() ** 2
+        if self.features_engine is None:  # FSDP2: this rank's shard of the gradient
+            return torch.sqrt(sum_over_ranks(square))
         if self.accumulation is not None:  # closing an accumulation: + the earlier micro-batches' c^T K c
             square = self.accumulation.combined_square(square)
         return torch.sqrt(self.features_engine.products_over_ranks(square.reshape(1)))[0]
 
     def combined_finite(self, combined: Tensor, norm: Tensor) -> Tensor:
-        """0-d bool: a :meth:`combined_gradient` is finite (features mode: on every rank, read from its
-        norm summed over ranks, so that all ranks agree before the one that failed raises)."""
-        return all_finite(combined) if self.features_engine is None else torch.isfinite(norm)
+        """0-d bool: a :meth:`combined_gradient` is finite (features mode and FSDP2 shards: on every rank, read
+        from its norm summed over ranks, so that all ranks agree before the one that failed raises)."""
+        return all_finite(combined) if self.features_engine is None and not self._sharded() else torch.isfinite(norm)
+
+    def _sharded(self) -> bool:
+        """Whether the shared parameters are FSDP2-sharded (drmoo.optim._fsdp): each rank holds its shard's columns."""
+        return is_sharded(self._shared_params())
 
     def task_cross(self, first: Tensor, z_first: Tensor, second: Tensor, z_second: Tensor) -> Tensor:
         """The joint cross product J_1 J_2^T + diag(z_1 (.) z_2) (:func:`joint_cross`); features rows (each rank

@@ -21,7 +21,7 @@ from drmoo.jacobian import feed_head_grads, head_leaves, task_jacobian
 
 from ._direction import write_direction
 from ._engine import EngineHost
-from ._fsdp import add_sharded_direction, is_sharded, sharded_task_jacobian, unsharded_copies
+from ._fsdp import add_sharded_direction, is_sharded, refuse_sharded_heads, sharded_task_jacobian, unsharded_copies
 from ._guards import finite_each
 from ._loss_scale import divide_, times
 
@@ -50,7 +50,9 @@ class ParametersJacobian:
         if not feed_heads:
             return []
         # FSDP2: the graph's leaves are the unsharded copies of the shared parameters, not the shards
-        return head_leaves(losses, [*shared, *unsharded_copies(shared)] if is_sharded(shared) else shared)
+        heads = head_leaves(losses, [*shared, *unsharded_copies(shared)] if is_sharded(shared) else shared)
+        refuse_sharded_heads(heads)
+        return heads
 
     def _buffer(self, slot: str, shared: Sequence[Tensor], rows: int) -> Tensor:
         n = sum(p.numel() for p in shared)
@@ -94,8 +96,9 @@ class ParametersJacobian:
         host.require_finite(finite_each(*guarded), lambda _: (
             f"non-finite task weights (or step factor) in {host.failing_iteration}: {coefficients.tolist()}; "
             "the step was abandoned and nothing was updated"))
-        if self.sharded:
-            add_sharded_direction(host, rows, coefficients, factor, host._shared_params())
+        shared = host._shared_params()
+        if is_sharded(shared):  # this rank's columns (a Jacobian's, or FAMO's / Nash-MTL's one combined row)
+            add_sharded_direction(host, rows, coefficients, factor, shared)
             return
         write_direction(host, rows, coefficients, factor, self._buffers)
 

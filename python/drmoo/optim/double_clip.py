@@ -12,6 +12,7 @@ from drmoo_kernels.reference import clip_factor, gram_step_small, project_simple
 
 from ._base import MultiObjectiveOptimizer, configure_jacobian
 from ._features_rate import warn_unless_rate_chosen
+from ._fsdp import is_sharded
 from ._hyperparameters import check_flag, check_positive
 from .types import Closure, ParamsT
 
@@ -207,12 +208,14 @@ class DoubleClipMGDA(MultiObjectiveOptimizer):
         self.check_dual(z, eta_next, z_next, objective)
         jacobian = self.task_jacobian(grad_losses, cotangent, "X", feed_heads=True)
 
-        if self.direction_mode or self.features_engine is not None:
+        if self.direction_mode or self.features_engine is not None or is_sharded(self._shared_params()):
             # drmoo.Balancer: the same Gram, alpha and w update (the m x m part every backend's
             # gram_step shares), checked before anything is written; the clipped direction
             # alpha * J^T w_t goes into .grad, so that SGD(lr=gamma) takes line 7's step.
             # jacobian="features" too: J's rows are w.r.t. z, and apply_direction lifts alpha * J^T w_t
             # through the trunk (one backward), so the fused theta write of gram_step cannot be used.
+            # FSDP2-sharded parameters too: J holds this rank's columns, the Gram is summed over ranks
+            # (||J^T w||^2 = w^T G w, so the clip is exact), and each shard is written from its own columns.
             # w is written last: w_t is read in place (no copy).
             with torch.no_grad():
                 gram = self.task_gram(jacobian)

@@ -278,8 +278,8 @@ class DoubleLoopMGDA(MultiObjectiveOptimizer):
             # facing a zero column of Y_bar must not depend on how the matmul treats 0 * Inf): NaN on
             # this rank's cross, which the sum below carries to every rank.
             cross = cross.masked_fill(~torch.isfinite(tilde_w).all(), float("nan"))
-        if features is not None:  # rows w.r.t. z: each rank holds its samples' columns
-            cross = features.products_over_ranks(cross)
+        # Rows w.r.t. z (each rank holds its samples' columns) or FSDP2-sharded rows (its shard's): summed over ranks
+        cross = self.jacobian_engine.products_over_ranks(cross)
         self.require_finite(torch.isfinite(cross), lambda bad: (
             f"non-finite gradients of the shared parameters (Y_bar, Y_tilde) in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))

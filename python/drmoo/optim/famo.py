@@ -12,6 +12,7 @@ from torch import Tensor
 from drmoo.jacobian import column_views, copy_into_row
 
 from ._base import configure_jacobian
+from ._fsdp import local_views
 from ._hyperparameters import HYPERPARAMETER_CHECKS, check_flag, check_positive
 from ._joint import JointBaseline, TaskGradients, common_defaults
 from ._state_dict import STATE_KEY
@@ -296,10 +297,13 @@ class FAMO(JointBaseline):
         dual objectives; theta and eta are restored if the re-evaluation fails or is non-finite."""
         h = self.param_groups[0]
         shared = self._shared_params()
-        # theta before the step, for its roll-back: one multi-tensor copy into a kept flat buffer
-        theta_before = self._vector("theta_before")
-        copy_into_row(shared, theta_before, [p.detach() for p in shared])
-        backup = column_views(shared, theta_before)
+        if self._sharded():  # FSDP2: each rank keeps (and writes back) its own shards (drmoo.optim._fsdp)
+            shared = local_views(shared)
+            backup = [part.detach().clone() for part in shared]
+        else:  # theta before the step, for its roll-back: one multi-tensor copy into a kept flat buffer
+            theta_before = self._vector("theta_before")
+            copy_into_row(shared, theta_before, [p.detach() for p in shared])
+            backup = column_views(shared, theta_before)
         eta_backup = self.eta.clone()
         with self.deferred_writes():  # restored below if the step fails: the guards are read after the re-evaluation
             self.apply_direction(combined[None, :], torch.ones(1, dtype=torch.float64, device=self.device))

@@ -99,6 +99,12 @@ class MoCo(JointBaseline):
         "one batch's samples (sample b of one batch is not sample b of the next), so Y would average unrelated "
         "samples and Y^T w could not be lifted through any one batch's trunk; use jacobian='parameters'"
     )
+    # Parameters mode on FSDP2-sharded shared parameters (drmoo.optim._fsdp) is refused at construction, for this
+    # reason: each rank could track its shard's columns, but the state would then be per rank.
+    SHARDED_REFUSAL: ClassVar[str] = (
+        "its tracked m x n Jacobian estimate Y would be held as each rank's shard of columns, so its state_dict would "
+        "depend on the sharding and could not be resumed on another world size"
+    )
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "multimnist": {"lr": 5e-4, "pref_lr": 1e-4, "rho": 1e-5, "lam": 0.8, "ema": 0.95},
         "celeba": {"lr": 5e-4, "pref_lr": 5e-5, "rho": 5e-5, "lam": 0.8, "ema": 0.95},

@@ -144,7 +144,9 @@ class MoDo(JointBaseline):
             # G_1 (G_2^T w) in two passes over n, in the Jacobians' accumulation precision.
             acc = torch.float64 if first.jacobian.dtype == torch.float64 else torch.float32
             combined_second = w.to(acc) @ second.jacobian.to(acc)
-            cross = (first.jacobian.to(acc) @ combined_second).double() + first.z.double() * second.z.double() * w
+            # (FSDP2-sharded rows hold this rank's columns: the product is summed over ranks, an m-vector)
+            product = self.jacobian_engine.products_over_ranks((first.jacobian.to(acc) @ combined_second).double())
+            cross = product + first.z.double() * second.z.double() * w
             # A non-finite entry of J_2 reaches every entry of J_2^T w, one of J_1 its row of the product.
             self.raise_unless_finite([
                 ("G1", torch.isfinite(cross)),
