@@ -377,15 +377,79 @@ def test_ranks_agree_on_the_losses_without_a_host_to_device_copy(monkeypatch: py
     assert flags.tolist() == [True, False, True] and rows.tolist() == [5, -5]
 
 
+@pytest.mark.parametrize("num_tasks", [2, 3, 8])
 @pytest.mark.parametrize(("mode", "api"), [(mode, api) for mode in MODES for api in APIS])
 @pytest.mark.parametrize("capturable", [False, True])
-def test_min_norm_above_the_face_enumeration_reads_once(toy, monkeypatch, mode: str, api: str,
+def test_min_norm_up_to_the_face_enumeration_reads_once(toy, monkeypatch, num_tasks: int, mode: str, api: str,
                                                         capturable: bool) -> None:
+    """MGDA's exact weights for m <= 10 (the closed form, or every face in one batched solve) are found on the
+    device: the step's one read is its guards' verdict, in features mode as in parameters mode."""
+    driver = Driver(toy(num_tasks=num_tasks), "mgda", mode, api, solver="min_norm", capturable=capturable)
+    reads = steady_step_reads(driver, monkeypatch)
+    assert len(reads) == (0 if capturable else 1), reads
+
+
+@pytest.mark.parametrize("clip", [{}, {"clip_c1": 1.0, "clip_c2": 0.05}], ids=["no-clip", "clip"])
+@pytest.mark.parametrize(("mode", "api"), [(mode, api) for mode in MODES for api in APIS])
+@pytest.mark.parametrize("capturable", [False, True])
+def test_min_norm_above_the_face_enumeration_reads_once(toy, monkeypatch, mode: str, api: str, capturable: bool,
+                                                        clip: dict[str, float]) -> None:
     """MGDA's exact weights for m > 10 (Wolfe's active set): eagerly the Gram reaches the host in the step's one
     read, with the guards' verdict, and the walk stops there once exact (it read a "done" flag every 8 steps on
-    the device: 6 reads at m = 40); capturable, a fixed count of steps on the device and no read.  Features
-    mode reads once more: the trunk's gradients, lifted from the rows with those weights, are guarded before
-    theta is written."""
-    driver = Driver(toy(num_tasks=14), "mgda", mode, api, solver="min_norm", capturable=capturable)
+    the device: 6 reads at m = 40); capturable, a fixed count of steps on the device and no read.  With the
+    clip, the theta Gram rides in the same read and the clip's factor is taken on the host (on the device it was
+    one more guard to read before theta is written: 2 reads).
+
+    Features mode reads once more, and must: the trunk's gradients are lifted from the rows with the weights the
+    host found, after the read that gave it the Gram, and a NaN/Inf they carry (a bad parameter, an overflow in
+    the trunk's backward) must stop the step before theta (or ``.grad``) is written -- a second read, whatever
+    is folded into the first.  Only a solve on the device avoids it: ``capturable=True``."""
+    driver = Driver(toy(num_tasks=14), "mgda", mode, api, solver="min_norm", capturable=capturable,
+                    features_rate_chosen=True, **clip)
     reads = steady_step_reads(driver, monkeypatch)
     assert len(reads) == (0 if capturable else 1 if mode == "parameters" else 2), reads
+
+
+ACCUMULATING = [(method, mode) for method in ("famo", "mgda", "moco", "modo", "nashmtl", "sdmgrad") for mode in MODES
+                if not (mode == "features" and method in NO_FEATURES)]
+
+
+@pytest.mark.parametrize(("method", "mode"), ACCUMULATING)
+def test_a_micro_batch_reads_the_host_once(toy, monkeypatch, method: str, mode: str) -> None:
+    """``backward(losses, accumulate=True)`` runs outside a step, where each guard was read where it was met: the
+    losses', then the dual statistics' (2 reads per micro-batch).  They are read together, once; the step that
+    closes the accumulation reads once, as any step."""
+    driver = Driver(toy(), method, mode, "balancer", **({"nashmtl": {"solver_iters": 20}}.get(method, {})))
+    balancer = driver.balancer
+
+    def micro_batch() -> None:
+        losses, z = driver._batch(driver.draw())
+        balancer.backward(losses, features=z if mode == "features" else None, accumulate=True)
+
+    for _ in range(WARMUP_STEPS):
+        micro_batch()
+        driver.step()
+    with counting_syncs(monkeypatch) as counter:
+        micro_batch()
+    assert len(counter.reads) == 1, counter.reads
+    with counting_syncs(monkeypatch) as counter:
+        driver.step()
+    assert len(counter.reads) == 1, counter.reads
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_non_finite_micro_batch_still_raises_naming_its_losses_and_keeps_nothing(toy, mode: str) -> None:
+    """The micro-batch's guards are read once, after its backward passes: a NaN micro-batch still raises naming
+    the losses (not the dual statistics its NaN reached next) and adds nothing to the accumulation."""
+    driver = Driver(toy(), "mgda", mode, "balancer")
+    balancer = driver.balancer
+    losses, z = driver._batch(driver.draw())
+    balancer.backward(losses, features=z if mode == "features" else None, accumulate=True)
+    pending = balancer._accumulation
+    assert pending is not None and pending.micro_batches == 1
+    kept = pending.jacobian.clone()
+    losses, z = driver._batch(driver.draw())
+    poisoned = losses * torch.tensor([1.0, float("nan"), 1.0], dtype=losses.dtype)
+    with pytest.raises(NonFiniteStepError, match=r"non-finite \(NaN or Inf\) per-sample losses for task\(s\) \[1\]"):
+        balancer.backward(poisoned, features=z if mode == "features" else None, accumulate=True)
+    assert pending.micro_batches == 1 and torch.equal(pending.jacobian, kept)

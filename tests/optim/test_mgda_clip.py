@@ -10,6 +10,7 @@ the chi^2 conjugate by autograd, the simplex projection by sorting.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -113,3 +114,33 @@ def test_clip_factors_must_be_positive() -> None:
     theta = torch.zeros(DIM, dtype=torch.float64, requires_grad=True)
     with pytest.raises(ValueError, match="clip_c2"):
         MGDA([theta], TASKS, clip_c1=1.0, clip_c2=-0.5)
+
+
+@pytest.mark.parametrize("jacobian", ["parameters", "features"])
+def test_the_clip_taken_on_the_host_above_the_face_enumeration_is_the_devices(toy, jacobian: str) -> None:
+    """For m > 10 an eager step finds the min-norm weights on the host and takes the clip's factor there too
+    (one host read); a capturable step takes both on the device.  Same theta, eta and w, to rounding, with the
+    clip active (c2 small: alpha < c1)."""
+    results = []
+    for capturable in (False, True):
+        problem = toy(num_tasks=14)
+        optimizer = MGDA(problem.shared, 14, lr=0.05, solver="min_norm", clip_c1=1.0, clip_c2=0.05,
+                         capturable=capturable, jacobian=jacobian, features_rate_chosen=True)
+        draw = problem.batches(1)
+        alphas = []
+        for _ in range(4):
+            rows = draw()
+
+            def closure(rows: Tensor = rows, problem: Any = problem) -> Tensor | tuple[Tensor, Tensor]:
+                z = torch.tanh(problem.inputs[rows] @ problem.A + problem.c)
+                losses = (z @ problem.H - problem.targets[rows]) ** 2
+                return (losses, z) if jacobian == "features" else losses
+
+            optimizer.step(closure)
+            stats = optimizer.stats
+            alphas.append(min(1.0, 0.05 / float(stats["theta_grad_norm"])))
+        results.append((problem.A.detach().clone(), problem.c.detach().clone(), optimizer.eta.clone(),
+                        optimizer.w.clone()))
+        assert max(alphas) < 1.0, "the clip must be active for this comparison"
+    for eager, device in zip(*results):
+        torch.testing.assert_close(eager, device, rtol=1e-12, atol=1e-14)

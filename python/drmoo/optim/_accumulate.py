@@ -56,6 +56,7 @@ from drmoo.jacobian import copy_into_row, require_reached
 
 from ._engine import EngineHost, JacobianEngine
 from ._fsdp import is_sharded
+from ._guards import StepGuard
 
 
 class FeaturesOfStep(Protocol):
@@ -71,6 +72,11 @@ class AccumulationHost(EngineHost, Protocol):
 
     accumulation: Accumulation | None
     jacobian_engine: JacobianEngine
+    device: torch.device
+    _guard: StepGuard | None  # the running step's guards (a micro-batch installs its own: reduce_micro_batch)
+
+    @property
+    def steps_taken(self) -> int: ...
 
     @property
     def features_engine(self) -> FeaturesOfStep | None: ...
@@ -270,7 +276,28 @@ def reduce_micro_batch(host: AccumulationHost, given: Tensor | tuple[Tensor, ...
     """Reduce one micro-batch (what a closure returns: losses or (losses, sample_weight)) into
     ``accumulation`` at the step's starting point: its dual means, its m backward passes (graph freed),
     its heads' gradients.  Nothing of ``host``'s state changes (eta, w, counters).  Returns the
-    micro-batch's per-task dual objectives (detached).  A micro-batch that raises adds nothing."""
+    micro-batch's per-task dual objectives (detached).  A micro-batch that raises adds nothing.
+
+    Its NaN/Inf guards (the losses, the dual statistics) are read together, once, before anything is kept,
+    as a step's are: outside a step each would be read where it is met (two host reads per micro-batch)."""
+    guard = host._guard = StepGuard(False, host.device, host.steps_taken)
+    try:
+        reduced = _reduce_guarded(host, given)
+        guard.settle()  # the micro-batch's one host read
+    except Exception:
+        guard.settle()  # a guard met before the error failed: the micro-batch stopped there, as if read at once
+        raise
+    finally:
+        host._guard = None
+    accumulation.add(*reduced)
+    return reduced[1].detach()
+
+
+MicroBatch = tuple[int, Tensor, Tensor, Tensor, dict[int, tuple[Tensor, Tensor]], Tensor | None]
+
+
+def _reduce_guarded(host: AccumulationHost, given: Tensor | tuple[Tensor, ...]) -> MicroBatch:
+    """:func:`reduce_micro_batch`'s work, its guards left pending: what :meth:`Accumulation.add` takes."""
     losses = host.draw_losses(lambda: given, need_graph=True)
     objective, z, cotangent = host.dual_forward(losses.detach(), host.eta, host.hyper("lam"), 1.0)
     host.check_dual(objective, z)
@@ -293,8 +320,7 @@ def reduce_micro_batch(host: AccumulationHost, given: Tensor | tuple[Tensor, ...
         for head, grad in kept:
             head.grad = grad
         engine.end_step()  # features mode: this micro-batch's z is forgotten (the next one brings its own)
-    accumulation.add(rows, objective, z, jacobian, head_sums, features_gram)
-    return objective.detach()
+    return rows, objective, z, jacobian, head_sums, features_gram
 
 
 def lift_rows(features: Sequence[Tensor] | None, rows: Tensor, shared: Sequence[Tensor]) -> Tensor:

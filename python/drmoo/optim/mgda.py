@@ -333,9 +333,11 @@ class MGDA(JointBaseline):
     Cost per step: 1 closure call (one batch of B samples), m backward passes; ``min_norm`` adds
     one batched solve of 2^m - 1 tiny KKT systems for 3 <= m <= 10, and for m > 10 active-set
     steps (one (m+1) x (m+1) solve each): eagerly on the host until exact (typically < 2m; the Gram
-    travels there in the step's one host read, with its NaN/Inf guards), with ``capturable`` all
-    ``max_iter`` of them on the device (no host read).  ``pref_lr`` and ``rho``
-    only enter the one-step solver.
+    travels there in the step's one host read, with its NaN/Inf guards, and with the clip the clip's
+    factor is taken there too), with ``capturable`` all ``max_iter`` of them on the device (no host read).
+    In features mode that eager path reads the host twice: the trunk's gradients are lifted with the
+    weights found on the host, and checked finite before theta (or ``.grad``) is written.  ``pref_lr``
+    and ``rho`` only enter the one-step solver.
 
     ``stats``: ``w`` (= w_{t+1}), ``eta`` (new), ``dual_objective`` (L^i(theta_t, eta_t) on xi),
     ``balanced_grad_norm`` = ||[J^T w_{t+1} ; z (.) w_{t+1}]|| (for ``min_norm`` the minimal joint
@@ -460,28 +462,49 @@ class MGDA(JointBaseline):
         gram, z64 = gram.double(), batch.z.double()
         K = joint_gram(gram, z64)
         w = self.w.double()
+        host_alpha: float | None = None  # the clip's factor, when the weights were found on the host
         if h["solver"] == "one_step":
             w_next = simplex_step(w, K @ w + h["rho"] * w, h["pref_lr"])
         elif K.shape[0] > EXACT_MAX_TASKS and not self.capturable:
-            # The active set stops once exact, which only the host can see: K and w reach it in the step's
-            # one host read (with the guards' verdict), and the walk runs there.
-            m = K.shape[0]
-            host = np.asarray(self.read_with_guards(torch.cat([K.reshape(-1), w])), dtype=np.float64)
-            w_host = min_norm_weights_on_host(host[: m * m].reshape(m, m), host[m * m:], max_iter=h["max_iter"],
-                                              tol=h["tol"])
-            if not np.isfinite(w_host).all():
-                raise NonFiniteStepError(f"the min-norm weights of a finite Gram came out non-finite in "
-                                         f"{self.failing_iteration}: {w_host.tolist()}; nothing was updated")
-            w_next = torch.from_numpy(w_host).to(w.device, non_blocking=True)
-            self.vouch_finite(w_next)  # checked here, on the host: the direction's guard of w reads nothing
+            w_next, host_alpha = self._min_norm_on_host(K, gram, w)
         else:  # m <= EXACT_MAX_TASKS (every face in one solve), or capturable (a fixed count of steps)
             w_next = min_norm_weights(K, w, max_iter=h["max_iter"], tol=h["tol"])
 
         if h.get("clip_c1") is None:
             self.step_joint(batch.jacobian, z64, w_next)
         else:  # Double-Clip's theta clip on MGDA's direction (see clip_c1)
-            alpha = clip_factor(h["clip_c1"], h["clip_c2"], joint_norm(gram, w_next))
+            alpha: Tensor | float = (clip_factor(h["clip_c1"], h["clip_c2"], joint_norm(gram, w_next))
+                                     if host_alpha is None else host_alpha)
             self.apply_direction(batch.jacobian, w_next, alpha)
             self.step_eta(z64, w_next, h["lr"] * alpha)
         self.set_w(w_next)
         return self.finish_step(batch, w_next, joint_norm(gram, w_next), z64 * w_next)
+
+    def _min_norm_on_host(self, K: Tensor, gram: Tensor, w: Tensor) -> tuple[Tensor, float | None]:
+        """The exact weights for m > ``EXACT_MAX_TASKS`` in an eager step, and with ``clip_c1`` the clip's factor.
+
+        The active set stops once exact, which only the host can see: K and w reach it in the step's one host
+        read (with the guards' verdict), and the walk runs there.  With the clip, the theta Gram rides in the
+        same read and the factor min(clip_c1, clip_c2 / sqrt(w^T G w)) is taken there too: taken on the device
+        from the host's weights, it would be one more guard to read before theta is written (a second host
+        read).  Both are checked finite on the host, so the direction's guard of them reads nothing.
+        """
+        h = self.param_groups[0]
+        m = K.shape[0]
+        clipped = h.get("clip_c1") is not None
+        payload = torch.cat([K.reshape(-1), w, *([gram.reshape(-1)] if clipped else [])])
+        host = np.asarray(self.read_with_guards(payload), dtype=np.float64)
+        w_host = min_norm_weights_on_host(host[: m * m].reshape(m, m), host[m * m: m * m + m],
+                                          max_iter=h["max_iter"], tol=h["tol"])
+        alpha = None
+        if clipped:  # clip_factor and joint_norm's formulas, in float64 on the host
+            G = host[m * m + m:].reshape(m, m)
+            norm = float(np.sqrt(max(float(w_host @ (G @ w_host)), 0.0)))
+            alpha = min(h["clip_c2"] / norm, h["clip_c1"]) if norm > 0 else float(h["clip_c1"])
+        if not (np.isfinite(w_host).all() and (alpha is None or np.isfinite(alpha))):
+            raise NonFiniteStepError(f"the min-norm weights of a finite Gram came out non-finite in "
+                                     f"{self.failing_iteration}: {w_host.tolist()} (clip factor {alpha}); "
+                                     "nothing was updated")
+        w_next = torch.from_numpy(w_host).to(w.device, non_blocking=True)
+        self.vouch_finite(w_next)  # checked here, on the host: the direction's guard of w reads nothing
+        return w_next, alpha
