@@ -96,13 +96,15 @@ to silently by autograd's convention: the balancer warns (``drmoo.GradientAccumu
 telling the cases apart from the tensors' version counters and a post-accumulate-grad hook on each
 shared parameter, with no device read.
 
-FSDP2.  With ``jacobian="features"``, the shared parameters may be a trunk wrapped by
-``torch.distributed.fsdp.fully_shard`` (the heads replicated): the one backward through the trunk is
-an ordinary one, which FSDP reduce-scatters into each rank's shard of ``.grad``; nothing n-sized is
-gathered.  In parameters mode MGDA, MoDo and SDMGrad run there too: each task's backward is an ordinary
-one that FSDP reduce-scatters, each rank keeps its shard's columns of J, and the Gram is the sum of the
-shards' local Grams (one m x m all-reduce).  The other methods in parameters mode, the ``step(closure)``
-optimizers and FSDP1 are refused with one line naming the alternative.
+FSDP2.  The shared parameters may be a trunk wrapped by ``torch.distributed.fsdp.fully_shard`` (the heads
+left unwrapped, replicated), in both modes and with every method but MoCo in parameters mode.  Every pass
+through the trunk is an ordinary backward, which FSDP reduce-scatters into each rank's shard of ``.grad``;
+nothing n-sized is gathered.  Features mode crosses the trunk once, with the method's combined cotangent.
+Parameters mode takes one backward per task: each rank keeps its shard's columns of J, every m x m product
+(the Gram, the cross products) is the sum of the shards' local ones (one all-reduce), and each shard's
+``.grad`` is its part of the direction.  Refused with one line naming the alternative: MoCo in parameters
+mode (its tracked Jacobian would be per-rank state), sharded heads, gradient accumulation, a GradScaler,
+and FSDP1.
 
 torch.compile.  A compiled model (``torch.compile(model)``) works as it is: the balancer walks the
 autograd graph that the compiled forward builds and runs its backward passes through it.
@@ -123,7 +125,7 @@ from .optim import NonFiniteStepError, available, create
 from .optim._accumulate import Accumulation, accumulate_refusal, reduce_micro_batch, shared_versions
 from .optim._base import MultiObjectiveOptimizer
 from .optim._features import with_features
-from .optim._fsdp import ALTERNATIVE, is_sharded
+from .optim._fsdp import is_sharded
 from .optim._hyperparameters import check_flag
 from .optim._loss_scale import LossScale
 
@@ -630,8 +632,8 @@ class Balancer:
             raise ValueError(
                 "the losses do not depend on the balancer's shared parameters: pass the parameters the "
                 "losses are computed from (e.g. model.trunk.parameters()) to drmoo.Balancer"
-                + (f" (or, if the model was wrapped by FSDP or fully_shard after the balancer was built: FSDP "
-                   f"replaced those parameters, and FSDP-sharded ones are not supported; {ALTERNATIVE})"
+                + (" (or, if the model was wrapped by FSDP or fully_shard after the balancer was built: FSDP "
+                   "replaced those parameters; build the balancer after fully_shard, from the sharded parameters)"
                    if torch.distributed.is_available() and torch.distributed.is_initialized() else "")
             )
 

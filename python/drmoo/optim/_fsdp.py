@@ -1,30 +1,38 @@
-"""Shared parameters sharded by FSDP2: the Balancer runs on them (features mode; parameters mode for MGDA,
-MoDo and SDMGrad); the rest is refused in one line.
+"""Shared parameters sharded by FSDP2: the Balancer and the ``step(closure)`` optimizers run on them, in features
+mode and in parameters mode (every method but MoCo); the rest is refused in one line.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) replaces a module's parameters by sharded ``DTensor``
 parameters and runs the forward pass on all-gathered, unsharded copies: the losses' autograd graph
 reaches the copies, never the sharded parameters an optimizer or a balancer holds.  FSDP1
 (``FullyShardedDataParallel``) flattens them into ``FlatParameter`` shards the same way.
 
-What works: ``drmoo.Balancer(..., jacobian="features")`` on a trunk wrapped by ``fully_shard`` (the
-heads left unwrapped, replicated).  Features mode takes its m per-task gradients above z, which FSDP
-does not touch, and crosses the trunk once, with the method's combined cotangent: that pass is an
-ordinary backward (:func:`lift_into_shards`), which FSDP's own hooks all-gather for and reduce-scatter
-into the shards' ``.grad`` -- each rank then holds its shard of the global batch's direction, and
-neither J nor any n-sized vector is gathered.  Only m x m products and the dual statistics cross ranks
-besides FSDP's own collectives.
+Features mode, on a trunk wrapped by ``fully_shard`` (the heads left unwrapped, replicated), takes its m
+per-task gradients above z, which FSDP does not touch, and crosses the trunk once, with the method's
+combined cotangent: that pass is an ordinary backward (:func:`lift_into_shards`), which FSDP's own hooks
+all-gather for and reduce-scatter into the shards' ``.grad`` -- each rank then holds its shard of the
+global batch's direction, and neither J nor any n-sized vector is gathered.  Only m x m products and the
+dual statistics cross ranks besides FSDP's own collectives.
 
-Parameters mode, for the methods whose step reads J only through its Gram and one direction J^T w
-(:data:`PARAMETERS_MODE_METHODS`: MGDA, MoDo, SDMGrad): one ordinary backward per task, restricted to FSDP's
-unsharded copies of the shared parameters (found in FSDP2's own records, :func:`unsharded_copies`, and
-so never taken for heads), which FSDP reduce-scatters into the shards' ``.grad``
-(:func:`sharded_task_jacobian`).  Each rank keeps its shard's columns of J [m, n_local]; the Gram is
-the sum of the shards' local Grams (one all-reduce of m x m), and each shard's ``.grad`` is its part
-of J^T w (:func:`add_sharded_direction`).  The m per-task gradients are never gathered.
+Parameters mode: every method's step reads the per-task gradients through m x m products of them (the
+Gram, MoDo's and SDMGrad's cross products, Double-Loop's Y_bar Y_tilde^T w), scalars derived from those
+(Double-Clip's clip ||J^T w|| = sqrt(w^T G w), Nash-MTL's bargaining solve) and one direction c^T J -- or,
+for FAMO and Nash-MTL between weight updates, one combined gradient.  Each is a sum over the shards'
+columns.  One ordinary backward per task, restricted to FSDP's unsharded copies of the shared parameters
+(found in FSDP2's own records, :func:`unsharded_copies`, and so never taken for heads), which FSDP
+reduce-scatters into the shards' ``.grad`` (:func:`sharded_task_jacobian`; a combined gradient likewise,
+:func:`sharded_combined_gradient`): each rank keeps its shard's columns of J [m, n_local], every m x m
+product is the sum of the shards' local ones (one all-reduce), a norm one all-reduced scalar, and each
+shard's part of the direction is its own columns' (:func:`add_sharded_direction`).  The m per-task
+gradients are never gathered.  MoCo is refused: its tracked m x n estimate would be kept as each rank's
+columns, a state_dict that depends on the sharding.
 
-What is refused, with one line naming FSDP and the alternative: parameters mode for the other methods,
-the ``step(closure)`` optimizers (they write theta themselves), gradient accumulation, FSDP1's
-``FlatParameter``, a GradScaler and capturable steps on sharded parameters.
+Writing theta: in direction mode (``drmoo.Balancer``) the direction goes into each shard's ``.grad`` for the
+user's optimizer.  A ``step(closure)`` optimizer moves each shard itself, ``theta -= lr * d`` on its local
+tensor (:func:`write_shards`, after the step's guards are read); the next forward all-gathers the moved shards.
+
+What is refused, with one line naming FSDP and the alternative: MoCo in parameters mode; heads sharded by
+FSDP (a step feeds each head its task's gradient outside FSDP's backward, which would never reduce it);
+gradient accumulation; FSDP1's ``FlatParameter``; a GradScaler and capturable steps.
 """
 
 from __future__ import annotations
@@ -42,7 +50,9 @@ from ._loss_scale import is_unit
 if TYPE_CHECKING:
     from ._engine import EngineHost
 
-__all__ = ["is_sharded", "lift_into_shards", "refuse_sharded", "sharding_of"]
+__all__ = ["add_sharded_direction", "is_sharded", "lift_into_shards", "local_views", "refuse_sharded",
+           "refuse_sharded_heads", "sharded_combined_gradient", "sharded_task_jacobian", "sharding_of",
+           "sum_over_ranks", "unsharded_copies"]
 
 ALTERNATIVE = ("keep the shared parameters replicated and use DistributedDataParallel (the balancer does its own "
                "all-reduce; gradient accumulation, backward(..., accumulate=True), bounds the activations' memory)")
@@ -74,7 +84,7 @@ def refuse_sharded(params: Sequence[Tensor], jacobian: str, method: str = "", re
         return
     if is_sharded(params):
         raise ValueError(f"{method or 'this method'} cannot run in parameters mode on FSDP-sharded shared "
-                         f"parameters: {refusal}; use {ALTERNATIVE}")
+                         f"parameters: {refusal}; {ALTERNATIVE}")
     raise ValueError(
         f"the shared parameters are {sharding}: drmoo's parameters mode takes its per-task gradients with respect "
         "to the parameters it holds, which FSDP's forward never uses (it computes with all-gathered copies); "
@@ -184,7 +194,7 @@ def refuse_sharded_heads(heads: Sequence[Tensor]) -> None:
     """Raise ValueError if a head (a task-specific leaf of the losses' graph, whose gradient a step feeds) is
     FSDP2's unsharded copy of a sharded parameter: that gradient is fed outside FSDP's backward hooks, so FSDP
     would never reduce it into the head's shard (it would be lost, silently)."""
-    if not heads or not is_distributed_fsdp():
+    if not heads or not _fsdp_in_use():
         return
     copies = {id(copy) for _, copy in _fsdp_records()}
     if any(id(head) in copies for head in heads):
@@ -195,7 +205,7 @@ def refuse_sharded_heads(heads: Sequence[Tensor]) -> None:
             "keep the heads replicated (the balancer sums their gradients over ranks)")
 
 
-def is_distributed_fsdp() -> bool:
+def _fsdp_in_use() -> bool:
     """Whether FSDP2 (or another composable API) manages any module in this process: cheap, no record read."""
     if not torch.distributed.is_available():
         return False
