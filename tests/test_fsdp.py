@@ -59,6 +59,25 @@ def test_a_capturable_step_on_sharded_parameters_is_refused_and_changes_nothing(
 
 
 @pytest.mark.usefixtures("group_of_one")
+def test_famo_restores_its_shards_when_the_re_evaluation_after_writing_them_fails() -> None:
+    net = two_task_net()
+    fully_shard(net["trunk"])
+    shards: list[Any] = list(net["trunk"].parameters())
+    optimizer = create("famo", shards, 2, lr=0.1)
+    before = [p.full_tensor().clone() for p in shards]
+    closure = sharded_closure(net, torch.randn(6, 4))
+
+    def reevaluate() -> torch.Tensor:
+        assert not all(torch.equal(p.full_tensor(), b) for p, b in zip(shards, before))  # the shards were written
+        return closure()[0][:3]  # not the batch stepped on
+
+    with pytest.raises(ValueError, match=r"re-evaluated losses have shape \(3, 2\)"):
+        optimizer.step(lambda: closure()[0], reevaluate=reevaluate)
+    assert all(torch.equal(p.full_tensor(), b) for p, b in zip(shards, before))
+    assert optimizer.steps_taken == 0
+
+
+@pytest.mark.usefixtures("group_of_one")
 @pytest.mark.parametrize("jacobian", ["parameters", "features"])
 def test_sharded_heads_are_refused_before_anything_changes(jacobian: str) -> None:
     net = two_task_net()
