@@ -1,6 +1,7 @@
-"""FSDP2-sharded trunks: features mode's Balancer on 2 gloo ranks equals one process on the global batch; what
-cannot run (parameters mode, step(closure)) is refused with one line that names FSDP and the alternative, not
-with a message that blames the user's losses (a gloo group of one: fully_shard needs a group)."""
+"""FSDP2-sharded trunks: the Balancer and the step(closure) optimizers, in both Jacobian modes, on 2 gloo ranks equal
+one process on the global batch; what cannot run (MoCo in parameters mode, sharded heads, accumulation,
+capturable steps) is refused with one line that names FSDP and the alternative, not with a message that blames
+the user's losses (a gloo group of one: fully_shard needs a group)."""
 
 from __future__ import annotations
 
