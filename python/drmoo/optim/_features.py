@@ -159,6 +159,16 @@ class OneBatchPerStep(Generic[Drawn]):
         self.first_with_graph = None
 
 
+def trunk_norms(grads: Sequence[Tensor]) -> list[Tensor]:
+    """The L2 norm of each of the trunk's gradients, in one foreach pass: the lift's NaN/Inf guard (a NaN or Inf
+    entry makes its norm NaN or Inf; the pass costs a read of the gradients, what any test of every entry costs).
+
+    Accumulated and returned in float32 at least: in a half-precision gradient's own dtype the norm overflows
+    at 65504 -- a million finite entries of 100 -- and a finite gradient would stop the step as non-finite."""
+    dtype = torch.promote_types(grads[0].dtype, torch.float32)
+    return list(torch._foreach_norm(list(grads), 2, dtype=dtype))
+
+
 class FeaturesJacobian:
     """The features-mode engine of one optimizer (see the module docstring; implements
     :class:`~drmoo.optim._engine.JacobianEngine`).
@@ -372,7 +382,7 @@ class FeaturesJacobian:
                 distributed.all_reduce_sum_(joined)
                 parts = torch.split(joined, [g.numel() for g in grads])
                 grads = [part.view_as(grad) for part, grad in zip(parts, grads)]
-            host.require_finite(finite_together(torch._foreach_norm(grads)), lambda _: (
+            host.require_finite(finite_together(trunk_norms(grads)), lambda _: (
                 f"non-finite gradient of the shared parameters from the backward pass through the trunk in "
                 f"{host.failing_iteration}; the step was abandoned and nothing was updated"))
             if host.direction_mode:
