@@ -163,10 +163,13 @@ def trunk_norms(grads: Sequence[Tensor]) -> list[Tensor]:
     """The L2 norm of each of the trunk's gradients, in one foreach pass: the lift's NaN/Inf guard (a NaN or Inf
     entry makes its norm NaN or Inf; the pass costs a read of the gradients, what any test of every entry costs).
 
-    Accumulated and returned in float32 at least: in a half-precision gradient's own dtype the norm overflows
-    at 65504 -- a million finite entries of 100 -- and a finite gradient would stop the step as non-finite."""
-    dtype = torch.promote_types(grads[0].dtype, torch.float32)
-    return list(torch._foreach_norm(list(grads), 2, dtype=dtype))
+    Accumulated and returned in float32 for half-precision gradients: in float16 the norm overflows at 65504 --
+    a million finite entries of 100 -- and a finite gradient would stop the step as non-finite.  Other dtypes
+    keep the plain call (the foreach kernels' fast path on a GPU, whatever it does with a ``dtype``)."""
+    grads = list(grads)
+    if grads[0].dtype in (torch.float16, torch.bfloat16):
+        return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    return list(torch._foreach_norm(grads))
 
 
 class FeaturesJacobian:
