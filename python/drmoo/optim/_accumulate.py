@@ -95,21 +95,23 @@ class AccumulationHost(EngineHost, Protocol):
 ParamVersions = tuple[int, ...]
 
 
-def accumulate_refusal(optimizer: AccumulationHost) -> str | None:
-    """Why ``optimizer`` cannot accumulate micro-batches exactly (a one-line reason and what to do), or None.
+def accumulate_refusal(optimizer: AccumulationHost, whole_batch: str = "pass the whole batch to one backward"
+                       ) -> str | None:
+    """Why ``optimizer`` cannot accumulate micro-batches exactly (a one-line reason and what to do, the
+    alternative worded by ``whole_batch`` for the form the user wrote), or None.
 
     Every method takes its step's gradients at (theta_t, eta_t) but those whose class says why not in
     ``ACCUMULATE_REFUSAL`` (Double-Clip, Double-Loop)."""
     name = type(optimizer).__name__
     if is_sharded(optimizer._shared_params()):
         return (f"{name} cannot accumulate micro-batches on FSDP-sharded shared parameters: each micro-batch's "
-                "m per-task trunk gradients would be kept across the sharded trunk's backward passes; pass the "
-                "whole batch to one backward, or keep the trunk replicated (DDP)")
+                f"m per-task trunk gradients would be kept across the sharded trunk's backward passes; {whole_batch}, "
+                "or keep the trunk replicated (DDP)")
     reason = getattr(type(optimizer), "ACCUMULATE_REFUSAL", None)
     if reason is not None:
-        return (f"{name} cannot accumulate micro-batches exactly: {reason}; pass the whole batch to one "
-                "backward (torch.cat of the micro-batches' losses keeps their graphs), or use a method that "
-                "accumulates (mgda, modo, sdmgrad, moco, nashmtl, famo)")
+        return (f"{name} cannot accumulate micro-batches exactly: {reason}; {whole_batch} (torch.cat of the "
+                "micro-batches' losses keeps their graphs), or use a method that accumulates (mgda, modo, "
+                "sdmgrad, moco, nashmtl, famo)")
     return None
 
 
@@ -279,7 +281,10 @@ def reduce_micro_batch(host: AccumulationHost, given: Tensor | tuple[Tensor, ...
     micro-batch's per-task dual objectives (detached).  A micro-batch that raises adds nothing.
 
     Its NaN/Inf guards (the losses, the dual statistics) are read together, once, before anything is kept,
-    as a step's are: outside a step each would be read where it is met (two host reads per micro-batch)."""
+    as a step's are: outside a step each would be read where it is met (two host reads per micro-batch).
+    Within a step (a closure's micro-batches, :mod:`drmoo.optim._micro_batches`) the step's own guards are
+    set aside meanwhile and put back after."""
+    step_guard = host._guard
     guard = host._guard = StepGuard(False, host.device, host.steps_taken)
     try:
         reduced = _reduce_guarded(host, given)
@@ -288,7 +293,7 @@ def reduce_micro_batch(host: AccumulationHost, given: Tensor | tuple[Tensor, ...
         guard.settle()  # a guard met before the error failed: the micro-batch stopped there, as if read at once
         raise
     finally:
-        host._guard = None
+        host._guard = step_guard
     accumulation.add(*reduced)
     return reduced[1].detach()
 

@@ -93,6 +93,7 @@ from ._hyperparameters import (
 )
 from ._loss_scale import LossScale, times
 from ._losses import check_losses
+from ._micro_batches import DrawnMicroBatches, draw_micro_batches, forget_micro_batches, is_micro_batches
 from ._parameters import ParametersJacobian
 from ._presets import Presets
 from ._shared_reach import SharedReach
@@ -108,7 +109,8 @@ JACOBIANS: tuple[str, ...] = ("parameters", "features")
 # pickled / deep-copied optimizer (torch.optim.Optimizer keeps only defaults, state and
 # param_groups; drmoo keeps its configuration too, see __getstate__) and reset on unpickling.
 _SCRATCH_ATTRIBUTES = ("_head_grads", "_guard", "_ops", "batch_weight", "_hyperparameters_passed",
-                       "_shared_reach", "_ranks_checked", "_heads_checked", "accumulation")
+                       "_shared_reach", "_ranks_checked", "_heads_checked", "accumulation",
+                       "drawn_micro_batches")
 
 
 def configure_jacobian(optimizer: MultiObjectiveOptimizer, jacobian: str, strategy: str) -> JacobianEngine:
@@ -182,6 +184,7 @@ def _all_or_nothing(step: Callable[..., Any]) -> Callable[..., Any]:
             self._head_grads = None
             self._guard = None
             self.jacobian_engine.end_step()
+            forget_micro_batches(self)  # a closure's micro-batches live for the step that drew them
         return result
 
     return all_or_nothing_step
@@ -224,6 +227,8 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
             ...
 
     accumulation: Accumulation | None = None  # the Balancer's, in a step closing an accumulation (_accumulate)
+    # The step's latest draw whose closure returned micro-batches, while the step uses it (_micro_batches).
+    drawn_micro_batches: DrawnMicroBatches | None = None
     # Whether every batch a step draws is taken at the same (theta, eta) (MoDo, SDMGrad: yes; Double-Loop
     # draws at random inner iterates of eta): then draws over one graph give one Jacobian (jacobian_memo).
     DRAWS_SHARE_ONE_POINT: ClassVar[bool] = False
@@ -445,7 +450,11 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
         origin = self.losses_origin
         with untrusted_arguments():  # the ops the closure calls check everything (see trusted_arguments)
             result = closure()
-        result = self.jacobian_engine.unpack(result, need_graph=need_graph)  # features: (losses, z[, weights])
+        if is_micro_batches(result):  # the batch in parts: one batch of the method (drmoo.optim._micro_batches)
+            result = draw_micro_batches(self, result, need_graph=need_graph)
+        else:
+            forget_micro_batches(self)  # an earlier draw's micro-batches are done with
+            result = self.jacobian_engine.unpack(result, need_graph=need_graph)  # features: (losses, z[, weights])
         losses, weights = check_losses(result, num_tasks=self.num_tasks, device=self.device, origin=origin,
                                        need_graph=need_graph)
         if weights is not None:  # (capturable: invalid weights skip the step)
@@ -469,6 +478,11 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
             f"non-finite (NaN or Inf) per-sample losses for task(s) {bad} in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))
         return losses
+
+    def batch_rows(self, losses: Tensor) -> int:
+        """The rows of the batch whose draw returned ``losses``: closing an accumulation (the last of several
+        micro-batches), the whole batch's."""
+        return int(losses.shape[0]) if self.accumulation is None else self.accumulation.total_rows
 
     def _collective_settings(self) -> dict[str, Any]:
         """What every rank must agree on before a step's collectives: the method, the Jacobian mode and the

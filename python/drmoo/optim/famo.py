@@ -305,16 +305,17 @@ class FAMO(JointBaseline):
             copy_into_row(shared, theta_before, [p.detach() for p in shared])
             backup = column_views(shared, theta_before)
         eta_backup = self.eta.clone()
+        stepped = (self.batch_rows(batch.losses), self.num_tasks)  # (micro-batches: the whole batch's rows)
         with self.deferred_writes():  # restored below if the step fails: the guards are read after the re-evaluation
             self.apply_direction(combined[None, :], torch.ones(1, dtype=torch.float64, device=self.device))
             self.step_eta(batch.z, weights, h["lr"])
         try:
             with torch.no_grad():
                 after = self.draw_losses(reevaluate, need_graph=False)
-            if after.shape != batch.losses.shape:
+            if tuple(after.shape) != stepped:
                 raise ValueError(
                     f"the re-evaluated losses have shape {tuple(after.shape)}, but the batch stepped on had "
-                    f"{tuple(batch.losses.shape)}: closure(same_batch=True) / reevaluate() must recompute "
+                    f"{stepped}: closure(same_batch=True) / reevaluate() must recompute "
                     "the same batch"
                 )
             self.settle_guards()  # eager: the step's one host read (its guards so far, the re-evaluation's too)
