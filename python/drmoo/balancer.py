@@ -90,7 +90,9 @@ Gram of its rows w.r.t. z, and its m per-task gradients are its rows lifted thro
 backward passes instead of features mode's one), so that the step has the full batch's Gram and lift.
 Double-Clip and Double-Loop (whose gradients are taken at an eta that depends on the whole batch's
 losses) are refused with the reason.  A step that raises drops the micro-batches accumulated
-for it.  Without ``accumulate``, a second ``backward`` before the optimizer stepped, or a gradient
+for it.  A closure (``backward(closure)``, the multi-batch form) may return each batch it draws in
+micro-batches instead, as for the optimizers' ``step(closure)`` (:data:`drmoo.optim.Closure`).
+Without ``accumulate``, a second ``backward`` before the optimizer stepped, or a gradient
 already put into the shared parameters' ``.grad`` by another backward (``loss.backward()``), is added
 to silently by autograd's convention: the balancer warns (``drmoo.GradientAccumulationWarning``),
 telling the cases apart from the tensors' version counters and a post-accumulate-grad hook on each

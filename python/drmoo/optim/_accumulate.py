@@ -4,6 +4,8 @@
 ``backward(losses)`` on the last, takes the step the method takes on the concatenated batch: the same
 ``.grad`` (shared parameters and heads), the same eta, w and state update, one dual step
 (``steps_taken`` + 1), to the rounding of a different summation order.
+The optimizers' ``step(closure)`` runs the same machinery when a closure returns its batch in
+micro-batches (:mod:`drmoo.optim._micro_batches`).
 
 Why it can be exact.  What a step of MGDA, MoDo, SDMGrad, MoCo, Nash-MTL or FAMO reads from its batch
 is taken at the step's starting point (theta_t, eta_t), which does not move while micro-batches come:

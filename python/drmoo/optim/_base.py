@@ -5,7 +5,9 @@ needs; every call must draw a *fresh* batch and return the per-sample losses ``[
 per task) with their autograd graph - or a pair ``(losses, sample_weight)`` with importance weights
 omega ``[B, m]`` >= 0 (e.g. CelebA's label balancing), which then enter every expectation of the
 dual objective.  The optimizer, not the user, turns those losses into the DR dual objective, its
-weights and its per-task gradients.
+weights and its per-task gradients.  A batch too large for memory may come in micro-batches: the closure
+returns an iterable of them (each its losses, or a callable computing them), and the step is the one
+the whole batch gives (exact gradient accumulation, :mod:`drmoo.optim._micro_batches`).
 
 Shared vs task-specific parameters.  The parameters handed to the optimizer are the *shared* ones
 and go through the multi-objective update.  Every other trainable leaf that takes part in the losses
