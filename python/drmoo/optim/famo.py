@@ -234,8 +234,9 @@ class FAMO(JointBaseline):
 
         Args:
             closure: draws a fresh batch and returns its per-sample losses ``[B, m]`` with their graph,
-                or ``(losses, sample_weight)`` (the closure protocol of :mod:`drmoo.optim`); required
-                (None raises ValueError).
+                or ``(losses, sample_weight)`` -- or an iterable of micro-batches that make the batch, for the
+                whole batch's step without its whole graph in memory (the closure protocol of
+                :mod:`drmoo.optim`, :data:`drmoo.optim.Closure`); required (None raises ValueError).
             reevaluate: recomputes the per-sample losses of the batch ``closure`` just drew, at the
                 stepped parameters (same-batch form); None = ``closure(same_batch=True)`` when the closure
                 takes that keyword, else the next-batch form.

@@ -166,8 +166,9 @@ class SDMGrad(JointBaseline):
 
         Args:
             closure: draws a fresh batch and returns its per-sample losses ``[B, m]`` with their graph,
-                or ``(losses, sample_weight)`` (the closure protocol of :mod:`drmoo.optim`); required
-                (None raises ValueError).
+                or ``(losses, sample_weight)`` -- or an iterable of micro-batches that make the batch, for the
+                whole batch's step without its whole graph in memory (the closure protocol of
+                :mod:`drmoo.optim`, :data:`drmoo.optim.Closure`); required (None raises ValueError).
         """
         h = self.param_groups[0]
         state = self.state[STATE_KEY]
