@@ -300,10 +300,11 @@ def reduce_micro_batch(host: AccumulationHost, given: Tensor | tuple[Tensor, ...
     return reduced[1].detach()
 
 
-MicroBatch = tuple[int, Tensor, Tensor, Tensor, dict[int, tuple[Tensor, Tensor]], Tensor | None]
+# What one micro-batch adds to an Accumulation (its arguments to Accumulation.add), once its guards pass.
+ReducedMicroBatch = tuple[int, Tensor, Tensor, Tensor, dict[int, tuple[Tensor, Tensor]], Tensor | None]
 
 
-def _reduce_guarded(host: AccumulationHost, given: Tensor | tuple[Tensor, ...]) -> MicroBatch:
+def _reduce_guarded(host: AccumulationHost, given: Tensor | tuple[Tensor, ...]) -> ReducedMicroBatch:
     """:func:`reduce_micro_batch`'s work, its guards left pending: what :meth:`Accumulation.add` takes."""
     losses = host.draw_losses(lambda: given, need_graph=True)
     objective, z, cotangent = host.dual_forward(losses.detach(), host.eta, host.hyper("lam"), 1.0)
