@@ -453,3 +453,44 @@ def test_a_non_finite_micro_batch_still_raises_naming_its_losses_and_keeps_nothi
     with pytest.raises(NonFiniteStepError, match=r"non-finite \(NaN or Inf\) per-sample losses for task\(s\) \[1\]"):
         balancer.backward(poisoned, features=z if mode == "features" else None, accumulate=True)
     assert pending.micro_batches == 1 and torch.equal(pending.jacobian, kept)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("poisoned", [None, 0, 2], ids=["finite", "nan-first", "nan-last"])
+def test_a_step_on_a_closures_micro_batches_reads_the_host_once(toy, monkeypatch, mode: str,
+                                                                poisoned: int | None) -> None:
+    """``step(closure)`` with a closure yielding 3 micro-batches: the first two are reduced inside the step, and
+    their guards join the step's (they were read as each was reduced: 3 reads a step); a NaN in any micro-batch
+    still stops the step before anything is written, naming the losses."""
+    problem = toy()
+    optimizer = create("mgda", problem.shared, problem.num_tasks, jacobian=mode, lr=0.05)
+    draw = problem.batches(1)
+    nan_in: list[int | None] = [None]
+
+    def closure() -> Any:
+        def micro_batches() -> Any:
+            for index in range(3):
+                rows = draw()
+                z = torch.tanh(problem.inputs[rows] @ problem.A + problem.c)
+                losses = (z @ problem.H - problem.targets[rows]) ** 2
+                if index == nan_in[0]:
+                    losses = losses * torch.tensor([1.0, float("nan"), 1.0], dtype=losses.dtype)
+                yield (losses, z) if mode == "features" else losses
+        return micro_batches()
+
+    for _ in range(WARMUP_STEPS):
+        optimizer.step(closure)
+    before, state = problem.snapshot(), (optimizer.eta.clone(), optimizer.w.clone(), optimizer.steps_taken)
+    nan_in[0] = poisoned
+    with counting_syncs(monkeypatch) as counter:
+        if poisoned is None:
+            optimizer.step(closure)
+        else:
+            with pytest.raises(NonFiniteStepError, match=r"per-sample losses for task\(s\) \[1\]"):
+                optimizer.step(closure)
+    if poisoned is None:
+        assert len(counter.reads) == 1, counter.reads
+        return
+    assert all(torch.equal(got, want) for got, want in zip(problem.snapshot()[:2], before[:2])), "theta moved"
+    assert torch.equal(optimizer.eta, state[0]) and torch.equal(optimizer.w, state[1])
+    assert optimizer.steps_taken == state[2]

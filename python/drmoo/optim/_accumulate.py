@@ -284,9 +284,14 @@ def reduce_micro_batch(host: AccumulationHost, given: Tensor | tuple[Tensor, ...
 
     Its NaN/Inf guards (the losses, the dual statistics) are read together, once, before anything is kept,
     as a step's are: outside a step each would be read where it is met (two host reads per micro-batch).
-    Within a step (a closure's micro-batches, :mod:`drmoo.optim._micro_batches`) the step's own guards are
-    set aside meanwhile and put back after."""
+    Within a step (a closure's micro-batches, :mod:`drmoo.optim._micro_batches`) they join the step's own
+    guards, read in the step's one host read before anything is written: the accumulation is the step's, and
+    leaves with it if the step fails (k micro-batches read the host once, not k times)."""
     step_guard = host._guard
+    if step_guard is not None:
+        reduced = _reduce_guarded(host, given)
+        accumulation.add(*reduced)
+        return reduced[1].detach()
     guard = host._guard = StepGuard(False, host.device, host.steps_taken)
     try:
         reduced = _reduce_guarded(host, given)
