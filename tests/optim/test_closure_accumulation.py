@@ -19,6 +19,7 @@ covers that with a margin and sits far below the 1e-3 an algorithmic difference 
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import drmoo
 from drmoo.optim import NonFiniteStepError, create
@@ -250,13 +252,58 @@ def test_sharded_shared_parameters_are_refused(monkeypatch: pytest.MonkeyPatch) 
         optimizer.step(lambda: (model.losses(x[rows], y[rows])[0] for rows in torch.arange(BATCH).split(16)))
 
 
-def test_capturable_steps_are_refused() -> None:
-    model = TwoTaskNet()
-    optimizer = create("mgda", model.trunk.parameters(), M, lr=LR, capturable=True)
-    x, y = next(batches())
-    with pytest.raises(ValueError, match=r"capturable=True makes no host read.*capturable=False"):
-        optimizer.step(lambda: (model.losses(x[rows], y[rows])[0] for rows in torch.arange(BATCH).split(16)))
-    optimizer.step(lambda: model.losses(x, y)[0])  # the one-tensor closure, as ever
+class _HostReads(TorchDispatchMode):
+    """Counts the ops that read a tensor's value on the host."""
+
+    READS = frozenset({torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero, torch.ops.aten.item,
+                       torch.ops.aten.equal, torch.ops.aten.nonzero})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.reads += func.overloadpacket in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["mgda", "famo", "nashmtl"])
+def test_capturable_steps_take_micro_batches_without_a_host_read(case: str) -> None:
+    """capturable=True over micro-batches: the whole batch's step, no host read, and a non-finite micro-batch
+    leaves the step undone on the device exactly as a non-finite whole batch does."""
+    name, hparams = ACCEPTED[case]
+    runs = []
+    for accumulate in (False, True):
+        model = TwoTaskNet()
+        optimizer = create(name, model.trunk.parameters(), M, lr=LR, capturable=True, **hparams)
+        stream = batches()
+        for step in range(STEPS + 1):
+            x, y = next(stream)
+            bad = step == STEPS  # the last step's first micro-batch (or whole batch) is NaN
+
+            def one(rows: Tensor, poisoned: bool, x: Tensor = x, y: Tensor = y, model: TwoTaskNet = model) -> Tensor:
+                losses = model.losses(x[rows], y[rows])[0]
+                return losses * math.nan if poisoned else losses
+
+            if accumulate:
+                def closure(x: Tensor = x, bad: bool = bad, one: Any = one) -> Any:
+                    return [lambda rows=rows, i=i: one(rows, bad and i == 0)
+                            for i, rows in enumerate(torch.arange(BATCH).split(16))]
+            else:
+                def closure(bad: bool = bad, one: Any = one) -> Any:
+                    return one(torch.arange(BATCH), bad)
+            counter = _HostReads()
+            with counter:
+                optimizer.step(closure)
+            if step >= 1:
+                assert counter.reads == 0, (case, accumulate, step)
+        runs.append(([p.detach().clone() for p in model.trunk.parameters()], optimizer.w.clone(),
+                     optimizer.steps_taken))
+    (whole, w_whole, steps_whole), (micro, w_micro, steps_micro) = runs
+    for a, b in zip(whole, micro, strict=True):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(w_micro, w_whole, rtol=RTOL, atol=ATOL)
+    assert steps_micro == steps_whole
 
 
 def test_a_closure_that_yields_nothing_is_refused() -> None:

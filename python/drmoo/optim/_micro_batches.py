@@ -26,11 +26,12 @@ its micro-batches' losses are joined.
 
 Refused, with one line naming the reason and the alternative: the methods that cannot accumulate
 exactly (Double-Clip, Double-Loop: their gradients are taken at an eta the whole batch decides),
-FSDP-sharded shared parameters (as the Balancer refuses them), capturable steps (each micro-batch is
-checked with one host read as it comes), an iterable that yields nothing.  In features mode a step's
-per-task gradients must come from one batch: a later draw of MoDo's or SDMGrad's step may return the
-very iterable the step's first draw returned (that batch again, as a closure returning the same batch
-does), and any other is refused.
+FSDP-sharded shared parameters (as the Balancer refuses them), an iterable that yields nothing.  Each
+micro-batch's checks join the step's own (one host read per step, none with ``capturable=True``: a
+non-finite micro-batch then leaves the step undone on the device, as a non-finite whole batch does).
+In features mode a step's per-task gradients must come from one batch: a later draw of MoDo's or
+SDMGrad's step may return the very iterable the step's first draw returned (that batch again, as a
+closure returning the same batch does), and any other is refused.
 """
 
 from __future__ import annotations
@@ -135,14 +136,9 @@ def draw_micro_batches(host: MicroBatchesHost, source: Iterable[Any], *, need_gr
 
 def micro_batches_refusal(host: MicroBatchesHost) -> str | None:
     """Why this optimizer's step cannot take a closure's micro-batches exactly (one line), or None."""
-    refusal = accumulate_refusal(host, whole_batch="return the whole batch's losses from the closure")
-    if refusal is not None:
-        return refusal
-    if host.capturable:
-        return (f"{type(host).__name__} with capturable=True makes no host read in a step, but each micro-batch's "
-                "checks are read as it is reduced: return the whole batch's losses from the closure, or use "
-                "capturable=False")
-    return None
+    # capturable=True is not refused: each micro-batch's checks join the step's own guard (no host read of
+    # their own), so a capturable step over micro-batches reads nothing, as over one batch.
+    return accumulate_refusal(host, whole_batch="return the whole batch's losses from the closure")
 
 
 def _reduce_all_but_last(host: MicroBatchesHost, source: Iterable[Any]) -> tuple[Accumulation | None, Any]:
