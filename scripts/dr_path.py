@@ -192,6 +192,9 @@ def main(argv: list[str]) -> int:
     if shifted:  # runs evaluated before drmoo eval scaled the shifted logits have none
         _write(folder / "contrasts-temperature-shift.csv", SHIFT_FIELDS, shifted)
         survivors = sum(bool(row["survives_holm"]) for row in shifted)
+        excluding = sum(float(row["ci_low"]) > 0 or float(row["ci_high"]) < 0 for row in shifted)
+        _write(folder / "contrasts-temperature-shift-summary.csv", ("intervals", "exclude_0", "survive_holm"),
+               [{"intervals": len(shifted), "exclude_0": excluding, "survive_holm": survivors}])
         print(f"{folder}: {len(shifted)} contrasts under shift against λ {ERM_LAM:g} with its clean temperature, "
               f"{survivors} survive Holm -> {folder / 'contrasts-temperature-shift.csv'}")
     return 0

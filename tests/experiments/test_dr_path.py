@@ -174,6 +174,10 @@ def test_under_shift_each_lambda_meets_lambda_100_with_its_clean_temperature(tmp
     (label,) = [r for r in rows if r["column"] == "label=2:cvar_0.05"]
     assert float(label["mean"]) == pytest.approx((0.6 - 2) - (0.4 - 2 - 0.1))
     assert all(0 <= float(r["p"]) <= float(r["p_holm"]) <= 1 for r in rows)
+    (summary,) = _rows(tmp_path / "contrasts-temperature-shift-summary.csv")
+    assert int(summary["intervals"]) == len(rows)
+    assert int(summary["survive_holm"]) == sum(r["survives_holm"] == "True" for r in rows)
+    assert int(summary["exclude_0"]) >= int(summary["survive_holm"])
     # the first family is unchanged by it
     assert [r["column"] for r in _rows(tmp_path / "contrasts.csv") if r["other"].endswith("+T")] == list(
         module.ATTRIBUTES_AGAINST_ERM_T)
