@@ -181,3 +181,20 @@ def test_under_shift_each_lambda_meets_lambda_100_with_its_clean_temperature(tmp
     # the first family is unchanged by it
     assert [r["column"] for r in _rows(tmp_path / "contrasts.csv") if r["other"].endswith("+T")] == list(
         module.ATTRIBUTES_AGAINST_ERM_T)
+
+
+@pytest.mark.parametrize("folder", ["multimnist2-small/dr-path"])
+def test_committed_contrasts_are_those_of_the_committed_runs(folder: str, load_script: Any) -> None:
+    """contrasts.csv and contrasts-temperature-shift.csv recomputed from the committed eval.json files."""
+    module = load_script("dr_path")
+    path = Path(__file__).resolve().parents[2] / "results" / folder
+    per_seed = module.read_runs(path)
+    experiment = module.experiment_of(path)
+    shifted = module.shift_contrasts_with_temperature(per_seed, experiment)
+    for name, rows in (("contrasts.csv", module.contrasts(per_seed, experiment)),
+                       ("contrasts-temperature-shift.csv", shifted)):
+        committed = _rows(path / name)
+        assert [(r["reference"], r["other"], r["column"]) for r in committed] == [
+            (r["reference"], r["other"], r["column"]) for r in rows]
+        for mine, theirs in zip(rows, committed, strict=True):
+            assert float(theirs["mean"]) == pytest.approx(float(mine["mean"]), rel=1e-12, abs=1e-12)
