@@ -79,16 +79,37 @@ def test_famo_restores_its_shards_when_the_re_evaluation_after_writing_them_fail
 
 
 @pytest.mark.usefixtures("group_of_one")
-@pytest.mark.parametrize("jacobian", ["parameters", "features"])
-def test_sharded_heads_are_refused_before_anything_changes(jacobian: str) -> None:
+def test_accumulating_micro_batches_with_sharded_heads_is_refused_and_changes_nothing() -> None:
+    net = two_task_net()
+    fully_shard(net["heads"])  # the trunk replicated: only the heads' kept gradients could not reach their shards
+    balancer = drmoo.Balancer("mgda", net["trunk"].parameters(), 2, lr=0.1)
+    losses = (net["heads"](net["trunk"](torch.randn(6, 4))) - 1.0) ** 2
+    with pytest.raises(ValueError, match=r"cannot be accumulated with FSDP-sharded heads.*keep the heads replicated"):
+        balancer.backward(losses, accumulate=True)
+    assert balancer.steps_taken == 0 and all(p.grad is None for p in net.parameters())
+
+
+@pytest.mark.usefixtures("group_of_one")
+def test_a_failing_step_leaves_the_sharded_heads_grad_as_it_found_it() -> None:
     net = two_task_net()
     fully_shard(net["trunk"])
-    fully_shard(net["heads"])  # FSDP would never reduce the gradients a step feeds them
-    balancer = drmoo.Balancer("mgda", net["trunk"].parameters(), 2, lr=0.1, jacobian=jacobian)  # type: ignore[call-overload]
+    fully_shard(net["heads"])
+    balancer = drmoo.Balancer("mgda", net["trunk"].parameters(), 2, lr=0.1, jacobian="features")
+    heads: list[Any] = list(net["heads"].parameters())
+    before = [torch.full_like(p, 0.5) for p in heads]  # sharded DTensors, as FSDP's own backward leaves them
+    for head, grad in zip(heads, before):
+        head.grad = grad.clone()
     losses, z = sharded_closure(net, torch.randn(6, 4))()
-    with pytest.raises(ValueError, match=r"heads\) are FSDP-sharded.*fully_shard to the trunk.*heads replicated"):
-        balancer.backward(losses, features=z if jacobian == "features" else None)
-    assert balancer.steps_taken == 0 and all(p.grad is None for p in net.parameters())
+    infinite_slope = losses + torch.sqrt(losses - losses.detach())  # the same values, an infinite gradient
+    with pytest.raises(ValueError, match=r"non-finite"):
+        balancer.backward(infinite_slope, features=z)
+    assert balancer.steps_taken == 0
+    assert all(torch.equal(h.grad.full_tensor(), b.full_tensor()) for h, b in zip(heads, before))
+    assert all(p.grad is None for p in net["trunk"].parameters())
+    losses, z = sharded_closure(net, torch.randn(6, 4))()
+    balancer.backward(losses, features=z)  # a step that succeeds adds the heads' gradients to theirs
+    assert balancer.steps_taken == 1
+    assert all(not torch.equal(h.grad.full_tensor(), b.full_tensor()) for h, b in zip(heads, before))
 
 
 @pytest.mark.usefixtures("group_of_one")
@@ -221,3 +242,100 @@ def test_two_ranks_with_a_fully_sharded_trunk_equal_one_process_on_the_global_ba
                 torch.testing.assert_close(result[run][key], single[key], rtol=1e-9, atol=1e-12, msg=f"{run} {key}")
         assert all(not torch.equal(a, b) for a, b in zip(single["params"], initial.parameters()))  # the trunk moved
         assert single["eta"].abs().min() > 1e-3, run  # eta moved on every task
+
+
+# ------------------------------------------------------------------------------ sharded heads, 2 ranks vs 1 process
+# (method, form, jacobian, wrap): "each" wraps every head (two layers, so that each rank holds rows of the first)
+# by fully_shard, "root" wraps the root module after the trunk (its heads: Linear(6, 1), whose rows features mode
+# would otherwise take from the weights directly).
+HEAD_RUNS = [("mgda", "balancer", "features", "each"), ("double-clip", "balancer", "features", "root"),
+             ("mgda", "balancer", "parameters", "root"), ("famo", "balancer", "parameters", "each"),
+             ("modo", "closure", "parameters", "each"), ("mgda", "closure", "features", "root")]
+
+
+class TwoTaskModel(nn.Module):
+    """A trunk and two heads; the root's forward returns the heads' outputs and z (FSDP2 on the root runs in it)."""
+
+    def __init__(self, wrap: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6), nn.Tanh())
+        self.heads = nn.ModuleList([nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1)) if wrap == "each"
+                                    else nn.Linear(6, 1) for _ in range(2)])
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.trunk(x)
+        return torch.cat([head(z) for head in self.heads], dim=1), z
+
+
+def train_sharded_heads(method: str, form: str, jacobian: str, wrap: str, shard: bool) -> dict[str, Any]:
+    """:func:`train` with heads that FSDP2 shards too (``wrap``; none without ``shard``)."""
+    features = jacobian == "features"
+    model = TwoTaskModel(wrap)
+    if shard:
+        fully_shard(model.trunk)
+        for module in model.heads if wrap == "each" else [model]:
+            fully_shard(module)
+    generator = torch.Generator().manual_seed(1)
+    rows = distributed.shard(torch.arange(GLOBAL_BATCH))
+    batch: list[torch.Tensor] = []
+
+    def forward(same_batch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if not same_batch:
+            x = torch.randn(GLOBAL_BATCH, 4, generator=generator, dtype=torch.float64)
+            batch[:] = [x, torch.stack([torch.sin(x[:, 0]) + x[:, 1], -torch.sin(x[:, 0]) + 0.5 * x[:, 2]], dim=1)]
+        outputs, z = model(batch[0][rows])
+        return (outputs - batch[1][rows]) ** 2, z
+
+    if form == "balancer":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        algorithm: Any = drmoo.Balancer(method, model.trunk.parameters(), 2, jacobian=jacobian,  # type: ignore[call-overload]
+                                        optimizer=optimizer, **hyperparameters(method, jacobian))
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            losses, z = forward()
+            algorithm.backward(losses, features=z if features else None)
+            optimizer.step()
+    else:
+        algorithm = create(method, model.trunk.parameters(), 2, jacobian=jacobian, lr=0.1,
+                           **hyperparameters(method, jacobian))
+        head_optimizer = torch.optim.SGD(model.heads.parameters(), lr=0.1)
+        for _ in range(STEPS):
+            head_optimizer.zero_grad()
+            algorithm.step(one_batch_closure(forward, features))
+            distributed.all_reduce_grads(model.heads.parameters())  # sharded heads: skipped, FSDP summed them
+            head_optimizer.step()
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return {"params": [p.detach().clone() for p in params], "eta": algorithm.eta.clone(), "w": algorithm.w.clone(),
+            "steps": algorithm.steps_taken}
+
+
+def _sharded_heads_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.save({run: train_sharded_heads(*run, shard=True) for run in HEAD_RUNS}, Path(out_dir) / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_with_sharded_heads_equal_one_process_on_the_global_batch(
+        tmp_path: Path, run_ranks: Callable[..., None]) -> None:
+    run_ranks(_sharded_heads_rank, 2, str(tmp_path / "init"), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"{rank}.pt", weights_only=False) for rank in (0, 1)]
+    worst = 0.0
+    for run in HEAD_RUNS:
+        single = train_sharded_heads(*run, shard=False)
+        initial = list(TwoTaskModel(run[3]).parameters())
+        assert all(not torch.equal(a, b) for a, b in zip(single["params"], initial)), run  # trunk and heads moved
+        assert single["eta"].abs().min() > 1e-3, run
+        for result in ranks:
+            assert result[run]["steps"] == STEPS
+            for a, b in zip(result[run]["params"], single["params"]):
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=str(run))
+                worst = max(worst, (a - b).abs().max().item())
+            for key in ("eta", "w"):
+                torch.testing.assert_close(result[run][key], single[key], rtol=1e-9, atol=1e-12, msg=f"{run} {key}")
+                worst = max(worst, (result[run][key] - single[key]).abs().max().item())
+    print(f"sharded heads: largest difference from one process {worst:.3g}")

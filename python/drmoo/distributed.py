@@ -93,12 +93,18 @@ def all_reduce_max(value: Tensor) -> Tensor:
 def all_reduce_grads(params: Iterable[Tensor]) -> None:
     """Sum the ``.grad`` of parameters outside the multi-objective update (the heads) over ranks.
 
+    Heads sharded by FSDP2 (``fully_shard``) are skipped: their ``.grad`` is a sharded DTensor that FSDP's
+    reduce-scatter already summed over ranks (a step feeds them through FSDP's own backward).
+
     Args:
-        params: the heads' parameters; those without a ``.grad`` are skipped.
+        params: the heads' parameters; those without a ``.grad``, and FSDP2-sharded ones, are skipped.
     """
     if not is_distributed():
         return
-    grads = [p.grad for p in params if p.grad is not None]
+    from torch.distributed.tensor import DTensor  # imported when needed, as every FSDP2 helper does
+
+    # a sharded head's .grad holds its shard of the global batch's sum already: summing it again would double it
+    grads = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)

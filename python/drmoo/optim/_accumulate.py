@@ -57,7 +57,7 @@ from torch import Tensor
 from drmoo.jacobian import copy_into_row, require_reached
 
 from ._engine import EngineHost, JacobianEngine
-from ._fsdp import is_sharded
+from ._fsdp import is_sharded, refuse_accumulating_sharded_heads
 from ._guards import StepGuard
 
 
@@ -318,6 +318,7 @@ def _reduce_guarded(host: AccumulationHost, given: Tensor | tuple[Tensor, ...]) 
     engine = host.jacobian_engine
     shared = host._shared_params()
     heads = engine.heads(losses, shared, feed_heads=True)
+    refuse_accumulating_sharded_heads(heads)  # their kept gradients would never reach the shards (drmoo.optim._fsdp)
     kept = [(head, head.grad) for head in heads]
     for head in heads:
         head.grad = None

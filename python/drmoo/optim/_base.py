@@ -79,7 +79,7 @@ from ._agreement import (
 )
 from ._engine import JacobianEngine
 from ._features import FeaturesJacobian
-from ._fsdp import refuse_sharded
+from ._fsdp import feed_sharded_heads, refuse_sharded, split_sharded_heads
 from ._guards import FiniteValues, NonFiniteStepError, StepGuard, finite_columns, finite_each, finite_entries
 from ._head_grads import HeadGradients, fed_grads_finite
 from ._hyperparameters import (
@@ -571,8 +571,11 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
         """
         shared = self._shared_params()
         engine = self.jacobian_engine
-        heads = engine.heads(losses, shared, feed_heads=feed_heads)  # (features: checks the graph either way)
+        # (features: checks the graph either way)
+        heads, sharded_heads = split_sharded_heads(engine.heads(losses, shared, feed_heads=feed_heads))
         self.set_aside_head_grads(heads)
+        if sharded_heads:  # FSDP2-sharded heads: fed through FSDP's own backward, first (drmoo.optim._fsdp)
+            feed_sharded_heads(self, losses, cotangent, sharded_heads)
         memoize = self.DRAWS_SHARE_ONE_POINT and not self.capturable
         memo, point = self.jacobian_memo, self._cotangent_point(cotangent)
         if memoize and memo is not None and memo[0] is losses and memo[1] == point:

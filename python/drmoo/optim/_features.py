@@ -66,7 +66,7 @@ from drmoo.jacobian import (
 
 from ._direction import write_direction
 from ._engine import EarlierMicroBatches, EngineHost
-from ._fsdp import is_sharded, lift_into_shards, refuse_sharded_heads
+from ._fsdp import is_sharded, lift_into_shards, split_sharded_heads
 from ._guards import finite_together
 from ._loss_scale import divide_, is_unit, times, with_scale
 from ._overlap import views_overlap
@@ -198,6 +198,7 @@ class FeaturesJacobian:
         """Forget the step's z and graph walk (called when a step returns or raises)."""
         self.features: tuple[Tensor, ...] | None = None
         self._checked: tuple[Tensor, list[Tensor]] | None = None  # (losses, heads above z)
+        self._sharded_heads = False  # whether any of them is FSDP2-sharded (drmoo.optim._fsdp)
         self._split: tuple[Tensor, TaskSplit | None] | None = None  # (losses, their per-task heads, if any)
         self._factored: tuple[Tensor, int, LinearHead] | None = None  # (rows, their version, the linear heads)
         self._earlier: EarlierMicroBatches | None = None  # closing an accumulation: the earlier micro-batches
@@ -241,7 +242,10 @@ class FeaturesJacobian:
             raise ValueError("jacobian='features': no features z were given with these losses")
         if self._checked is None or self._checked[0] is not losses:
             heads = heads_above_features(losses, self.features, shared)
-            refuse_sharded_heads(heads)  # FSDP2 would never reduce the gradients fed to them (drmoo.optim._fsdp)
+            # FSDP2-sharded heads are among them, as their unsharded copies (the step feeds them through FSDP's own
+            # backward, drmoo.optim._fsdp); their values are freed between passes, so the rows' linear-head
+            # factoring, which reads the weights outside a backward, is not used on them (task_jacobian)
+            self._sharded_heads = bool(split_sharded_heads(heads)[1])
             self._checked = (losses, heads)
         return self._checked[1] if feed_heads else []
 
@@ -278,7 +282,7 @@ class FeaturesJacobian:
         scaled = times(cotangent, scale)
         out = self._buffer(slot, host.num_tasks, shared[0].dtype, shared[0].device)
         strategy = host.jacobian_strategy
-        linear = linear_head(losses, self.features) if strategy == "auto" else None
+        linear = linear_head(losses, self.features) if strategy == "auto" and not self._sharded_heads else None
         split = self.task_split(losses) if strategy == "auto" and linear is None else None
         # Every strategy takes the rows as they arrive at z (partials, before z's own hooks): the lift adds
         # the paths between pieces and applies z's hooks, once.

@@ -30,9 +30,20 @@ Writing theta: in direction mode (``drmoo.Balancer``) the direction goes into ea
 user's optimizer.  A ``step(closure)`` optimizer moves each shard itself, ``theta -= lr * d`` on its local
 tensor (:func:`write_shards`, after the step's guards are read); the next forward all-gathers the moved shards.
 
-What is refused, with one line naming FSDP and the alternative: MoCo in parameters mode; heads sharded by
-FSDP (a step feeds each head its task's gradient outside FSDP's backward, which would never reduce it);
-gradient accumulation; FSDP1's ``FlatParameter``; a GradScaler and capturable steps.
+Heads sharded by FSDP2 (``fully_shard`` on each head, or on a module that holds them, such as the root): a
+step feeds a replicated head its gradient outside any ordinary backward (``autograd.grad`` and an add into
+``.grad``), which FSDP would never reduce into a sharded head's shards -- worse, FSDP's next post-backward would
+pick up whatever sat in the unsharded copy's ``.grad`` and average it into the shards mid-step.  So a sharded
+head is never fed that way: the losses' graph leaves that are FSDP's unsharded copies are told apart from the
+plain heads (:func:`split_sharded_heads`, from FSDP2's own records), and each pass that feeds the heads gives
+the sharded ones the same gradient, d(sum_b,i cotangent[b, i] losses[b, i]) / d(head), through ONE ordinary
+backward restricted to their copies (:func:`feed_sharded_heads`), which FSDP reduce-scatters into the heads'
+shards' ``.grad`` -- times the world size against FSDP's mean, so that they hold the global batch's sum, as
+one process on it would.  Those ``.grad`` are set aside before the pass and committed once the step succeeds,
+like every other ``.grad`` a step writes, and are not summed over ranks again (they are already summed).
+
+What is refused, with one line naming FSDP and the alternative: MoCo in parameters mode; gradient accumulation
+on a sharded trunk or with sharded heads; FSDP1's ``FlatParameter``; a GradScaler and capturable steps.
 """
 
 from __future__ import annotations
@@ -50,9 +61,13 @@ from ._loss_scale import is_unit
 if TYPE_CHECKING:
     from ._engine import EngineHost
 
-__all__ = ["add_sharded_direction", "is_sharded", "lift_into_shards", "local_views", "refuse_sharded",
-           "refuse_sharded_heads", "sharded_combined_gradient", "sharded_task_jacobian", "sharding_of",
-           "sum_over_ranks", "unsharded_copies"]
+__all__ = ["add_sharded_direction", "feed_sharded_heads", "is_sharded", "lift_into_shards", "local_views",
+           "refuse_accumulating_sharded_heads", "refuse_sharded", "sharded_combined_gradient",
+           "sharded_task_jacobian", "sharding_of", "split_sharded_heads", "sum_over_ranks", "unsharded_copies"]
+
+# A sharded head: (the parameter FSDP2 shards, a DTensor the user's optimizer holds; its unsharded copy, the leaf
+# the losses' graph reaches)
+ShardedHead = tuple[Tensor, Tensor]
 
 ALTERNATIVE = ("keep the shared parameters replicated and use DistributedDataParallel (the balancer does its own "
                "all-reduce; gradient accumulation, backward(..., accumulate=True), bounds the activations' memory)")
@@ -190,19 +205,63 @@ def unsharded_copies(shared: Sequence[Tensor]) -> list[Tensor]:
     return copies
 
 
-def refuse_sharded_heads(heads: Sequence[Tensor]) -> None:
-    """Raise ValueError if a head (a task-specific leaf of the losses' graph, whose gradient a step feeds) is
-    FSDP2's unsharded copy of a sharded parameter: that gradient is fed outside FSDP's backward hooks, so FSDP
-    would never reduce it into the head's shard (it would be lost, silently)."""
+def split_sharded_heads(heads: Sequence[Tensor]) -> tuple[list[Tensor], list[ShardedHead]]:
+    """The heads (task-specific leaves of the losses' graph) as (the plain ones, fed as usual; the FSDP2-sharded
+    ones, each as its sharded parameter and the unsharded copy the graph reaches), told apart by FSDP2's own
+    records.  Without FSDP2 in use, every head is plain (no record is read)."""
     if not heads or not _fsdp_in_use():
-        return
-    copies = {id(copy) for _, copy in _fsdp_records()}
-    if any(id(head) in copies for head in heads):
-        raise ValueError(
-            "the task-specific parameters (the heads) are FSDP-sharded (a fully_shard on them, or on a module "
-            "that holds them, e.g. the root): drmoo feeds each head its task's gradient outside FSDP's backward, "
-            "which would never reduce it into the shards; apply fully_shard to the trunk (or its blocks) only and "
-            "keep the heads replicated (the balancer sums their gradients over ranks)")
+        return list(heads), []
+    sharded_of = {id(copy): sharded for sharded, copy in _fsdp_records()}
+    plain: list[Tensor] = []
+    sharded: list[ShardedHead] = []
+    for head in heads:
+        param = sharded_of.get(id(head))
+        if param is None:
+            plain.append(head)
+        else:
+            sharded.append((param, head))
+    return plain, sharded
+
+
+def feed_sharded_heads(host: EngineHost, losses: Tensor, cotangent: Tensor, heads: Sequence[ShardedHead]) -> None:
+    """The FSDP2-sharded heads' gradient of sum_b,i cotangent[b, i] losses[b, i] -- what a pass that feeds the
+    heads gives each plain head -- by ONE ordinary backward restricted to their unsharded copies, which FSDP
+    reduce-scatters into their shards' ``.grad`` (accumulating over the step's passes; set aside first, committed
+    once the step succeeds).  Checked finite on every rank.  The graph is kept: the step's own passes follow.
+
+    The cotangent is the global batch's (divided by the world size); FSDP's reduction averages over ranks, so it
+    is multiplied by the world size first, to sum (see :func:`lift_into_shards`)."""
+    refuse_unsupported(host)
+    if host.accumulation is not None:
+        raise ValueError(_ACCUMULATION_REFUSAL)
+    shards = [param for param, _ in heads]
+    copies = [copy for _, copy in heads]
+    world = distributed.world_size()
+    host.set_aside_head_grads(shards)  # the step's .grad, committed once it succeeds
+    # An unsharded copy's .grad is None here: FSDP's post-backward moves it into the shard and clears it at the
+    # end of every backward, and drmoo never writes it.
+    weighted = cotangent.to(losses.dtype)
+    torch.autograd.backward(losses, grad_tensors=weighted * world if world != 1 else weighted, inputs=copies,
+                            retain_graph=True)
+    local = take_local_grads(shards, clear=False)
+    with torch.no_grad():
+        square = sum_over_ranks(torch.stack([torch.linalg.vector_norm(part).double() ** 2 for part in local]).sum())
+    host.require_finite(torch.isfinite(square).reshape(1), lambda _: (
+        f"non-finite gradients of the task-specific parameters (the FSDP-sharded heads) in "
+        f"{host.failing_iteration}; the step was abandoned and nothing was updated"))
+
+
+_ACCUMULATION_REFUSAL = (
+    "micro-batches cannot be accumulated with FSDP-sharded heads: each micro-batch's head gradients are kept "
+    "outside FSDP's backward, which would never reduce them into the shards; pass the whole batch to one backward, "
+    "or keep the heads replicated (apply fully_shard to the trunk, or its blocks, only)")
+
+
+def refuse_accumulating_sharded_heads(heads: Sequence[Tensor]) -> None:
+    """Raise ValueError if any of ``heads`` (a micro-batch's graph leaves) is FSDP2's unsharded copy of a sharded
+    parameter: an accumulated micro-batch's head gradients are kept apart, never reduced by FSDP."""
+    if split_sharded_heads(heads)[1]:
+        raise ValueError(_ACCUMULATION_REFUSAL)
 
 
 def _fsdp_in_use() -> bool:

@@ -16,6 +16,7 @@ from torch import Tensor
 from drmoo import distributed
 
 from ._agreement import all_ranks_finite
+from ._fsdp import is_sharded
 from ._guards import FiniteValues, finite_scalars
 
 
@@ -99,8 +100,9 @@ def sum_head_grads_over_ranks(fed: Sequence[Tensor], shared: Sequence[Tensor]) -
     hooks do not fire for ``torch.autograd.grad``, and a DDP model runs the step inside ``no_sync()``):
     unsummed, every rank's torch optimizer would step its heads on its own shard and the replicas would
     drift apart.  The ``shared`` parameters, also kept aside in direction mode, are left out: their
-    direction comes from the Jacobian, already summed over ranks.  Only direction mode sums here: after
-    ``step(closure)`` the caller steps the heads and sums them itself
+    direction comes from the Jacobian, already summed over ranks; so are FSDP2-sharded heads, whose shards
+    FSDP's own reduce-scatter already summed (:func:`drmoo.optim._fsdp.feed_sharded_heads`).  Only direction
+    mode sums here: after ``step(closure)`` the caller steps the heads and sums them itself
     (:func:`drmoo.distributed.all_reduce_grads`, as the trainer does), so each head gradient is summed
     exactly once on either path.  The order of ``fed`` is the graph's, the same on every rank, as the
     collective needs.
@@ -108,4 +110,4 @@ def sum_head_grads_over_ranks(fed: Sequence[Tensor], shared: Sequence[Tensor]) -
     if not distributed.is_distributed():
         return
     ids = {id(param) for param in shared}
-    distributed.all_reduce_grads([head for head in fed if id(head) not in ids])
+    distributed.all_reduce_grads([head for head in fed if id(head) not in ids and not is_sharded([head])])

@@ -34,7 +34,7 @@ from drmoo_kernels.reference import project_simplex
 
 from ._accumulate import accumulated_rows
 from ._base import MultiObjectiveOptimizer
-from ._fsdp import is_sharded, sharded_combined_gradient, sum_over_ranks
+from ._fsdp import feed_sharded_heads, is_sharded, sharded_combined_gradient, split_sharded_heads, sum_over_ranks
 from ._guards import FiniteValues, finite_entries, flags_of
 from ._hyperparameters import check_count, check_fraction, check_positive
 from ._loss_scale import divide_, times
@@ -169,7 +169,7 @@ class JointBaseline(MultiObjectiveOptimizer):
         shared = self._shared_params()
         features = self.features_engine
         # (the engine's: on FSDP2 shards the graph's leaves are FSDP's copies of the shared parameters, not heads)
-        heads = self.jacobian_engine.heads(batch.losses, shared, feed_heads=True)
+        heads, sharded_heads = split_sharded_heads(self.jacobian_engine.heads(batch.losses, shared, feed_heads=True))
         scale = self.loss_scale  # fp16 gradient scaling (see MultiObjectiveOptimizer.loss_scale)
         weighted = times(batch.cotangent * task_weights.to(batch.cotangent.dtype), scale).to(batch.losses.dtype)
         reuse = self.take_graph_reuse()
@@ -177,6 +177,8 @@ class JointBaseline(MultiObjectiveOptimizer):
         # them) it does not run, as on the shards' columns of a Jacobian
         if features is None and not self.FORMS_JACOBIAN and not self._sharded():
             self._refuse_partly_shared_params_by_backward(batch.losses, batch.cotangent)
+        if sharded_heads:  # FSDP2-sharded heads: the same raw gradient, through FSDP's own backward (graph kept)
+            feed_sharded_heads(self, batch.losses, batch.cotangent, sharded_heads)
         if features is not None:
             # jacobian="features": the gradient w.r.t. z (a pass above z only); apply_direction lifts it
             # through the trunk.  Each rank keeps its samples' entries (combined_norm sums over ranks).

@@ -21,7 +21,7 @@ from drmoo.jacobian import feed_head_grads, head_leaves, task_jacobian
 
 from ._direction import write_direction
 from ._engine import EngineHost
-from ._fsdp import add_sharded_direction, is_sharded, refuse_sharded_heads, sharded_task_jacobian, unsharded_copies
+from ._fsdp import add_sharded_direction, is_sharded, sharded_task_jacobian, unsharded_copies
 from ._guards import finite_each
 from ._loss_scale import divide_, times
 
@@ -50,9 +50,9 @@ class ParametersJacobian:
         if not feed_heads:
             return []
         # FSDP2: the graph's leaves are the unsharded copies of the shared parameters, not the shards
-        heads = head_leaves(losses, [*shared, *unsharded_copies(shared)] if is_sharded(shared) else shared)
-        refuse_sharded_heads(heads)
-        return heads
+        # (FSDP2-sharded heads are among them, as their unsharded copies: the step tells them apart and feeds them
+        # through FSDP's own backward, drmoo.optim._fsdp.split_sharded_heads)
+        return head_leaves(losses, [*shared, *unsharded_copies(shared)] if is_sharded(shared) else shared)
 
     def _buffer(self, slot: str, shared: Sequence[Tensor], rows: int) -> Tensor:
         n = sum(p.numel() for p in shared)
