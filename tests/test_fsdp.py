@@ -1,7 +1,7 @@
 """FSDP2-sharded trunks: the Balancer and the step(closure) optimizers, in both Jacobian modes, on 2 gloo ranks equal
-one process on the global batch; what cannot run (MoCo in parameters mode, sharded heads, accumulation,
-capturable steps) is refused with one line that names FSDP and the alternative, not with a message that blames
-the user's losses (a gloo group of one: fully_shard needs a group)."""
+one process on the global batch, with the heads replicated or sharded too; what cannot run (MoCo in parameters
+mode, accumulation, capturable steps) is refused with one line that names FSDP and the alternative, not with a
+message that blames the user's losses (a gloo group of one: fully_shard needs a group)."""
 
 from __future__ import annotations
 
@@ -250,7 +250,8 @@ def test_two_ranks_with_a_fully_sharded_trunk_equal_one_process_on_the_global_ba
 # would otherwise take from the weights directly).
 HEAD_RUNS = [("mgda", "balancer", "features", "each"), ("double-clip", "balancer", "features", "root"),
              ("mgda", "balancer", "parameters", "root"), ("famo", "balancer", "parameters", "each"),
-             ("modo", "closure", "parameters", "each"), ("mgda", "closure", "features", "root")]
+             ("modo", "closure", "parameters", "each"), ("mgda", "closure", "features", "root"),
+             ("famo", "closure", "parameters", "root")]  # its re-evaluation without a graph, then the heads' step
 
 
 class TwoTaskModel(nn.Module):

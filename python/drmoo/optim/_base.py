@@ -79,7 +79,7 @@ from ._agreement import (
 )
 from ._engine import JacobianEngine
 from ._features import FeaturesJacobian
-from ._fsdp import feed_sharded_heads, refuse_sharded, split_sharded_heads
+from ._fsdp import feed_sharded_heads, refuse_sharded, reshard_after_forward_without_grad, split_sharded_heads
 from ._guards import FiniteValues, NonFiniteStepError, StepGuard, finite_columns, finite_each, finite_entries
 from ._head_grads import HeadGradients, fed_grads_finite
 from ._hyperparameters import (
@@ -451,7 +451,11 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
             )
         origin = self.losses_origin
         with untrusted_arguments():  # the ops the closure calls check everything (see trusted_arguments)
-            result = closure()
+            try:
+                result = closure()
+            finally:
+                if not torch.is_grad_enabled():  # FSDP2 keeps a root's copies for a backward that will not come
+                    reshard_after_forward_without_grad()
         if is_micro_batches(result):  # the batch in parts: one batch of the method (drmoo.optim._micro_batches)
             result = draw_micro_batches(self, result, need_graph=need_graph)
         else:

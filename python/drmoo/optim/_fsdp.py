@@ -62,8 +62,9 @@ if TYPE_CHECKING:
     from ._engine import EngineHost
 
 __all__ = ["add_sharded_direction", "feed_sharded_heads", "is_sharded", "lift_into_shards", "local_views",
-           "refuse_accumulating_sharded_heads", "refuse_sharded", "sharded_combined_gradient",
-           "sharded_task_jacobian", "sharding_of", "split_sharded_heads", "sum_over_ranks", "unsharded_copies"]
+           "refuse_accumulating_sharded_heads", "refuse_sharded", "reshard_after_forward_without_grad",
+           "sharded_combined_gradient", "sharded_task_jacobian", "sharding_of", "split_sharded_heads", "sum_over_ranks",
+           "unsharded_copies"]
 
 # A sharded head: (the parameter FSDP2 shards, a DTensor the user's optimizer holds; its unsharded copy, the leaf
 # the losses' graph reaches)
@@ -262,6 +263,23 @@ def refuse_accumulating_sharded_heads(heads: Sequence[Tensor]) -> None:
     parameter: an accumulated micro-batch's head gradients are kept apart, never reduced by FSDP."""
     if split_sharded_heads(heads)[1]:
         raise ValueError(_ACCUMULATION_REFUSAL)
+
+
+def reshard_after_forward_without_grad() -> None:
+    """After a closure's forward pass under ``torch.no_grad()`` (FAMO's re-evaluation, a dual-variable step):
+    reshard every FSDP2 module it left unsharded.  FSDP keeps a root module's all-gathered parameters after its
+    forward, for the backward that follows in training, and all-gathers again only what is sharded; after a
+    forward without a graph no backward follows, so a write to the shards before the next forward -- the
+    heads' optimizer after ``step(closure)``, FAMO putting its shards back when the re-evaluation fails -- would
+    leave that forward computing with the stale copies.  Nothing without FSDP2 (no record is read)."""
+    if not _fsdp_in_use():
+        return
+    from torch.distributed import _composable_state
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in list(_composable_state._module_state_mapping.keys()):
+        if isinstance(module, FSDPModule):
+            module.reshard()  # frees the copies; the next forward (or backward) all-gathers the shards as they are
 
 
 def _fsdp_in_use() -> bool:
