@@ -99,14 +99,15 @@ telling the cases apart from the tensors' version counters and a post-accumulate
 shared parameter, with no device read.
 
 FSDP2.  The shared parameters may be a trunk wrapped by ``torch.distributed.fsdp.fully_shard`` (the heads
-left unwrapped, replicated), in both modes and with every method but MoCo in parameters mode.  Every pass
-through the trunk is an ordinary backward, which FSDP reduce-scatters into each rank's shard of ``.grad``;
-nothing n-sized is gathered.  Features mode crosses the trunk once, with the method's combined cotangent.
+replicated, or sharded too: each head wrapped, or the root), in both modes and with every method but MoCo in
+parameters mode.  Every pass through the trunk is an ordinary backward, which FSDP reduce-scatters into each
+rank's shard of ``.grad``; nothing n-sized is gathered.  Sharded heads get their gradient (summed over the
+global batch) from one more ordinary backward, through the heads only.  Features mode crosses the trunk once,
+with the method's combined cotangent.
 Parameters mode takes one backward per task: each rank keeps its shard's columns of J, every m x m product
 (the Gram, the cross products) is the sum of the shards' local ones (one all-reduce), and each shard's
 ``.grad`` is its part of the direction.  Refused with one line naming the alternative: MoCo in parameters
-mode (its tracked Jacobian would be per-rank state), sharded heads, gradient accumulation, a GradScaler,
-and FSDP1.
+mode (its tracked Jacobian would be per-rank state), gradient accumulation, a GradScaler, and FSDP1.
 
 torch.compile.  A compiled model (``torch.compile(model)``) works as it is: the balancer walks the
 autograd graph that the compiled forward builds and runs its backward passes through it.

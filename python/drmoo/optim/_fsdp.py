@@ -1,12 +1,12 @@
-"""Shared parameters sharded by FSDP2: the Balancer and the ``step(closure)`` optimizers run on them, in features
-mode and in parameters mode (every method but MoCo); the rest is refused in one line.
+"""Shared parameters (and heads) sharded by FSDP2: the Balancer and the ``step(closure)`` optimizers run on them,
+in features mode and in parameters mode (every method but MoCo); the rest is refused in one line.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) replaces a module's parameters by sharded ``DTensor``
 parameters and runs the forward pass on all-gathered, unsharded copies: the losses' autograd graph
 reaches the copies, never the sharded parameters an optimizer or a balancer holds.  FSDP1
 (``FullyShardedDataParallel``) flattens them into ``FlatParameter`` shards the same way.
 
-Features mode, on a trunk wrapped by ``fully_shard`` (the heads left unwrapped, replicated), takes its m
+Features mode, on a trunk wrapped by ``fully_shard`` (the heads replicated, or sharded: see below), takes its m
 per-task gradients above z, which FSDP does not touch, and crosses the trunk once, with the method's
 combined cotangent: that pass is an ordinary backward (:func:`lift_into_shards`), which FSDP's own hooks
 all-gather for and reduce-scatter into the shards' ``.grad`` -- each rank then holds its shard of the
@@ -41,6 +41,10 @@ backward restricted to their copies (:func:`feed_sharded_heads`), which FSDP red
 shards' ``.grad`` -- times the world size against FSDP's mean, so that they hold the global batch's sum, as
 one process on it would.  Those ``.grad`` are set aside before the pass and committed once the step succeeds,
 like every other ``.grad`` a step writes, and are not summed over ranks again (they are already summed).
+Features mode does not read linear heads' rows off their weights on them (FSDP frees the copies between
+passes).  A closure's forward without a graph (FAMO's re-evaluation, a dual step) is followed by a reshard of
+every FSDP module (:func:`reshard_after_forward_without_grad`): FSDP keeps a root's copies for a backward that
+then never comes, and the heads' optimizer step would leave the next forward on stale copies.
 
 What is refused, with one line naming FSDP and the alternative: MoCo in parameters mode; gradient accumulation
 on a sharded trunk or with sharded heads; FSDP1's ``FlatParameter``; a GradScaler and capturable steps.
