@@ -36,7 +36,7 @@ DOCUMENTS = ("README.md", "docs/experiments.md", "results/multimnist2-small/READ
              "results/multimnist3-small/README.md", "results/multimnist2-small/batch64/README.md",
              "results/multimnist2-small/features/README.md",
              "results/multimnist-k-small/README.md", "results/mnist-attributes-small/README.md",
-             "results/multimnist2-small/dr-path/README.md")
+             "results/multimnist2-small/dr-path/README.md", "results/mnist-attributes-small/dr-path/README.md")
 
 _NUMBER = r"[+\-−]?\d+(?:,\d{3})*(?:\.\d+)?"
 _CELL = re.compile(r"<!--cell\s+(?P<spec>[^>]*?)\s*-->")
