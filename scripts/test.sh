@@ -16,7 +16,12 @@ echo "[test] ruff"
 # failure.  site/ is git-ignored.  NO_MKDOCS_2_WARNING silences mkdocs-material's end-of-life banner.
 echo "[test] docs: mkdocs build --strict"
 start=$(date +%s)
-NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir site
+# Not --quiet: it also mutes the warnings --strict counts (a broken anchor then passes).
+if ! docs_log=$(NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --site-dir site 2>&1); then
+    grep -v "^INFO" <<< "$docs_log" >&2
+    echo "[test] docs: mkdocs build --strict failed (the warnings above)" >&2
+    exit 1
+fi
 echo "[test] docs built in $(( $(date +%s) - start ))s (site/)"
 # mypy, strict, over the package tree (pyproject.toml's [tool.mypy]); its cache, .mypy_cache, is the
 # one tests/typing uses, so the typing tests that pytest runs next start warm.

@@ -34,15 +34,16 @@ Capturable steps.  Every optimizer takes ``capturable: bool = False``, with the 
   the same work as the eager one and follows the same trajectory up to rounding.
 
 Gradient accumulation.  A closure may return its batch in micro-batches: an iterable (a generator, say)
-of :data:`MicroBatch` -- each one's per-sample losses, or a callable that computes them -- instead of one
-:data:`Losses` (see :data:`Closure`).  The step is then the one it takes on the batch they make together
-(the same theta, eta, w, state and heads' ``.grad``, to rounding), with one micro-batch's graph in memory
-at a time for callables (two for losses: the next one's forward pass runs before the current one is known
-not to be the last).  Every closure call is one batch, so MoDo's and SDMGrad's three draws and FAMO's
+of ``MicroBatch`` -- each one's per-sample losses, or a callable that computes them -- instead of one
+``Losses`` (see ``Closure``).  The step is then the one it takes on the batch they make together (the
+same theta, eta, w, state and heads' ``.grad``, to rounding), with one micro-batch's graph in memory at a
+time for callables (two for losses: the next one's forward pass runs before the current one is known not
+to be the last).  Every closure call is one batch, so MoDo's and SDMGrad's three draws and FAMO's
 re-evaluation keep their meaning.  MGDA, MoDo, SDMGrad, MoCo, Nash-MTL and FAMO accumulate (MoCo aside in
 ``jacobian="features"``, where a step's later draws return the first draw's iterable itself: its one
-batch); Double-Clip and Double-Loop (their gradients are taken at an eta the whole batch decides),
-FSDP-sharded parameters and capturable steps are refused, naming the reason and what to do.
+batch), capturable steps included (one host read per step, none when capturable); Double-Clip and
+Double-Loop (their gradients are taken at an eta the whole batch decides) and FSDP-sharded parameters are
+refused, naming the reason and what to do.
 """
 
 from __future__ import annotations
