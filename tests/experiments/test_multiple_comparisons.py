@@ -91,7 +91,9 @@ def test_a_hypothesis_listed_twice_counts_once(tmp_path: Path, load_script: Any)
     assert module.summary(rows) == (5, 4, 4, 3, 2, 2)
 
 
-@pytest.mark.parametrize("folder", ["multimnist2-small", "multimnist3-small", "mnist-attributes-small"])
+@pytest.mark.parametrize("folder", ["multimnist2-small", "multimnist3-small", "mnist-attributes-small",
+                                    "multimnist2-small/dr-path", "mnist-attributes-small/dr-path/weighted",
+                                    "mnist-attributes-small/dr-path/unweighted"])
 def test_committed_tables_are_current(folder: str, load_script: Any) -> None:
     module = load_script("multiple_comparisons")
     rows = module.family_rows(ROOT / "results" / folder)
