@@ -229,6 +229,10 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
             ...
 
     accumulation: Accumulation | None = None  # the Balancer's, in a step closing an accumulation (_accumulate)
+    # Under torch.distributed, whether the ranks were checked to train the same problem and the same heads
+    # (once per optimizer, at its first draw / first draw with a graph: _agree_across_ranks).
+    _ranks_checked: bool = False
+    _heads_checked: bool = False
     # The step's latest draw whose closure returned micro-batches, while the step uses it (_micro_batches).
     drawn_micro_batches: DrawnMicroBatches | None = None
     # Whether every batch a step draws is taken at the same (theta, eta) (MoDo, SDMGrad: yes; Double-Loop
@@ -450,19 +454,8 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
                 "per-sample losses [B, num_tasks]"
             )
         origin = self.losses_origin
-        with untrusted_arguments():  # the ops the closure calls check everything (see trusted_arguments)
-            try:
-                result = closure()
-            finally:
-                if not torch.is_grad_enabled():  # FSDP2 keeps a root's copies for a backward that will not come
-                    reshard_after_forward_without_grad()
-        if is_micro_batches(result):  # the batch in parts: one batch of the method (drmoo.optim._micro_batches)
-            result = draw_micro_batches(self, result, need_graph=need_graph)
-        else:
-            forget_micro_batches(self)  # an earlier draw's micro-batches are done with
-            result = self.jacobian_engine.unpack(result, need_graph=need_graph)  # features: (losses, z[, weights])
-        losses, weights = check_losses(result, num_tasks=self.num_tasks, device=self.device, origin=origin,
-                                       need_graph=need_graph)
+        losses, weights = check_losses(_evaluate_closure(self, closure, need_graph), num_tasks=self.num_tasks,
+                                       device=self.device, origin=origin, need_graph=need_graph)
         if weights is not None:  # (capturable: invalid weights skip the step)
             self._step_guard().invalid((torch.isfinite(weights) & (weights >= 0)).all(),
                                        f"{origin} sample weights that are negative, NaN or Inf")
@@ -471,24 +464,11 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
         # every rank: the flags are agreed on, so no rank waits forever in a collective.
         finite: Tensor | FiniteValues = finite_columns(losses)  # tested with the others, at the read
         if distributed.is_distributed():
-            if not getattr(self, "_ranks_checked", False):  # once per optimizer (drmoo.optim._agreement)
-                check_same_problem(losses, self._shared_params(), self.num_tasks, self._collective_settings())
-                self._ranks_checked = True
-            if need_graph and not getattr(self, "_heads_checked", False):  # the first draw with a graph
-                check_same_heads(self.jacobian_engine, losses, self._shared_params(), self.device)
-                self._heads_checked = True
-            finite, rows = agree_on_losses(losses, finite_columns(losses).flags())
-            if not self.capturable:  # equal shards, checked with the guards (a capturable step trusts them)
-                self._step_guard().check(equal_shards(rows), lambda _: unequal_shards_error(rows))
+            finite = _agree_across_ranks(self, losses, need_graph)
         self.require_finite(finite, lambda bad: (
             f"non-finite (NaN or Inf) per-sample losses for task(s) {bad} in {self.failing_iteration}; "
             "the step was abandoned and nothing was updated"))
         return losses
-
-    def batch_rows(self, losses: Tensor) -> int:
-        """The rows of the batch whose draw returned ``losses``: closing an accumulation (the last of several
-        micro-batches), the whole batch's."""
-        return int(losses.shape[0]) if self.accumulation is None else self.accumulation.total_rows
 
     def _collective_settings(self) -> dict[str, Any]:
         """What every rank must agree on before a step's collectives: the method, the Jacobian mode and the
@@ -672,3 +652,40 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
             "balanced_grad_norm": balanced.detach().float(),
             "theta_grad_norm": theta_norm.detach().float(),
         }
+
+
+def _evaluate_closure(optimizer: MultiObjectiveOptimizer, closure: Closure, need_graph: bool) -> Any:
+    """What one call of ``closure`` returned, unpacked for the engine: one batch, or the batch its
+    micro-batches make (drmoo.optim._micro_batches)."""
+    with untrusted_arguments():  # the ops the closure calls check everything (see trusted_arguments)
+        try:
+            result = closure()
+        finally:
+            if not torch.is_grad_enabled():  # FSDP2 keeps a root's copies for a backward that will not come
+                reshard_after_forward_without_grad()
+    if is_micro_batches(result):  # the batch in parts: one batch of the method
+        return draw_micro_batches(optimizer, result, need_graph=need_graph)
+    forget_micro_batches(optimizer)  # an earlier draw's micro-batches are done with
+    return optimizer.jacobian_engine.unpack(result, need_graph=need_graph)  # features: (losses, z[, weights])
+
+
+def _agree_across_ranks(optimizer: MultiObjectiveOptimizer, losses: Tensor, need_graph: bool
+                        ) -> Tensor | FiniteValues:
+    """Under torch.distributed: the ranks' checks of one draw (the same problem once per optimizer, the same
+    heads at the first draw with a graph, equal shards) and their agreed finite flags (drmoo.optim._agreement)."""
+    if not getattr(optimizer, "_ranks_checked", False):
+        check_same_problem(losses, optimizer._shared_params(), optimizer.num_tasks, optimizer._collective_settings())
+        optimizer._ranks_checked = True
+    if need_graph and not getattr(optimizer, "_heads_checked", False):
+        check_same_heads(optimizer.jacobian_engine, losses, optimizer._shared_params(), optimizer.device)
+        optimizer._heads_checked = True
+    finite, rows = agree_on_losses(losses, finite_columns(losses).flags())
+    if not optimizer.capturable:  # equal shards, checked with the guards (a capturable step trusts them)
+        optimizer._step_guard().check(equal_shards(rows), lambda _: unequal_shards_error(rows))
+    return finite
+
+
+def batch_rows(optimizer: MultiObjectiveOptimizer, losses: Tensor) -> int:
+    """The rows of the batch whose draw returned ``losses``: closing an accumulation (the last of several
+    micro-batches), the whole batch's."""
+    return int(losses.shape[0]) if optimizer.accumulation is None else optimizer.accumulation.total_rows

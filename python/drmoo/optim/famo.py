@@ -11,7 +11,7 @@ from torch import Tensor
 
 from drmoo.jacobian import column_views, copy_into_row
 
-from ._base import configure_jacobian
+from ._base import batch_rows, configure_jacobian
 from ._fsdp import local_views
 from ._hyperparameters import HYPERPARAMETER_CHECKS, check_flag, check_positive
 from ._joint import JointBaseline, TaskGradients, common_defaults
@@ -306,7 +306,7 @@ class FAMO(JointBaseline):
             copy_into_row(shared, theta_before, [p.detach() for p in shared])
             backup = column_views(shared, theta_before)
         eta_backup = self.eta.clone()
-        stepped = (self.batch_rows(batch.losses), self.num_tasks)  # (micro-batches: the whole batch's rows)
+        stepped = (batch_rows(self, batch.losses), self.num_tasks)  # (micro-batches: the whole batch's rows)
         with self.deferred_writes():  # restored below if the step fails: the guards are read after the re-evaluation
             self.apply_direction(combined[None, :], torch.ones(1, dtype=torch.float64, device=self.device))
             self.step_eta(batch.z, weights, h["lr"])
