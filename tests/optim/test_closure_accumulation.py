@@ -32,6 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import drmoo
 from drmoo.optim import NonFiniteStepError, create
 
+from .test_accumulate import ACCEPTED
+
 M = 2
 LR = 0.05
 BATCH = 64
@@ -39,13 +41,7 @@ STEPS = 3
 SPLITS = ([16, 16, 16, 16], [10, 30, 4, 20], [5, 59])  # per step; unequal sizes from step 2
 RTOL, ATOL = 1e-10, 1e-12
 
-# Every (method, hyperparameters) the closure form accumulates, with values that move every part within 3 steps.
-ACCEPTED: dict[str, tuple[str, dict[str, Any]]] = {
-    **{method: (method, {"pref_lr": 0.3}) for method in ("mgda", "modo", "sdmgrad", "famo")},
-    "mgda-min-norm": ("mgda", {"solver": "min_norm"}),
-    "moco": ("moco", {"pref_lr": 0.3, "ema": 0.5}),
-    "nashmtl": ("nashmtl", {"solver_iters": 20, "update_every": 2, "max_norm": 0.5}),
-}
+# ACCEPTED (the Balancer's accumulate mode's methods and hyperparameters) is the closure form's set too.
 FEATURES_CASES = [case for case in ACCEPTED if case != "moco"]  # MoCo does not run in features mode
 
 
