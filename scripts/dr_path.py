@@ -132,15 +132,19 @@ def erm_twin(row: str, rows: Iterable[str]) -> str | None:
     return None
 
 
+def dr_rows(per_seed: dict[str, dict[str, dict[int, float]]]) -> list[str]:
+    """The rows with a λ 100 twin (the DR rows), by method, then by increasing λ (the default, 0.8, in its place)."""
+    return sorted((r for r in per_seed if not r.endswith("+T") and erm_twin(r, per_seed)),
+                  key=lambda r: (parse_variants(r)[0].method, lam_of(r) or 0.8))
+
+
 def contrasts(per_seed: dict[str, dict[str, dict[int, float]]],
               experiment: str = "multimnist2") -> list[dict[str, Any]]:
     """Each DR row minus its ERM twin (:data:`AGAINST_ERM`) and minus the twin with its temperature
     (:data:`AGAINST_ERM_T`; the attributes': :data:`ATTRIBUTES_AGAINST_ERM`), rows by increasing λ."""
     against_erm, against_erm_t = hypotheses(experiment)
     rows = []
-    dr_rows = sorted((r for r in per_seed if not r.endswith("+T") and erm_twin(r, per_seed)),
-                     key=lambda r: (parse_variants(r)[0].method, lam_of(r) or 0.8))
-    for row in dr_rows:
+    for row in dr_rows(per_seed):
         twin = erm_twin(row, per_seed)
         assert twin is not None
         for other, columns in ((twin, against_erm), (f"{twin}+T", against_erm_t)):
@@ -157,8 +161,7 @@ def shift_contrasts_with_temperature(per_seed: dict[str, dict[str, dict[int, flo
     attributes = hypotheses(experiment)[0] is ATTRIBUTES_AGAINST_ERM
     columns = ATTRIBUTES_AGAINST_ERM_T_SHIFT if attributes else AGAINST_ERM_T_SHIFT
     rows = []
-    for row in sorted((r for r in per_seed if not r.endswith("+T") and erm_twin(r, per_seed)),
-                      key=lambda r: (parse_variants(r)[0].method, lam_of(r) or 0.8)):
+    for row in dr_rows(per_seed):
         other = f"{erm_twin(row, per_seed)}+T"
         present = [c for c in columns if c in per_seed.get(other, {})]
         if present:
