@@ -100,10 +100,16 @@
 #        case under the empirical and the label-balancing nominal, calibration, the worse label, label shift,
 #        pixel noise, the fitted temperature), then scripts/dr_path.py and Holm's correction per set-up;
 #        results in results/mnist-attributes-small/dr-path/{weighted,unweighted}/.
-# attributes-dr-path-rates: the check of attributes-dr-path's rates on the validation split (seed 0): Double-Clip
-#        at the path's two ends, lam 0.1 and 100 (LAMS="0.1 0.3 3 100" for every lam), at 0.3, 1 and 3 (around the
-#        lam 0.8 winner, 1.0), the grid grown by the project's rule while the best rate sits at an end
-#        (scripts/sweep_rule.py extension); results in results/mnist-attributes-small/dr-path/{weighted,unweighted}/lr-check/.
+# attributes-dr-path-rates: each row of attributes-dr-path at its own rate, chosen on the validation split by the
+#        project's two-stage rule on a smaller grid around the lam 0.8 winners: stage 1 (seed 0) runs Double-Clip
+#        at each lam at 0.3, 1 and 3 (around 1.0) and MGDA at lam 100 at 0.1, 0.3 and 1 (around 0.3), the grid grown
+#        while a best rate sits at an end (scripts/sweep_rule.py extension); stage 2 (seeds 1 and 2) runs each
+#        row's two best; the winner has the best mean over seeds 0-2.  Lam 0.8 is swept in the unweighted set-up
+#        only (the weighted one's is results/mnist-attributes-small/lr-sweep/).  SETUPS="weighted unweighted"
+#        (default both), LAMS="0.1 0.3 3 100" (Double-Clip's).  Then each set-up's path is rerun at the winners
+#        on the 5 test seeds (runs at the path's own rates reused from its folder), dr_path.py and Holm;
+#        results in results/mnist-attributes-small/dr-path/{weighted,unweighted}/lr-check/ (the choice) and
+#        results/mnist-attributes-small/dr-path/{weighted,unweighted}-tuned/ (the path at the chosen rates).
 # Finished runs are reused, so an interrupted call continues where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -314,15 +320,44 @@ attributes|attributes-key)
     fi
     "$python" scripts/attribute_contrasts.py results/mnist-attributes-small ;;
 attributes-dr-path-rates)
-    spec=""
-    for lam in ${LAMS:-0.1 100}; do
-        for lr in 0.3 1.0 3.0; do spec="$spec${spec:+,}double-clip[lam=$lam,lr=$lr]"; done
-    done
-    grown_sweep mnist-attributes results/mnist-attributes-small/dr-path/weighted/lr-check "$spec"
-    grown_sweep mnist-attributes-unweighted results/mnist-attributes-small/dr-path/unweighted/lr-check "$spec"
-    for setup in weighted unweighted; do
-        echo "$setup: stage-1 best rates: $("$python" scripts/sweep_rule.py finalists \
-            "results/mnist-attributes-small/dr-path/$setup/lr-check")"
+    for setup in ${SETUPS:-weighted unweighted}; do
+        experiment=mnist-attributes dc_lams="${LAMS:-0.1 0.3 3 100}" mgda_lams=100
+        if [ "$setup" = unweighted ]; then
+            experiment=mnist-attributes-unweighted dc_lams="$dc_lams 0.8" mgda_lams="0.8 100"
+        fi
+        check="results/mnist-attributes-small/dr-path/$setup/lr-check" spec=""
+        # lam 0.8 is the methods' default: its rows name no lam, as the path's do (their runs are then reused)
+        for lam in $dc_lams; do
+            setting="lam=$lam,"
+            [ "$lam" != 0.8 ] || setting=""
+            for lr in 0.3 1.0 3.0; do spec="$spec${spec:+,}double-clip[${setting}lr=$lr]"; done
+        done
+        for lam in $mgda_lams; do
+            setting="lam=$lam,"
+            [ "$lam" != 0.8 ] || setting=""
+            for lr in 0.1 0.3 1.0; do spec="$spec,mgda[${setting}lr=$lr]"; done
+        done
+        grown_sweep "$experiment" "$check" "$spec"
+        sweep "$experiment" 1,2 "$check/runoff" "$("$python" scripts/sweep_rule.py finalists "$check")"
+        # The path at the winners: the lam 0.8 rows are the weighted set-up's validated ones (lr-sweep/).
+        rows=$("$python" scripts/sweep_rule.py rows "$check" "$experiment")
+        [ "$setup" = unweighted ] || rows="double-clip,mgda[lr=0.3],$rows"
+        reference=$(sed 's/\],/]\n/g' <<< "$rows" | grep '^double-clip\[lam=100[],]')
+        tuned="results/mnist-attributes-small/dr-path/$setup-tuned"
+        mkdir -p "$tuned"
+        # The rows' test runs already made (at the path's rates, or weighted-lr3/'s rate 3) are copied, not redone.
+        for run in $("$python" -c 'import sys; from drmoo.experiments.variants import parse_variants, run_dir_name
+print(*(run_dir_name(v.name, s) for v in parse_variants(sys.argv[1]) for s in range(5)))' "$rows"); do
+            for folder in "$setup" weighted-lr3; do
+                [ "$setup" = weighted ] || [ "$folder" != weighted-lr3 ] || continue
+                source="results/mnist-attributes-small/dr-path/$folder/$run"
+                [ -e "$tuned/$run" ] || [ ! -e "$source/done" ] || cp -r "$source" "$tuned/"
+            done
+        done
+        "$drmoo" compare --experiment "$experiment" --preset small --seeds 0,1,2,3,4 --jobs "$jobs" \
+            --methods "$rows" --reference "$reference" --device cpu --quiet --out "$tuned" > /dev/null
+        "$python" scripts/dr_path.py "$tuned"
+        "$python" scripts/multiple_comparisons.py "$tuned"
     done ;;
 attributes-dr-path)
     rows="double-clip[lam=0.1],double-clip[lam=0.3],double-clip,double-clip[lam=3],double-clip[lam=100]"
