@@ -76,6 +76,59 @@ def test_separate_heads_rows_are_the_per_task_passes_rows(loss: str) -> None:
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layout", ["shared", "separate"])
+def test_with_no_head_fed_the_pass_ends_at_the_heads_output(layout: str) -> None:
+    """No inputs: the same rows, from a pass that runs nothing below the logits (no head's node, nothing at z)."""
+    trunk, head, x, y = _problem()
+    heads = nn.ModuleList(nn.Linear(D_Z, 1, bias=task % 2 == 0) for task in range(TASKS))
+    z = trunk(x)
+    logits = head(z) if layout == "shared" else torch.cat([h(z) for h in heads], dim=1)
+    losses = LOSSES["bce"](logits, y)
+    found = linear_head(losses, [z])
+    assert found is not None
+    below = [found.node] if layout == "shared" else [node for node, _ in found.node.next_functions]
+    ran: list[object] = []
+    handles = [node.register_prehook(lambda grads, node=node: ran.append(node)) for node in below]
+    reached_z: list[Tensor] = []
+    handles.append(z.register_hook(reached_z.append))
+    cotangent = torch.rand(BATCH, TASKS)
+    out = torch.empty(TASKS, BATCH * D_Z)
+    try:
+        grads = found.rows_into(losses, cotangent, out, inputs=[], retain_graph=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert grads == () and ran == [] and reached_z == []
+    torch.testing.assert_close(out, _per_task_rows(losses, z, cotangent), rtol=0, atol=0)
+
+
+# Passes through each head per Balancer step: the one that feeds the heads (Double-Loop's Y_tilde^T w is a
+# gradient of z, one more pass through them).
+HEAD_PASSES = {"modo": 1, "sdmgrad": 1, "mgda": 1, "double-loop": 2}
+
+
+@pytest.mark.parametrize("method", sorted(HEAD_PASSES))
+def test_a_balancer_step_runs_the_separate_heads_backward_only_where_needed(method: str) -> None:
+    """The rows' passes that feed no head (MoDo's, SDMGrad's, Double-Loop's Y_bar) stop at the logits instead
+    of going on through every head to z, a gradient of z that nothing reads."""
+    trunk, _, x, y = _problem()
+    heads = nn.ModuleList(nn.Linear(D_Z, 1) for _ in range(TASKS))
+    extra = {"seed": 0} if method == "double-loop" else {}
+    balancer = drmoo.Balancer(method, trunk.parameters(), TASKS, jacobian="features", lr=0.1, **extra)
+    z = trunk(x)
+    columns = [h(z) for h in heads]
+    ran: list[object] = []
+    handles = [column.grad_fn.register_prehook(lambda grads, node=column.grad_fn: ran.append(node))
+               for column in columns]
+    try:
+        balancer.backward(LOSSES["bce"](torch.cat(columns, dim=1), y), features=z)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(ran) == HEAD_PASSES[method] * TASKS and len({id(node) for node in ran}) == TASKS
+    assert all(h.weight.grad is not None for h in heads)
+
+
 def test_a_balancer_step_is_the_loop_strategys() -> None:
     written = []
     for strategy in ("auto", "loop"):

@@ -44,20 +44,32 @@ class LinearHead:
     def rows_into(self, losses: Tensor, cotangent: Tensor, out: Tensor, *, inputs: Sequence[Tensor],
                   retain_graph: bool) -> tuple[Tensor | None, ...]:
         """Fill ``out`` [m, B d] with the rows of J_z from one backward pass that stops at the head's parameters
-        (``inputs``: the heads, or z when no head is fed); returns that pass's gradients of ``inputs``."""
+        (``inputs``: the heads fed by this pass) or, with no ``inputs``, at the head's output; returns that
+        pass's gradients of ``inputs``."""
         caught: list[Tensor] = []
-
-        def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
-            grad = grad_outputs[0]
+        grad_outputs = cotangent.to(losses.dtype)
+        if not inputs:
+            # No head is fed: G is the gradient of the head's output, so the pass ends there.  Going on to z
+            # would compute a gradient of z that nothing reads: for m separate heads m products and m - 1 sums
+            # at z, every step (one product for a shared head).
+            logits = torch.autograd.graph.GradientEdge(self.node, 0)
+            (grad,) = torch.autograd.grad(losses, [logits], grad_outputs=grad_outputs, retain_graph=retain_graph,
+                                          allow_unused=True)
             if grad is not None:
                 caught.append(grad)
+            grads: tuple[Tensor | None, ...] = ()
+        else:
+            def catch(grad_outputs: tuple[Tensor | None, ...]) -> None:
+                grad = grad_outputs[0]
+                if grad is not None:
+                    caught.append(grad)
 
-        handle = self.node.register_prehook(catch)
-        try:
-            grads = torch.autograd.grad(losses, list(inputs), grad_outputs=cotangent.to(losses.dtype),
-                                        retain_graph=retain_graph, allow_unused=True)
-        finally:
-            handle.remove()
+            handle = self.node.register_prehook(catch)
+            try:
+                grads = torch.autograd.grad(losses, list(inputs), grad_outputs=grad_outputs,
+                                            retain_graph=retain_graph, allow_unused=True)
+            finally:
+                handle.remove()
         num_tasks, width = self.weight.shape
         with torch.no_grad():
             if not caught:  # the cotangent did not reach the head: every row is zero

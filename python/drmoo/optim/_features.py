@@ -288,8 +288,7 @@ class FeaturesJacobian:
         # the paths between pieces and applies z's hooks, once.
         with gradients_arriving_at(self.features):
             if linear is not None:  # linear heads: each row an outer product, from one pass (drmoo._linear_head)
-                head_grads = linear.rows_into(losses, scaled, out, inputs=list(heads) or list(self.features),
-                                              retain_graph=True)
+                head_grads = linear.rows_into(losses, scaled, out, inputs=list(heads), retain_graph=True)
                 if heads:
                     accumulate_into_grad(heads, head_grads)
                 jacobian = out
