@@ -83,6 +83,8 @@ def summarize(json_path: Path) -> str:
         info = record["extra_info"]
         shape = " ".join(f"{k}={info[k]}" for k in ("B", "m", "n") if k in info)
         extra = f" (step/floor {info['step_over_floor']:.2f})" if "step_over_floor" in info else ""
+        if "speedup_vs_foreach_norm" in info:  # sum_squares: also against the guard it replaced
+            extra += f" (vs _foreach_norm {info['speedup_vs_foreach_norm']:.2f})"
         lines.append(
             f"| {info['op']} | {shape} | {info['backend']} | {_fmt_time(record['stats']['min'])} | "
             f"{_fmt_time(record['stats']['median'])} | "

@@ -9,8 +9,8 @@ m = 40, n = 11.2M case (1.8 GB per Jacobian, seconds per reference call) is left
 full run under 15 minutes on 2 cores.  All tensors are float32.
 
 Bytes moved (``extra_info["bytes"]``) count the traffic the op cannot avoid, each tensor once: the
-dual ops read the losses and write the weights; gram reads J; combine reads J and reads+writes the
-parameters; gram_step reads J twice (alpha depends on the whole Gram, so the update pass cannot
+dual ops read the losses and write the weights; gram reads J; sum_squares reads the parameter-shaped
+tensors; combine reads J and reads+writes the parameters; gram_step reads J twice (alpha depends on the whole Gram, so the update pass cannot
 start before the Gram pass ends) and reads+writes the parameters.
 """
 
@@ -178,6 +178,30 @@ def test_gram_step(benchmark, harness, backend: str, tasks: int, n: int) -> None
         info={"op": "gram_step", "m": tasks, "n": n, "num_params": len(params)},
         reference_fn=lambda: step(reference),
     )
+
+
+@pytest.mark.parametrize("n", N_VALUES)
+def test_sum_squares(benchmark, harness, backend: str, n: int) -> None:
+    """The NaN/Inf guard of features mode's lift: one value per gradient of a ResNet-like list of 62 tensors.
+
+    Besides the reference (a loop of ``torch.dot``, one op per tensor), the same-run time of what the guard was
+    before, ``torch._foreach_norm`` (one op; on a CPU a loop of per-tensor norms), in ``foreach_norm_min_s``.
+    """
+    ops = backend_module(backend)
+    params = _params(n)
+    harness.run(
+        benchmark,
+        lambda: ops.sum_squares(params),
+        key=f"sum_squares n={n}",
+        backend=backend,
+        nbytes=n * FP32,
+        info={"op": "sum_squares", "n": n, "num_params": len(params)},
+        reference_fn=lambda: reference.sum_squares(params),
+    )
+    if benchmark.stats is not None:
+        foreach, _ = harness.baseline_seconds(f"foreach_norm n={n}", lambda: torch._foreach_norm(params))
+        benchmark.extra_info.update(foreach_norm_min_s=foreach,
+                                    speedup_vs_foreach_norm=foreach / benchmark.stats.stats.min)
 
 
 # ------------------------------------------------------------------------ optimizer iteration

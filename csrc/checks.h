@@ -414,6 +414,18 @@ void check_gram_step_inputs(const Tensor& J, const Tensor& w, const TensorList& 
   check_params(op, J, params, {J_in, w_in, z_in, mu_in});
 }
 
+// sum_squares' arguments: every tensor floating, all on tensors[0]'s device (any shape, stride or size; none
+// is written).
+template <typename TensorList>
+void check_sum_squares_inputs(const TensorList& tensors) {
+  const char* op = "sum_squares";
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const std::string name = indexed("tensors", k);
+    check_float(op, name.c_str(), tensors[k]);
+    check_device(op, name.c_str(), tensors[k], tensors[0]);
+  }
+}
+
 // The value of lr or mu (read by the CPU kernels, which need it on the host anyway): finite and >= 0.
 inline void check_one_value_range(const char* op, const char* name, double value) {
   check_number(op, name, value, /*allow_zero=*/true);

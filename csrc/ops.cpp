@@ -48,4 +48,7 @@ STABLE_TORCH_LIBRARY(drmoo, m) {
   m.def(
       "gram_step(Tensor J, Tensor(a!) w, Tensor(b!)[] params, float gamma, float c1, float c2, float beta, "
       "float rho, Tensor mu, Tensor z) -> (Tensor gram, Tensor d_norm, Tensor alpha)");
+  // Entry i: the sum of squares of tensors[i]'s entries (CPU only: on a GPU torch._foreach_norm is already
+  // one fused launch).  An empty list has no tensor to dispatch on: the backends' wrappers answer it.
+  m.def("sum_squares(Tensor[] tensors) -> Tensor");
 }

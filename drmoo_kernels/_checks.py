@@ -53,6 +53,7 @@ __all__ = [
     "check_gram",
     "check_gram_step",
     "check_positive",
+    "check_sum_squares",
     "structural_checks_only",
     "trusted_arguments",
     "untrusted_arguments",
@@ -440,6 +441,24 @@ def check_gram_step(
         _writable(op, "w", w)
         if not _structural_only():
             _no_alias(op, "w", w, [*_jacobian_inputs(jacobian), ("z", z), ("mu", mu)])
+
+
+def check_sum_squares(tensors: Any) -> tuple[torch.device | None, torch.dtype]:
+    """The argument of ``sum_squares``: a list or tuple of floating tensors on one device (any shapes, strides
+    and sizes; none is written).  Returns their device (None for an empty list) and the result's dtype:
+    float64 when one of them is float64, else float32."""
+    op = "sum_squares"
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"drmoo.{op}: tensors must be a list or tuple of tensors, got {type(tensors).__name__}")
+    device: torch.device | None = None
+    dtype = torch.float32
+    for index, tensor in enumerate(tensors):
+        checked = _tensor(op, f"tensors[{index}]", tensor, device)
+        if device is None:
+            device = checked.device
+        if checked.dtype == torch.float64:
+            dtype = torch.float64
+    return device, dtype
 
 
 def _first_block(jacobian: JacobianBlocks) -> Tensor:

@@ -56,6 +56,8 @@ JacobianBlocks = Tensor | Sequence[Tensor]
 # What the ops' schemas (csrc/ops.cpp) return; torch types an op call's result as Any, hence the casts.
 _Triple = tuple[Tensor, Tensor, Tensor]
 OPS: tuple[str, ...] = ("dual_forward", "dual_step", "gram", "combine", "gram_step")
+# Ops with a CPU kernel only: on a GPU the caller's torch op is already one fused launch (torch._foreach_norm).
+CPU_ONLY_OPS: tuple[str, ...] = ("sum_squares",)
 # The schemas and the CPU kernels, built on torch's stable ABI: one build serves every torch >= its target.
 EXTENSION = "drmoo_kernels._C"
 # The CUDA kernels, on the same stable ABI (an older drmoo's regular-ABI build: only the torch it was built with).
@@ -314,9 +316,10 @@ def _find_availability(device_type: str) -> str | None:
     if reason is not None:
         return reason
     key = "CUDA" if device_type == "cuda" else "CPU"
-    if not all(_has_kernel(op, key) for op in OPS):
+    ops = OPS if device_type == "cuda" else OPS + CPU_ONLY_OPS
+    if not all(_has_kernel(op, key) for op in ops):
         extension = CUDA_EXTENSION if device_type == "cuda" else EXTENSION
-        return f"{extension} registers no {key} kernels for {', '.join(OPS)}"
+        return f"{extension} registers no {key} kernels for {', '.join(ops)}"
     return None
 
 
@@ -376,10 +379,18 @@ def _register_fakes() -> None:
         gram_matrix = J.new_empty((m, m), dtype=_acc_dtype(J.dtype))
         return gram_matrix, J.new_empty((), dtype=torch.float32), J.new_empty((), dtype=torch.float32)
 
+    def _sum_squares_fake(tensors: list[Tensor]) -> Tensor:
+        with _checks.structural_checks_only():
+            device, dtype = _checks.check_sum_squares(tensors)
+        if device is None:  # (unreachable through the dispatcher, which needs a tensor to choose a kernel)
+            return torch.empty(0, dtype=dtype)
+        return tensors[0].new_empty(len(tensors), dtype=dtype)
+
     # Registered by a call, not with the @register_fake(...) decorator: torch leaves the decorator's
     # type unannotated, which would leave these functions untyped.
     fakes: dict[str, Callable[..., Any]] = {"dual_forward": _dual_forward_fake, "dual_step": _dual_step_fake,
-                                            "gram": _gram_fake, "combine": _combine_fake, "gram_step": _gram_step_fake}
+                                            "gram": _gram_fake, "combine": _combine_fake, "gram_step": _gram_step_fake,
+                                            "sum_squares": _sum_squares_fake}
     for op, fake in fakes.items():
         torch.library.register_fake(f"drmoo::{op}", fake)
 
@@ -458,9 +469,10 @@ _GRAM_STEP_NAMES = ("J", "w", "z")
 
 
 class CompiledBackend:
-    """The five ops of :mod:`drmoo_kernels.reference` (same signatures) for one device type.
+    """The ops of :mod:`drmoo_kernels.reference` (same signatures) for one device type.
 
-    ``drmoo_kernels.backends.cpp`` and ``.cuda`` expose the bound methods of one instance each.
+    ``drmoo_kernels.backends.cpp`` and ``.cuda`` expose the bound methods of one instance each (``sum_squares``
+    only the ``cpp`` one: it has no CUDA kernel).
     """
 
     def __init__(self, device_type: str) -> None:
@@ -544,3 +556,11 @@ class CompiledBackend:
             flat, w, list(params), float(gamma), float(c1), float(c2), float(beta), float(rho),
             _scalar_tensor(mu, flat.device), z,
         ))
+
+    def sum_squares(self, tensors: Sequence[Tensor]) -> Tensor:
+        """[k]: the sum of squares of each tensor's entries (float32; float64 when one tensor is float64)."""
+        device, dtype = _checks.check_sum_squares(tensors)
+        if device is None:  # no tensor by which the dispatcher could choose a kernel: the reference's answer
+            return torch.zeros(0, dtype=dtype)
+        _require(self.device_type, "sum_squares", ("tensors[0]",), tensors[0])
+        return cast(Tensor, _op("sum_squares")(list(tensors)))

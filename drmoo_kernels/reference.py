@@ -10,6 +10,8 @@ Contracts (DESIGN §4).  m tasks, B samples, n shared parameters, J the [m, n] p
 * ``gram(J)`` -> J J^T; ``combine(J, w, params, lr)``: params -= lr * J^T w through views.
 * ``gram_step(J, w, params, gamma, c1, c2, beta, rho, mu, z)`` -> ``gram``, ``d_norm``, ``alpha``;
   updates ``params`` and ``w`` in place (Alg. 2 steps 4-5).
+* ``sum_squares(tensors)`` -> ``[k]``, entry i the sum of squares of ``tensors[i]``'s entries: the NaN/Inf
+  guard of a list of gradients in one op (features mode's lift through the trunk).
 
 Conventions: math in float32 for float32/bfloat16/float16 inputs (float64 inputs stay float64;
 m x m work always in float64), scalar results as
@@ -28,7 +30,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._checks import check_combine, check_dual_forward, check_dual_step, check_gram, check_gram_step
+from ._checks import (
+    check_combine,
+    check_dual_forward,
+    check_dual_step,
+    check_gram,
+    check_gram_step,
+    check_sum_squares,
+)
 from .divergences import Divergence
 
 __all__ = [
@@ -40,6 +49,7 @@ __all__ = [
     "gram_step",
     "gram_step_small",
     "project_simplex",
+    "sum_squares",
 ]
 
 JacobianBlocks = Tensor | Sequence[Tensor]
@@ -204,6 +214,25 @@ def gram_step_small(
     w_next = torch.where(finite, project_simplex(w64 - beta * pref_grad), w64).to(w.dtype)
     reported = torch.where(finite, d_norm, torch.full_like(d_norm, float("nan"))).float()
     return finite, alpha, reported, w_next
+
+
+def sum_squares(tensors: Sequence[Tensor]) -> Tensor:
+    """``[k]``: entry i is the sum of squares of ``tensors[i]``'s entries (any shape and strides; 0 when empty).
+
+    Each sum is taken in its tensor's math dtype (float32 for float16, bfloat16 and float32; float64 for
+    float64); the result is float64 when one of the tensors is float64, else float32.  A NaN entry makes its
+    sum NaN and an infinite one +Inf, so an entry is finite exactly when its tensor is -- unless the sum
+    overflows the result's dtype (float32: a norm above ~1.8e19), as an unscaled L2 norm would.  An empty
+    list gives an empty float32 tensor on the CPU.
+    """
+    device, dtype = check_sum_squares(tensors)
+    if device is None:
+        return torch.zeros(0, dtype=dtype)
+    sums = []
+    for tensor in tensors:
+        flat = _acc(tensor.reshape(-1))
+        sums.append(torch.dot(flat, flat).to(dtype))
+    return torch.stack(sums)
 
 
 def project_simplex(v: Tensor) -> Tensor:

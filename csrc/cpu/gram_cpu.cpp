@@ -8,6 +8,8 @@
 // combine: one pass over J and the parameters, params -= lr * J^T w in the math dtype.
 // gram_step: gram, the m x m work on the host (drmoo_math.h), then combine unless the Gram is not
 // finite, in which case nothing is written.
+// sum_squares: the Gram's diagonal of a list of tensors, each read once: entry i = sum of squares of
+// tensors[i], chunks summed in the math dtype and added in float64 like gram's.
 // Written against torch's stable ABI (see cpu_util.h).
 #include <torch/csrc/stable/library.h>
 
@@ -31,21 +33,28 @@ constexpr int64_t kCombineBlock = 512;      // columns per inner block of the up
 // (~50-100 us at this machine's bandwidth); for less, waking it and joining it costs more than it
 // saves, and far more when the other core is busy (see cpu_util.h).
 constexpr int64_t kMinBytesPerThread = 1 << 20;
+// sum_squares: elements summed in the math dtype before the chunk sum joins a float64 one (the error
+// bound of the tests, tests/kernels/error_bounds.py, follows this constant), and elements per parallel
+// task (a multiple of the chunk: chunks start at the same offsets whatever the tasks).
+constexpr int64_t kSquaresChunk = 4096;
+constexpr int64_t kSquaresGrain = 16 * kSquaresChunk;
 
 int64_t chunk_columns(int64_t m, int64_t elem_bytes) {
   const int64_t cols = kChunkBytes / (m * elem_bytes) / 64 * 64;
   return std::clamp<int64_t>(cols, 64, 4096);
 }
 
-// The inner loops, compiled twice (see gram_kernels.inc): kernels::avx2 for CPUs with AVX2 and
-// FMA, kernels::base for any x86-64 (and other architectures).
+// The inner loops, compiled twice (see gram_kernels.inc): kernels::avx2 for CPUs with AVX2, FMA and
+// F16C (every CPU with AVX2 has it), kernels::base for any x86-64 (and other architectures).
 namespace kernels {
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define DRMOO_HAVE_AVX2_KERNELS 1
 namespace avx2 {
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
+#define DRMOO_KERNELS_F16C 1
 #include "gram_kernels.inc"
+#undef DRMOO_KERNELS_F16C
 #pragma GCC pop_options
 }  // namespace avx2
 #endif
@@ -56,7 +65,8 @@ namespace base {
 
 bool use_avx2() {
 #ifdef DRMOO_HAVE_AVX2_KERNELS
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool yes =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return yes;
 #else
   return false;
@@ -69,6 +79,14 @@ void chunk_gram(const T* const* rows, int64_t m, int64_t len, double* acc) {
   if (use_avx2()) return kernels::avx2::chunk_gram(rows, m, len, acc);
 #endif
   kernels::base::chunk_gram(rows, m, len, acc);
+}
+
+template <typename S>
+double squares_chunk(const S* x, int64_t len) {
+#ifdef DRMOO_HAVE_AVX2_KERNELS
+  if (use_avx2()) return kernels::avx2::squares_chunk(x, len);
+#endif
+  return kernels::base::squares_chunk(x, len);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -262,12 +280,77 @@ std::tuple<Tensor, Tensor, Tensor> gram_step_cpu(const Tensor& J_in, const Tenso
   return {gram, float_scalar(result.d_norm), float_scalar(result.alpha)};
 }
 
+// The sum of squares of x[first, last) (contiguous), first a multiple of kSquaresChunk: chunk sums in
+// the math dtype, added in float64.
+template <typename scalar_t>
+double squares_range(const scalar_t* x, int64_t first, int64_t last) {
+  double total = 0.0;
+  for (int64_t c = first; c < last; c += kSquaresChunk) {
+    total += squares_chunk(x + c, std::min(kSquaresChunk, last - c));
+  }
+  return total;
+}
+
+// One task of sum_squares: elements [first, last) of tensor `tensor`.
+struct SquaresTask {
+  int64_t tensor, first, last;
+};
+
+// [k]: entry i = sum of tensors[i]'s squared entries, float64 when any tensor is float64, else float32.
+// Each entry is summed in its own tensor's math dtype (chunks) and float64 (chunk sums), over fixed
+// tasks combined in task order: the result does not depend on the thread count.  A NaN entry makes its
+// sum NaN, an infinite one +Inf; a finite tensor gives a finite sum unless it overflows the result's dtype
+// (a norm above ~1.8e19 in float32), as an unscaled L2 norm would.
+Tensor sum_squares_cpu(const std::vector<Tensor>& tensors) {
+  check_sum_squares_inputs(tensors);
+  const int64_t count = static_cast<int64_t>(tensors.size());
+  ScalarType out_type = ScalarType::Float;
+  for (const Tensor& t : tensors) {
+    check_cpu("sum_squares", t);
+    if (t.scalar_type() == ScalarType::Double) out_type = ScalarType::Double;
+  }
+  // A non-contiguous tensor is read through a contiguous copy (one more pass over it).
+  std::vector<Tensor> sources;
+  std::vector<SquaresTask> tasks;
+  sources.reserve(tensors.size());
+  for (int64_t i = 0; i < count; ++i) {
+    const Tensor& t = tensors[i];
+    const int64_t numel = t.numel();
+    sources.push_back(numel != 0 && !t.is_contiguous() ? contiguous_copy(t, t.scalar_type()) : t);
+    for (int64_t first = 0; first < numel; first += kSquaresGrain) {
+      tasks.push_back({i, first, std::min(numel, first + kSquaresGrain)});
+    }
+  }
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  std::vector<double> partial(static_cast<size_t>(ntasks), 0.0);
+  // Traffic per full task counted in float32 bytes whatever the dtypes: a threshold, not a measurement.
+  const int64_t task_bytes = kSquaresGrain * static_cast<int64_t>(sizeof(float));
+  run_tasks(ntasks, tasks_for(kMinBytesPerThread, task_bytes), [&](int64_t t) {
+    const SquaresTask& task = tasks[t];
+    const Tensor& source = sources[task.tensor];
+    dispatch_floating(source.scalar_type(), "sum_squares", [&](auto tag) {
+      using scalar_t = typename decltype(tag)::type;
+      partial[t] = squares_range(source.const_data_ptr<scalar_t>(), task.first, task.last);
+    });
+  });
+  std::vector<double> sums(static_cast<size_t>(count), 0.0);
+  for (int64_t t = 0; t < ntasks; ++t) sums[tasks[t].tensor] += partial[t];
+  Tensor out = new_cpu_tensor({count}, out_type);
+  dispatch_floating(out_type, "sum_squares", [&](auto tag) {
+    using out_t = typename decltype(tag)::type;
+    out_t* dst = out.mutable_data_ptr<out_t>();
+    for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<out_t>(sums[i]);
+  });
+  return out;
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(drmoo, CPU, m) {
   m.impl("gram", TORCH_BOX(&gram_cpu));
   m.impl("combine", TORCH_BOX(&combine_cpu));
   m.impl("gram_step", TORCH_BOX(&gram_step_cpu));
+  m.impl("sum_squares", TORCH_BOX(&sum_squares_cpu));
 }
 
 }  // namespace drmoo

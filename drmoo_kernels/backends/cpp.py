@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .._ops import CompiledBackend
 
-__all__ = ["availability", "combine", "dual_forward", "dual_step", "gram", "gram_step"]
+__all__ = ["availability", "combine", "dual_forward", "dual_step", "gram", "gram_step", "sum_squares"]
 
 _OPS = CompiledBackend("cpu")
 availability = _OPS.availability
@@ -23,3 +23,4 @@ dual_step = _OPS.dual_step
 gram = _OPS.gram
 combine = _OPS.combine
 gram_step = _OPS.gram_step
+sum_squares = _OPS.sum_squares

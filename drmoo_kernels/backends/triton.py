@@ -1,4 +1,4 @@
-"""The ``triton`` backend: Triton kernels for the five ops of :mod:`drmoo_kernels.reference`.
+"""The ``triton`` backend: Triton kernels for the five Jacobian and dual ops of :mod:`drmoo_kernels.reference`.
 
 Same signatures, return values and in-place semantics as the reference (read it for the math).
 The kernels compute in float32, the contract for float32/bfloat16/float16 inputs; float64 inputs
@@ -41,7 +41,7 @@ from torch import Tensor
 from .. import _checks, reference
 from ..divergences import Divergence
 
-__all__ = ["availability", "combine", "dual_forward", "dual_step", "gram", "gram_step"]
+__all__ = ["availability", "combine", "dual_forward", "dual_step", "gram", "gram_step", "sum_squares"]
 
 JacobianBlocks = Tensor | Sequence[Tensor]
 
@@ -723,3 +723,8 @@ def _to_float32(value: float) -> float:
         return rounded
     except OverflowError:  # beyond float32's range: rounds to infinity
         return math.copysign(math.inf, value)
+
+
+# No Triton kernel: drmoo's own NaN/Inf guard of a list of gradients calls torch._foreach_norm on a GPU (one
+# fused launch already); the reference keeps the backend's set of ops complete.
+sum_squares = reference.sum_squares

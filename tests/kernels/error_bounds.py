@@ -171,6 +171,64 @@ def gram_difference_bound(jacobian: Tensor | Sequence[Tensor]) -> Tensor:
     return 2.0 * gram_error_bound(jacobian)
 
 
+# -------------------------------------------------------------------------------- sum_squares
+# csrc/cpu/gram_cpu.cpp (kSquaresChunk): the CPU kernel sums chunks of at most 4096 elements in the math
+# dtype (vector lanes and a tail, added in float64) and adds the chunk sums in float64.  Only used where a
+# test holds that kernel to its own structural bound; if the chunking changes, this constant must follow.
+CPP_SUM_SQUARES_CHUNK = 4096
+
+
+def exact_sum_squares(tensors: Sequence[Tensor]) -> Tensor:
+    """The sums of squares of the tensors' stored values in float64 (the float64 products are exact for the
+    16- and 32-bit dtypes; each sum is within gamma_64(n) of the exact one, far below the bounds here)."""
+    return torch.stack([torch.sum(t.detach().to("cpu", torch.float64).reshape(-1) ** 2) for t in tensors])
+
+
+def _squares_terms(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int], list[float]]:
+    """(exact sums, element counts, each tensor's math-dtype unit roundoff)."""
+    return (exact_sum_squares(tensors), [t.numel() for t in tensors],
+            [unit_roundoff(acc_dtype(t.dtype)) for t in tensors])
+
+
+def _underflow(tensor: Tensor) -> float:
+    """Absolute error the math dtype's subnormal range can add to a sum of ``tensor``'s squares: each product and
+    each addition at most half its subnormal spacing (bfloat16 values below ~1e-19 square to float32 subnormals)."""
+    info = torch.finfo(acc_dtype(tensor.dtype))
+    return 2.0 * tensor.numel() * float(info.tiny) * float(info.eps)
+
+
+def sum_squares_error_bound(tensors: Sequence[Tensor]) -> Tensor:
+    """Bound on |s_hat_i - s_i| for one implementation of sum_squares, s_i the exact sum of tensors[i]'s squares.
+
+    Any summation order in the tensor's math dtype: gamma(n_i + 1) s_i (n_i - 1 additions and the product's
+    rounding on each term's path, plus the final rounding to the result's dtype, whose unit roundoff is at most
+    the math dtype's); the terms are >= 0, so sum |x^2| is the sum itself.
+    """
+    exact, counts, units = _squares_terms(tensors)
+    bounds = [gamma(n + 1, u) * float(s) + _underflow(t) for s, n, u, t in zip(exact, counts, units, tensors)]
+    return torch.tensor(bounds, dtype=torch.float64)
+
+
+def sum_squares_difference_bound(tensors: Sequence[Tensor]) -> Tensor:
+    """Bound on |s_kernel - s_reference|: each within :func:`sum_squares_error_bound` (any order) of the exact sum."""
+    return 2.0 * sum_squares_error_bound(tensors)
+
+
+def cpp_sum_squares_error_bound(tensors: Sequence[Tensor], result_dtype: torch.dtype) -> Tensor:
+    """Bound on |s_cpp - s| from the CPU kernel's split reduction: chunks of at most CPP_SUM_SQUARES_CHUNK terms
+    in the math dtype (any order inside a chunk), their lanes and tail (at most 16 values) and the chunk sums
+    added in float64, rounded once to ``result_dtype``."""
+    exact, counts, units = _squares_terms(tensors)
+    u64, u_out = unit_roundoff(torch.float64), unit_roundoff(result_dtype)
+    bounds = []
+    for s, n, u, tensor in zip(exact, counts, units, tensors):
+        inner = gamma(min(CPP_SUM_SQUARES_CHUNK, max(n, 1)), u)
+        outer = gamma(math.ceil(n / CPP_SUM_SQUARES_CHUNK) + 16, u64)
+        factor = inner + outer * (1.0 + inner)
+        bounds.append(((1.0 + factor) * (1.0 + u_out) - 1.0) * float(s) + _underflow(tensor))
+    return torch.tensor(bounds, dtype=torch.float64)
+
+
 # --------------------------------------------------------------------------------- gram_step
 @dataclass
 class GramStepBounds:

@@ -1,6 +1,6 @@
 """Bitwise reproducibility of the ops on CPU (docs/guarantees.md, "Determinism"); `drmoo train --resume` relies on it.
 
-* Same inputs, same thread count: gram / combine / gram_step / dual_forward / dual_step return
+* Same inputs, same thread count: gram / combine / gram_step / dual_forward / dual_step / sum_squares return
   bitwise-identical results (and write identical parameters, w and eta) on every call, for the
   ``cpp`` and the ``reference`` backends.  The inputs are fresh copies each time (other addresses,
   so nothing depends on alignment or on a cached result).
@@ -79,6 +79,8 @@ def _run_all(module, jac: dict[str, object], dual: dict[str, object]) -> list[Te
     b = _fresh(jac)
     results += module.gram_step(b["J"], b["w"], b["params"], 0.1, 1.0, 0.5, 0.3, 1e-3, b["mu"], b["z"])
     results += [b["w"], *b["params"]]
+    d = _fresh(jac)
+    results.append(module.sum_squares([d["J"], *d["params"], d["w"], d["J"].t()]))
     c = _fresh(dual)
     for divergence in (Divergence("kl"), Divergence("cressie_read", 2.5)):
         results += module.dual_forward(c["losses"], c["eta"], 0.6, 1.3, divergence, c["weight"])
