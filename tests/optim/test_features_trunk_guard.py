@@ -3,20 +3,24 @@
 In features mode the rows, their Gram, the losses and z are all guarded before the lift; the trunk's own
 backward can still make a NaN or Inf from finite inputs -- a bad parameter whose forward value is masked
 (0 * NaN in the backward), an overflow -- and it must stop the step before theta or ``.grad`` is written.
-The guard reads the gradients' L2 norms, accumulated in float32 at least: a half-precision gradient's norm
-overflows fp16 long before its entries do, and a finite step must not be refused for it.
+The guard reads one value per gradient in one op, accumulated in float32 at least (a half-precision gradient's
+norm overflows fp16 long before its entries do, and a finite step must not be refused for it): on the CPU with the
+``cpp`` backend each gradient's sum of squares (the compiled ``sum_squares``), elsewhere its L2 norm
+(``torch._foreach_norm``).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import drmoo
-from drmoo.optim import NonFiniteStepError, create
+from drmoo.optim import NonFiniteStepError, _features, create
 
 NUM_TASKS, BATCH, D_IN, D_Z = 2, 16, 6, 4
 APIS = ("balancer", "step")
@@ -103,3 +107,38 @@ def test_a_finite_half_precision_trunk_gradient_whose_norm_overflows_fp16_passes
         assert torch.isinf(grad.norm()), "the case this test is about: the gradient's norm in fp16 overflows"
     else:
         assert not torch.equal(trunk.weight, before) and torch.isfinite(trunk.weight).all()
+
+
+class OpNames(TorchDispatchMode):
+    """The non-view ops a step dispatches, by name (a view launches nothing on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not func.is_view:
+            self.names[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_on_the_cpu_the_guard_is_one_compiled_op_in_place_of_one_foreach_norm(
+        api: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the ``cpp`` backend the trunk's gradients are guarded by ONE ``drmoo::sum_squares`` call, in place of the
+    one ``aten::_foreach_norm`` of every other backend: the step dispatches as many non-view ops either way (the
+    op counts of bench/launches.py)."""
+    generator = torch.Generator().manual_seed(2)
+    x, y = torch.randn(BATCH, D_IN, generator=generator), torch.randn(BATCH, NUM_TASKS, generator=generator)
+    heads = torch.randn(D_Z, NUM_TASKS, generator=generator)
+    counted = {}
+    for guard in ("sum_squares", "foreach_norm"):
+        if guard == "foreach_norm":  # the same step as another backend guards it
+            monkeypatch.setattr(_features, "cpp_backend", None)
+        with OpNames() as ops:
+            STEPS[api](MaskedTrunk(), heads, x, y, lr=0.1, backend="cpp")
+        counted[guard] = ops.names
+    fused, foreach = counted["sum_squares"], counted["foreach_norm"]
+    assert fused["drmoo::sum_squares"] == 1 and foreach["drmoo::sum_squares"] == 0
+    assert fused["aten::_foreach_norm.Scalar"] == foreach["aten::_foreach_norm.Scalar"] - 1
+    assert sum(fused.values()) == sum(foreach.values())
