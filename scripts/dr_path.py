@@ -6,7 +6,8 @@
 Reads every test-split run directory of FOLDER (its ``config.json`` and the ``eval.json`` that ``drmoo
 eval`` or ``drmoo compare`` wrote, with its robustness block) and writes ``contrasts.csv``, with no
 training: each DR row minus its λ 100 twin (the same method with every other setting equal, at λ 100:
-plain training, the χ² dual there being within a few percent of the mean loss; Double-Clip's rows against
+plain training, the χ² dual there being within a few percent of the mean loss; in a folder where each λ
+runs at its own validated rate, ``*-tuned/``, the twin runs at its own too; Double-Clip's rows against
 ``double-clip[lam=100]``, MGDA's against ``mgda[lam=100]``) per column of :data:`AGAINST_ERM`, paired over
 seeds (mean, 95 % Student-t interval, ``wins``: the seeds on which the DR row's value is higher); and the
 same DR row minus the twin with its fitted temperature (the other row named ``<twin>+T``) on the loss,
@@ -116,36 +117,48 @@ def lam_of(row: str) -> float | None:
     return None if lam is None else float(lam)
 
 
-def erm_twin(row: str, rows: Iterable[str]) -> str | None:
-    """The λ 100 row of the same method and other settings as ``row`` (None: no such row, or ``row`` is it)."""
+def runs_at_own_rates(folder: Path) -> bool:
+    """Whether each λ of ``folder`` runs at its own validated rate: a ``*-tuned`` folder."""
+    return folder.name.endswith("-tuned")
+
+
+def erm_twin(row: str, rows: Iterable[str], own_rates: bool = False) -> str | None:
+    """The λ 100 row of the same method and other settings as ``row`` (None: no such row, or ``row`` is it).
+
+    ``own_rates`` (each λ at its own validated rate, :func:`runs_at_own_rates`): the rate aside, the method's
+    one λ 100 row at the same other settings, i.e. plain training at plain training's rate."""
     (variant,) = parse_variants(row)
     if lam_of(row) == ERM_LAM:
         return None
-    others = {k: v for k, v in variant.hparams.items() if k != "lam"}
+    ignored = ("lam", "lr") if own_rates else ("lam",)
+    others = {k: v for k, v in variant.hparams.items() if k not in ignored}
+    found = []
     for candidate in rows:
         if candidate.endswith("+T"):
             continue
         (twin,) = parse_variants(candidate)
         if (twin.method == variant.method and lam_of(candidate) == ERM_LAM
-                and {k: v for k, v in twin.hparams.items() if k != "lam"} == others):
-            return candidate
-    return None
+                and {k: v for k, v in twin.hparams.items() if k not in ignored} == others):
+            found.append(candidate)
+    if len(found) > 1:
+        raise SystemExit(f"{row}: more than one λ {ERM_LAM:g} twin ({', '.join(found)})")
+    return found[0] if found else None
 
 
-def dr_rows(per_seed: dict[str, dict[str, dict[int, float]]]) -> list[str]:
+def dr_rows(per_seed: dict[str, dict[str, dict[int, float]]], own_rates: bool = False) -> list[str]:
     """The rows with a λ 100 twin (the DR rows), by method, then by increasing λ (the default, 0.8, in its place)."""
-    return sorted((r for r in per_seed if not r.endswith("+T") and erm_twin(r, per_seed)),
+    return sorted((r for r in per_seed if not r.endswith("+T") and erm_twin(r, per_seed, own_rates)),
                   key=lambda r: (parse_variants(r)[0].method, lam_of(r) or 0.8))
 
 
 def contrasts(per_seed: dict[str, dict[str, dict[int, float]]],
-              experiment: str = "multimnist2") -> list[dict[str, Any]]:
+              experiment: str = "multimnist2", own_rates: bool = False) -> list[dict[str, Any]]:
     """Each DR row minus its ERM twin (:data:`AGAINST_ERM`) and minus the twin with its temperature
     (:data:`AGAINST_ERM_T`; the attributes': :data:`ATTRIBUTES_AGAINST_ERM`), rows by increasing λ."""
     against_erm, against_erm_t = hypotheses(experiment)
     rows = []
-    for row in dr_rows(per_seed):
-        twin = erm_twin(row, per_seed)
+    for row in dr_rows(per_seed, own_rates):
+        twin = erm_twin(row, per_seed, own_rates)
         assert twin is not None
         for other, columns in ((twin, against_erm), (f"{twin}+T", against_erm_t)):
             subset = {name: per_seed[name] for name in (row, other)}
@@ -154,15 +167,16 @@ def contrasts(per_seed: dict[str, dict[str, dict[int, float]]],
 
 
 def shift_contrasts_with_temperature(per_seed: dict[str, dict[str, dict[int, float]]],
-                                     experiment: str = "multimnist2") -> list[dict[str, Any]]:
+                                     experiment: str = "multimnist2", own_rates: bool = False
+                                     ) -> list[dict[str, Any]]:
     """The second family: each DR row minus its λ 100 twin with the clean temperature, under each shift
     (:data:`AGAINST_ERM_T_SHIFT`, the attributes' :data:`ATTRIBUTES_AGAINST_ERM_T_SHIFT`), with Holm's
     correction over the family's distinct rows (each is one hypothesis)."""
     attributes = hypotheses(experiment)[0] is ATTRIBUTES_AGAINST_ERM
     columns = ATTRIBUTES_AGAINST_ERM_T_SHIFT if attributes else AGAINST_ERM_T_SHIFT
     rows = []
-    for row in dr_rows(per_seed):
-        other = f"{erm_twin(row, per_seed)}+T"
+    for row in dr_rows(per_seed, own_rates):
+        other = f"{erm_twin(row, per_seed, own_rates)}+T"
         present = [c for c in columns if c in per_seed.get(other, {})]
         if present:
             rows += paired_differences({name: per_seed[name] for name in (row, other)}, row, present)
@@ -186,12 +200,12 @@ def main(argv: list[str]) -> int:
         return 2
     folder = Path(argv[1])
     per_seed = read_runs(folder)
-    found = contrasts(per_seed, experiment_of(folder))
+    found = contrasts(per_seed, experiment_of(folder), runs_at_own_rates(folder))
     if not found:
         raise SystemExit(f"{folder}: no DR row has a λ {ERM_LAM:g} twin to be contrasted with")
     _write(folder / "contrasts.csv", FIELDS, found)
     print(f"{folder}: {len(found)} contrasts of {len(per_seed)} rows -> {folder / 'contrasts.csv'}")
-    shifted = shift_contrasts_with_temperature(per_seed, experiment_of(folder))
+    shifted = shift_contrasts_with_temperature(per_seed, experiment_of(folder), runs_at_own_rates(folder))
     if shifted:  # runs evaluated before drmoo eval scaled the shifted logits have none
         _write(folder / "contrasts-temperature-shift.csv", SHIFT_FIELDS, shifted)
         survivors = sum(bool(row["survives_holm"]) for row in shifted)

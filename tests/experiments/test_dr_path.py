@@ -98,6 +98,23 @@ def test_each_method_is_contrasted_with_its_own_lambda_100_twin(tmp_path: Path, 
         "double-clip", "double-clip[lam=3]", "mgda"]
 
 
+def test_each_lambda_at_its_own_rate_meets_lambda_100_at_its_own(tmp_path: Path, load_script: Any) -> None:
+    """A ``*-tuned`` folder (each λ at its own validated rate): the twin is the method's λ 100 row whatever its
+    rate; elsewhere a row at another rate has none; two candidates are refused, not chosen between."""
+    module = load_script("dr_path")
+    rows = ["double-clip[lam=0.1]", "double-clip[lam=3,lr=3.0]", "double-clip[lam=100,lr=3.0]",
+            "mgda[lr=0.3]", "mgda[lam=100,lr=1.0]"]
+    assert module.erm_twin("double-clip[lam=0.1]", rows, own_rates=True) == "double-clip[lam=100,lr=3.0]"
+    assert module.erm_twin("double-clip[lam=3,lr=3.0]", rows, own_rates=True) == "double-clip[lam=100,lr=3.0]"
+    assert module.erm_twin("mgda[lr=0.3]", rows, own_rates=True) == "mgda[lam=100,lr=1.0]"
+    assert module.erm_twin("double-clip[lam=100,lr=3.0]", rows, own_rates=True) is None
+    assert module.erm_twin("double-clip[lam=0.1,rho=0.1]", rows, own_rates=True) is None  # another setting
+    assert module.erm_twin("double-clip[lam=0.1]", rows) is None  # not a tuned folder: the rates differ
+    with pytest.raises(SystemExit, match="more than one"):
+        module.erm_twin("double-clip[lam=0.1]", [*rows, "double-clip[lam=100]"], own_rates=True)
+    assert module.runs_at_own_rates(tmp_path / "weighted-tuned") and not module.runs_at_own_rates(tmp_path / "x")
+
+
 def test_a_run_without_the_robustness_block_is_refused(tmp_path: Path, load_script: Any) -> None:
     module = load_script("dr_path")
     run = tmp_path / "double-clip-seed0"
@@ -185,15 +202,17 @@ def test_under_shift_each_lambda_meets_lambda_100_with_its_clean_temperature(tmp
 
 @pytest.mark.parametrize("folder", ["multimnist2-small/dr-path", "mnist-attributes-small/dr-path/weighted",
                                     "mnist-attributes-small/dr-path/unweighted",
-                                    "mnist-attributes-small/dr-path/weighted-lr3"])
+                                    "mnist-attributes-small/dr-path/weighted-lr3",
+                                    "mnist-attributes-small/dr-path/weighted-tuned"])
 def test_committed_contrasts_are_those_of_the_committed_runs(folder: str, load_script: Any) -> None:
     """contrasts.csv and contrasts-temperature-shift.csv recomputed from the committed eval.json files."""
     module = load_script("dr_path")
     path = Path(__file__).resolve().parents[2] / "results" / folder
     per_seed = module.read_runs(path)
     experiment = module.experiment_of(path)
-    shifted = module.shift_contrasts_with_temperature(per_seed, experiment)
-    for name, rows in (("contrasts.csv", module.contrasts(per_seed, experiment)),
+    own_rates = module.runs_at_own_rates(path)
+    shifted = module.shift_contrasts_with_temperature(per_seed, experiment, own_rates)
+    for name, rows in (("contrasts.csv", module.contrasts(per_seed, experiment, own_rates)),
                        ("contrasts-temperature-shift.csv", shifted)):
         committed = _rows(path / name)
         assert [(r["reference"], r["other"], r["column"]) for r in committed] == [
