@@ -10,8 +10,8 @@ full run under 15 minutes on 2 cores.  All tensors are float32.
 
 Bytes moved (``extra_info["bytes"]``) count the traffic the op cannot avoid, each tensor once: the
 dual ops read the losses and write the weights; gram reads J; sum_squares reads the parameter-shaped
-tensors; combine reads J and reads+writes the parameters; gram_step reads J twice (alpha depends on the whole Gram, so the update pass cannot
-start before the Gram pass ends) and reads+writes the parameters.
+tensors; combine reads J and reads+writes the parameters; gram_step reads J twice (alpha depends on the
+whole Gram, so the update pass cannot start before the Gram pass ends) and reads+writes the parameters.
 """
 
 from __future__ import annotations
