@@ -203,7 +203,8 @@ def test_under_shift_each_lambda_meets_lambda_100_with_its_clean_temperature(tmp
 @pytest.mark.parametrize("folder", ["multimnist2-small/dr-path", "mnist-attributes-small/dr-path/weighted",
                                     "mnist-attributes-small/dr-path/unweighted",
                                     "mnist-attributes-small/dr-path/weighted-lr3",
-                                    "mnist-attributes-small/dr-path/weighted-tuned"])
+                                    "mnist-attributes-small/dr-path/weighted-tuned",
+                                    "mnist-attributes-small/dr-path/unweighted-tuned"])
 def test_committed_contrasts_are_those_of_the_committed_runs(folder: str, load_script: Any) -> None:
     """contrasts.csv and contrasts-temperature-shift.csv recomputed from the committed eval.json files."""
     module = load_script("dr_path")
