@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The converged CPU benchmark (issue 21): the small preset (MultiLeNet, Multi-MNIST 28 px) on a 2-core CPU.
-#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path|attributes-dr-path|attributes-dr-path-rates]
+#   bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path|dr-path-rates|attributes-dr-path|attributes-dr-path-rates]
 #   (default 2; set up .venv first: bash scripts/setup_env.sh)
 # 2:     8 methods x 5 seeds on 2 digits, MoCo with the paper's ema 0.95, the two reference rows (equal
 #        weights on the DR dual; MGDA with the exact min-norm solver), Double-Clip with the samples of
@@ -93,6 +93,13 @@
 #        dr-table.csv), then scripts/dr_path.py (contrasts.csv: each lam against the same method's lam 100 and
 #        against that with its temperature) and Holm's correction over those contrasts; results in
 #        results/multimnist2-small/dr-path/.
+# dr-path-rates: each row of dr-path at its own rate, chosen on the validation split by the project's two-stage
+#        rule on a smaller grid around the lam 0.8 winners: stage 1 (seed 0, no FGSM) runs Double-Clip at
+#        lam 0.1, 0.3, 3 and 100 (LAMS) at 0.3, 1 and 3 (around 1.0) and MGDA at lam 100 at 0.03, 0.1 and 0.3
+#        (around 0.1), the grid grown while a best rate sits at an end; stage 2 (seeds 1 and 2) runs each row's
+#        two best; the winner has the best mean over seeds 0-2.  Then the path is rerun at the winners on the
+#        5 test seeds with the FGSM grid (runs at dr-path's rates copied from it), dr_path.py and Holm; results
+#        in results/multimnist2-small/dr-path/lr-sweep/ (the choice) and results/multimnist2-small/dr-path-tuned/.
 # attributes-dr-path: the same lam path on the attributes, with the importance weights (mnist-attributes) and
 #        without (mnist-attributes-unweighted): Double-Clip at lam 0.1, 0.3, 0.8, 3 and 100 at its validated rate
 #        1.0 (the preset's), MGDA at lam 0.8 and 100 at its validated 0.3, 5 paired seeds, run seed by seed so
@@ -142,6 +149,22 @@ grown_sweep() {
 }
 # one_row METHOD SPEC: METHOD's row of a spec whose rows all carry [...] (sweep_rule.py's output).
 one_row() { sed 's/\],/]\n/g' <<< "$2" | grep "^$1\["; }
+# lam_rate_grid DC_LAMS DC_RATES MGDA_LAMS MGDA_RATES: stage 1 of a lam path's rate check, Double-Clip at
+# each of DC_LAMS and MGDA at each of MGDA_LAMS, each at every rate of its grid.  Lam 0.8 is the methods'
+# default: its rows name no lam, as the path's do, so that their runs are reused.
+lam_rate_grid() {
+    local spec="" method lams rates lam lr setting
+    for method in double-clip mgda; do
+        lams="$1" rates="$2"
+        [ "$method" = double-clip ] || lams="$3" rates="$4"
+        for lam in $lams; do
+            setting="lam=$lam,"
+            [ "$lam" != 0.8 ] || setting=""
+            for lr in $rates; do spec="$spec${spec:+,}$method[${setting}lr=$lr]"; done
+        done
+    done
+    echo "$spec"
+}
 # both_modes SWEPT [METHOD...]: the spec of each method's parameters-mode row and features-mode row
 # (MoCo has none) for the many-task comparisons, the rates as k4's description above says (SWEPT:
 # sweep_rule.py's features-mode winners).  A method given as -METHOD gets its features row only.
@@ -325,19 +348,8 @@ attributes-dr-path-rates)
         if [ "$setup" = unweighted ]; then
             experiment=mnist-attributes-unweighted dc_lams="$dc_lams 0.8" mgda_lams="0.8 100"
         fi
-        check="results/mnist-attributes-small/dr-path/$setup/lr-check" spec=""
-        # lam 0.8 is the methods' default: its rows name no lam, as the path's do (their runs are then reused)
-        for lam in $dc_lams; do
-            setting="lam=$lam,"
-            [ "$lam" != 0.8 ] || setting=""
-            for lr in 0.3 1.0 3.0; do spec="$spec${spec:+,}double-clip[${setting}lr=$lr]"; done
-        done
-        for lam in $mgda_lams; do
-            setting="lam=$lam,"
-            [ "$lam" != 0.8 ] || setting=""
-            for lr in 0.1 0.3 1.0; do spec="$spec,mgda[${setting}lr=$lr]"; done
-        done
-        grown_sweep "$experiment" "$check" "$spec"
+        check="results/mnist-attributes-small/dr-path/$setup/lr-check"
+        grown_sweep "$experiment" "$check" "$(lam_rate_grid "$dc_lams" "0.3 1.0 3.0" "$mgda_lams" "0.1 0.3 1.0")"
         sweep "$experiment" 1,2 "$check/runoff" "$("$python" scripts/sweep_rule.py finalists "$check")"
         # The path at the winners: the lam 0.8 rows are the weighted set-up's validated ones (lr-sweep/).
         rows=$("$python" scripts/sweep_rule.py rows "$check" "$experiment")
@@ -377,6 +389,25 @@ attributes-dr-path)
         "$python" scripts/dr_path.py "results/mnist-attributes-small/dr-path/$setup"
         "$python" scripts/multiple_comparisons.py "results/mnist-attributes-small/dr-path/$setup"
     done ;;
+dr-path-rates)
+    # Lam 0.8's rates are the 2-digit comparison's validated ones (../lr-sweep/): Double-Clip 1.0, MGDA 0.1.
+    check=results/multimnist2-small/dr-path/lr-sweep
+    grown_sweep multimnist2 "$check" "$(lam_rate_grid "${LAMS:-0.1 0.3 3 100}" "0.3 1.0 3.0" 100 "0.03 0.1 0.3")"
+    sweep multimnist2 1,2 "$check/runoff" "$("$python" scripts/sweep_rule.py finalists "$check")"
+    rows="double-clip,mgda,$("$python" scripts/sweep_rule.py rows "$check" multimnist2)"
+    reference=$(sed 's/\],/]\n/g' <<< "$rows" | grep '^double-clip\[lam=100[],]')
+    tuned=results/multimnist2-small/dr-path-tuned
+    mkdir -p "$tuned"
+    # The rows' test runs already made at the path's rates are copied, not redone.
+    for run in $("$python" -c 'import sys; from drmoo.experiments.variants import parse_variants, run_dir_name
+print(*(run_dir_name(v.name, s) for v in parse_variants(sys.argv[1]) for s in range(5)))' "$rows"); do
+        source="results/multimnist2-small/dr-path/$run"
+        [ -e "$tuned/$run" ] || [ ! -e "$source/done" ] || cp -r "$source" "$tuned/"
+    done
+    "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
+        --methods "$rows" --reference "$reference" --device cpu --quiet --out "$tuned" > /dev/null
+    "$python" scripts/dr_path.py "$tuned"
+    "$python" scripts/multiple_comparisons.py "$tuned" ;;
 dr-path)
     out=results/multimnist2-small/dr-path
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
@@ -419,7 +450,7 @@ moco-sweep)
         --jobs "$jobs" --device cpu --quiet --out results/multimnist2-small/moco-sweep \
         --methods "moco[ema=0.95,lr=0.1],moco[ema=0.95,lr=0.3],moco[ema=0.9,lr=0.2],moco[ema=0.9,lr=0.3],moco[ema=0.9,lr=0.5],moco[ema=0.8,lr=0.2],moco[ema=0.8,lr=0.3],moco[ema=0.8,lr=0.5],moco[ema=0.8,lr=0.1],moco[ema=0.6,lr=0.1],moco[ema=0.6,lr=0.2],moco[ema=0.6,lr=0.3]" ;;
 *)
-    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path|attributes-dr-path|attributes-dr-path-rates]" >&2
+    echo "usage: bash scripts/reproduce_small.sh [2|3|sweep|runoff|sweep3|runoff3|moco-sweep|ablations|ablations-replication|features|features-sweep|features-runoff|features-swept|k4|k9|k9-all|k4-sweep|k4-runoff|k4-swept|k9-sweep|k9-runoff|k9-swept|common-rate|controls|b64-sweep|b64-runoff|b64|attributes|attributes-key|attributes-sweep|attributes-runoff|dr-path|dr-path-rates|attributes-dr-path|attributes-dr-path-rates]" >&2
     exit 2 ;;
 esac
 echo "[reproduce_small $what] wall time $(( $(date +%s) - start )) s, $jobs jobs on $(nproc --all) cores"
