@@ -55,10 +55,11 @@ SUMMARY = ("family", "intervals", "exclude_0", "survive_holm", "distinct", "dist
 
 def family_of(folder: Path) -> str:
     """FOLDER's family name: its own name, or ``dr-path`` for a set-up's folder inside a λ path
-    (``mnist-attributes-small/dr-path/weighted``: one family per set-up)."""
+    (``mnist-attributes-small/dr-path/weighted``: one family per set-up) and for a λ path at each λ's own
+    rate (``multimnist2-small/dr-path-tuned``)."""
     if folder.name in FAMILIES:
         return folder.name
-    if folder.parent.name == "dr-path":
+    if folder.parent.name == "dr-path" or folder.name == "dr-path-tuned":
         return "dr-path"
     raise SystemExit(f"{folder}: no family is defined for this folder (known: {', '.join(FAMILIES)})")
 

@@ -200,7 +200,8 @@ def test_under_shift_each_lambda_meets_lambda_100_with_its_clean_temperature(tmp
         module.ATTRIBUTES_AGAINST_ERM_T)
 
 
-@pytest.mark.parametrize("folder", ["multimnist2-small/dr-path", "mnist-attributes-small/dr-path/weighted",
+@pytest.mark.parametrize("folder", ["multimnist2-small/dr-path", "multimnist2-small/dr-path-tuned",
+                                    "mnist-attributes-small/dr-path/weighted",
                                     "mnist-attributes-small/dr-path/unweighted",
                                     "mnist-attributes-small/dr-path/weighted-lr3",
                                     "mnist-attributes-small/dr-path/weighted-tuned",

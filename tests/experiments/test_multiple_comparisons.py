@@ -64,6 +64,7 @@ def test_script_writes_the_family_and_refuses_unknown_folders(tmp_path: Path, lo
         module.family_rows(tmp_path)
     # a set-up's folder inside a λ path is that path's family; the same name elsewhere is not
     assert module.family_of(tmp_path / "mnist-attributes-small" / "dr-path" / "weighted") == "dr-path"
+    assert module.family_of(tmp_path / "multimnist2-small" / "dr-path-tuned") == "dr-path"
     with pytest.raises(SystemExit, match="no family"):
         module.family_of(tmp_path / "mnist-attributes-small" / "weighted")
 

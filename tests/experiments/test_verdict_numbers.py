@@ -1,7 +1,8 @@
 """Every number quoted in the verdicts is the one in the committed CSV it names (issue 27).
 
-The verdict prose of the small benchmark (the results READMEs, the README's results summary, and
-docs/experiments.md's experiments paragraph and "What reproduces") sits between ``<!-- verdict -->``
+The verdict prose of the small benchmark (the results READMEs, the README's results summary,
+docs/experiments.md's experiments paragraph and "What reproduces", and docs/choosing.md's guide to when to
+turn DR on) sits between ``<!-- verdict -->``
 and ``<!-- /verdict -->``.  A number quoted there carries, right after it, an HTML comment naming its
 cell (invisible when rendered):
 
@@ -36,7 +37,8 @@ DOCUMENTS = ("README.md", "docs/experiments.md", "results/multimnist2-small/READ
              "results/multimnist3-small/README.md", "results/multimnist2-small/batch64/README.md",
              "results/multimnist2-small/features/README.md",
              "results/multimnist-k-small/README.md", "results/mnist-attributes-small/README.md",
-             "results/multimnist2-small/dr-path/README.md", "results/mnist-attributes-small/dr-path/README.md")
+             "results/multimnist2-small/dr-path/README.md", "results/mnist-attributes-small/dr-path/README.md",
+             "docs/choosing.md")
 
 _NUMBER = r"[+\-−]?\d+(?:,\d{3})*(?:\.\d+)?"
 _CELL = re.compile(r"<!--cell\s+(?P<spec>[^>]*?)\s*-->")
