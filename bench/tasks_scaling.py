@@ -714,6 +714,7 @@ def main() -> None:
         cells = [(size, m) for size in (args.batch or [BATCH]) for m in (args.tasks or list(TASKS))]
     if any(size < 1 for size, _ in cells) or args.image < 32:
         parser.error("--batch must be at least 1 and --image at least 32 (ResNet18 halves it five times)")
+    out_given = args.out  # named in the Regenerate line when given: the command then rewrites the same files
     if args.out is None:
         slug = "cpu"
         if on_gpu:
@@ -736,8 +737,9 @@ def main() -> None:
     flags = [f"--{key} {' '.join(map(str, value))}" for key, value in given.items() if value != defaults[key]]
     flags += ["--all-cells"] * args.all_cells + ["--no-memory"] * args.no_memory + ["--cuda-graph"] * args.cuda_graph
     flags += ["--graph-stand-in"] * args.graph_stand_in
+    flags += [f"--out {out_given}"] * (out_given is not None)
     data: dict[str, Any] = {
-        # the grid's arguments (not where the files went: --out)
+        # the grid's arguments, and --out where it was given
         "command": " ".join(["python bench/tasks_scaling.py", *flags]),
         "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "isa": torch.backends.cpu.get_cpu_capability(),  # AVX2 / AVX512: a ratio depends on the kernels it picks

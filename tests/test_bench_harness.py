@@ -220,5 +220,6 @@ def test_tasks_scaling_runs_without_torchjd(tmp_path: Path, monkeypatch: pytest.
     scaling.main()
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["torchjd"] == "not installed" and data["left_out"] == ["torchjd-mgda"]
+    assert data["command"].endswith(f"--out {out}")  # the Regenerate line rewrites these files, not the default's
     assert set(data["records"][0]["median_s"]) == {"plain"}
     assert "Left out: torchjd-mgda (TorchJD is not installed here)." in out.with_suffix(".md").read_text()
