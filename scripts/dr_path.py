@@ -16,7 +16,8 @@ would repeat the first contrast). The columns are those of ``drmoo compare``'s `
 (:func:`drmoo.experiments.dr_tables.dr_columns`: ``clean:cvar_0.05``, ``T:ece``, ``eps=0.2:accuracy``,
 ``label=4:accuracy``, ``noise=0.3:cvar_0.05``; accuracies and the ECE in %, losses in nats), which holds
 every row's mean ± std. The contrasts are the family ``scripts/multiple_comparisons.py`` corrects with
-Holm's method: one distinct hypothesis each, chosen before any run was scored.
+Holm's method: one distinct hypothesis each, chosen before any run was scored.  ``lambda-path.png`` draws
+the clean accuracy, tail, misclassified-sample loss and ECE contrasts against λ (:func:`plot_path`).
 """
 
 from __future__ import annotations
@@ -187,6 +188,60 @@ def shift_contrasts_with_temperature(per_seed: dict[str, dict[str, dict[int, flo
     return rows
 
 
+# The figure's panels: one column each, DR minus plain training (and minus it with its temperature where
+# that contrast exists), against λ.
+PLOT_COLUMNS = ("accuracy", "cvar_0.05", "misclassified_loss", "ece")
+PLOT_TITLES = {"accuracy": "accuracy (points)", "balanced_accuracy": "balanced accuracy (points)",
+               "cvar_0.05": "tail: CVaR at 5 % (nats)", "misclassified_loss": "loss of misclassified (nats)",
+               "ece": "ECE (points)"}
+
+
+def plot_path(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """``path`` (a PNG): each panel one clean column of :data:`PLOT_COLUMNS` (balanced accuracy in place of
+    accuracy where the contrasts have it), each method's DR rows against λ (log scale), the mean difference
+    from its λ 100 twin with its 95 % interval; dashed, the difference from the twin with its temperature.
+    Below 0 is a lower value for DR: fewer points of accuracy, a lighter tail, better calibration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    present = {row["column"] for row in rows}
+    columns = [("balanced_accuracy" if c == "accuracy" and "clean:balanced_accuracy" in present else c)
+               for c in PLOT_COLUMNS]
+    methods = sorted({parse_variants(row["reference"])[0].method for row in rows})
+    figure, axes = plt.subplots(1, len(columns), figsize=(4 * len(columns), 3.4), layout="constrained")
+    for axis, column in zip(axes, columns, strict=True):
+        for colour, method in zip(("tab:blue", "tab:orange", "tab:green"), methods, strict=False):
+            for dashed in (False, True):
+                series = sorted(
+                    ((lam_of(row["reference"]) or 0.8, row) for row in rows
+                     if row["column"] == f"clean:{column}" and row["other"].endswith("+T") == dashed
+                     and parse_variants(row["reference"])[0].method == method), key=lambda item: item[0])
+                if not series:
+                    continue
+                # side by side, not on top: the temperature's contrast right of its point, a second method left
+                shift = (1.06 if dashed else 1.0) * (0.9 if method != methods[0] else 1.0)
+                lams = [lam * shift for lam, _ in series]
+                means = [float(row["mean"]) for _, row in series]
+                spread = [[m - float(row["ci_low"]) for m, (_, row) in zip(means, series, strict=True)],
+                          [float(row["ci_high"]) - m for m, (_, row) in zip(means, series, strict=True)]]
+                axis.errorbar(lams, means, yerr=spread, color=colour, marker="o" if not dashed else "s",
+                              linestyle="--" if dashed else "-", capsize=3, markersize=4,
+                              label=f"{method} − λ 100" + (" with T" if dashed else ""))
+        axis.axhline(0.0, color="grey", linewidth=0.8)
+        axis.set_xscale("log")
+        ticks = sorted({lam_of(row["reference"]) or 0.8 for row in rows})
+        axis.set_xticks(ticks, [f"{lam:g}" for lam in ticks])
+        axis.minorticks_off()
+        axis.set_xlabel("λ (smaller: a larger ball)")
+        axis.set_title(PLOT_TITLES[column], fontsize=10)
+    axes[1].legend(fontsize=7)  # the tail panel has every series (accuracy has no temperature contrast)
+    figure.suptitle(title, fontsize=10)
+    figure.savefig(path, dpi=110, metadata={"Software": None})  # no version stamp: the same runs, the same file
+    plt.close(figure)
+
+
 def _write(path: Path, fields: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields, lineterminator="\n")
@@ -205,6 +260,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"{folder}: no DR row has a λ {ERM_LAM:g} twin to be contrasted with")
     _write(folder / "contrasts.csv", FIELDS, found)
     print(f"{folder}: {len(found)} contrasts of {len(per_seed)} rows -> {folder / 'contrasts.csv'}")
+    plot_path(found, folder / "lambda-path.png",
+              f"{folder.name}: DR minus plain training (λ 100) over 95 % intervals, by λ")
     shifted = shift_contrasts_with_temperature(per_seed, experiment_of(folder), runs_at_own_rates(folder))
     if shifted:  # runs evaluated before drmoo eval scaled the shifted logits have none
         _write(folder / "contrasts-temperature-shift.csv", SHIFT_FIELDS, shifted)

@@ -54,6 +54,8 @@ def test_contrasts_against_erm_and_erm_with_temperature(tmp_path: Path, load_scr
     assert module.main(["x", str(tmp_path)]) == 0
     rows = _rows(tmp_path / "contrasts.csv")
     assert {r["reference"] for r in rows} == {"double-clip"}
+    figure = (tmp_path / "lambda-path.png").read_bytes()
+    assert figure.startswith(b"\x89PNG") and b"Software" not in figure  # no version stamp: reproducible bytes
     against_erm = [r for r in rows if r["other"] == "double-clip[lam=100]"]
     against_t = [r for r in rows if r["other"] == "double-clip[lam=100]+T"]
     assert [r["column"] for r in against_erm] == list(module.AGAINST_ERM)
