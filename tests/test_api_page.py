@@ -1,5 +1,6 @@
 """The documentation site's build-time helpers: the Balancer overloads' defaults, display formulas as MathML,
-one contents entry per module on the API page.  (The full page is built by scripts/test.sh with --strict.)"""
+one contents entry per module on the API page, the committed results' figures served to the pages.  (The full
+page is built by scripts/test.sh with --strict.)"""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def _docs_module(name: str) -> ModuleType:
 
 OVERLOADS = _docs_module("griffe_overload_defaults")
 MATH = _docs_module("math_hook")
+FIGURES = _docs_module("figures_hook")
 
 
 def test_every_balancer_overload_shows_its_methods_defaults() -> None:
@@ -60,3 +62,19 @@ def test_the_api_page_lists_each_module_once_in_its_contents() -> None:
     assert "- docs/griffe_overload_defaults.py:OverloadDefaults" in config
     api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     assert api.count("show_root_heading: false") == api.count(":::")
+
+
+def test_the_results_figures_join_the_site_and_a_missing_one_fails_the_build(tmp_path: Path) -> None:
+    import pytest
+    from mkdocs.config import load_config
+    from mkdocs.exceptions import PluginError
+    from mkdocs.structure.files import Files
+
+    config = load_config(str(ROOT / "mkdocs.yml"), site_dir=str(tmp_path / "site"))
+    config.plugins._current_plugin = "figures_hook"  # what mkdocs sets while it runs a hook's event
+    served = FIGURES.on_files(Files([]), config)
+    assert sorted(file.src_uri for file in served) == sorted(f"results/figures/{name}" for name in FIGURES.FIGURES)
+    assert all(Path(file.abs_src_path).read_bytes().startswith(b"\x89PNG") for file in served)
+    config["config_file_path"] = str(tmp_path / "mkdocs.yml")  # a root without the results
+    with pytest.raises(PluginError, match="is missing"):
+        FIGURES.on_files(Files([]), config)
