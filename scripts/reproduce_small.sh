@@ -165,6 +165,26 @@ lam_rate_grid() {
     done
     echo "$spec"
 }
+# path_at_own_rates EXPERIMENT ROWS OUT SOURCES [COMPARE OPTIONS...]: a lam path at each row's chosen rate, 5 test
+# seeds, into OUT (a *-tuned folder: dr_path.py pairs each row with its method's lam 100 row whatever their rates);
+# a run of ROWS that a folder of SOURCES (space-separated) has finished is copied in, not redone; then the
+# contrasts and Holm's correction.
+path_at_own_rates() {
+    local experiment="$1" rows="$2" out="$3" sources="$4" reference run source
+    shift 4
+    reference=$(sed 's/\],/]\n/g' <<< "$rows" | grep '^double-clip\[lam=100[],]')
+    mkdir -p "$out"
+    for run in $("$python" -c 'import sys; from drmoo.experiments.variants import parse_variants, run_dir_name
+print(*(run_dir_name(v.name, s) for v in parse_variants(sys.argv[1]) for s in range(5)))' "$rows"); do
+        for source in $sources; do
+            [ -e "$out/$run" ] || [ ! -e "$source/$run/done" ] || cp -r "$source/$run" "$out/"
+        done
+    done
+    "$drmoo" compare --experiment "$experiment" --preset small --seeds 0,1,2,3,4 --jobs "$jobs" \
+        --methods "$rows" --reference "$reference" --device cpu --quiet --out "$out" "$@" > /dev/null
+    "$python" scripts/dr_path.py "$out"
+    "$python" scripts/multiple_comparisons.py "$out"
+}
 # both_modes SWEPT [METHOD...]: the spec of each method's parameters-mode row and features-mode row
 # (MoCo has none) for the many-task comparisons, the rates as k4's description above says (SWEPT:
 # sweep_rule.py's features-mode winners).  A method given as -METHOD gets its features row only.
@@ -354,22 +374,10 @@ attributes-dr-path-rates)
         # The path at the winners: the lam 0.8 rows are the weighted set-up's validated ones (lr-sweep/).
         rows=$("$python" scripts/sweep_rule.py rows "$check" "$experiment")
         [ "$setup" = unweighted ] || rows="double-clip,mgda[lr=0.3],$rows"
-        reference=$(sed 's/\],/]\n/g' <<< "$rows" | grep '^double-clip\[lam=100[],]')
-        tuned="results/mnist-attributes-small/dr-path/$setup-tuned"
-        mkdir -p "$tuned"
         # The rows' test runs already made (at the path's rates, or weighted-lr3/'s rate 3) are copied, not redone.
-        for run in $("$python" -c 'import sys; from drmoo.experiments.variants import parse_variants, run_dir_name
-print(*(run_dir_name(v.name, s) for v in parse_variants(sys.argv[1]) for s in range(5)))' "$rows"); do
-            for folder in "$setup" weighted-lr3; do
-                [ "$setup" = weighted ] || [ "$folder" != weighted-lr3 ] || continue
-                source="results/mnist-attributes-small/dr-path/$folder/$run"
-                [ -e "$tuned/$run" ] || [ ! -e "$source/done" ] || cp -r "$source" "$tuned/"
-            done
-        done
-        "$drmoo" compare --experiment "$experiment" --preset small --seeds 0,1,2,3,4 --jobs "$jobs" \
-            --methods "$rows" --reference "$reference" --device cpu --quiet --out "$tuned" > /dev/null
-        "$python" scripts/dr_path.py "$tuned"
-        "$python" scripts/multiple_comparisons.py "$tuned"
+        sources="results/mnist-attributes-small/dr-path/$setup"
+        [ "$setup" = unweighted ] || sources="$sources results/mnist-attributes-small/dr-path/weighted-lr3"
+        path_at_own_rates "$experiment" "$rows" "results/mnist-attributes-small/dr-path/$setup-tuned" "$sources"
     done ;;
 attributes-dr-path)
     rows="double-clip[lam=0.1],double-clip[lam=0.3],double-clip,double-clip[lam=3],double-clip[lam=100]"
@@ -395,19 +403,9 @@ dr-path-rates)
     grown_sweep multimnist2 "$check" "$(lam_rate_grid "${LAMS:-0.1 0.3 3 100}" "0.3 1.0 3.0" 100 "0.03 0.1 0.3")"
     sweep multimnist2 1,2 "$check/runoff" "$("$python" scripts/sweep_rule.py finalists "$check")"
     rows="double-clip,mgda,$("$python" scripts/sweep_rule.py rows "$check" multimnist2)"
-    reference=$(sed 's/\],/]\n/g' <<< "$rows" | grep '^double-clip\[lam=100[],]')
-    tuned=results/multimnist2-small/dr-path-tuned
-    mkdir -p "$tuned"
     # The rows' test runs already made at the path's rates are copied, not redone.
-    for run in $("$python" -c 'import sys; from drmoo.experiments.variants import parse_variants, run_dir_name
-print(*(run_dir_name(v.name, s) for v in parse_variants(sys.argv[1]) for s in range(5)))' "$rows"); do
-        source="results/multimnist2-small/dr-path/$run"
-        [ -e "$tuned/$run" ] || [ ! -e "$source/done" ] || cp -r "$source" "$tuned/"
-    done
-    "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
-        --methods "$rows" --reference "$reference" --device cpu --quiet --out "$tuned" > /dev/null
-    "$python" scripts/dr_path.py "$tuned"
-    "$python" scripts/multiple_comparisons.py "$tuned" ;;
+    path_at_own_rates multimnist2 "$rows" results/multimnist2-small/dr-path-tuned results/multimnist2-small/dr-path \
+        --eps "$eps" ;;
 dr-path)
     out=results/multimnist2-small/dr-path
     "$drmoo" compare --experiment multimnist2 --preset small --seeds 0,1,2,3,4 --eps "$eps" --jobs "$jobs" \
