@@ -99,22 +99,30 @@ def wine_csv() -> Path:
     return path
 
 
-@pytest.fixture
-def load_script() -> Callable[[str], Any]:
-    """Import ``scripts/NAME.py`` as a module (the scripts are not a package): ``load_script("sweep_rule")``."""
+def _import_file(path: Path, name: str) -> Any:
+    """The module of the Python file PATH, imported under NAME (scripts/ and bench/ are not packages)."""
     import importlib.util
     import sys
 
-    def load(name: str) -> Any:
-        path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules.setdefault(name, module)  # dataclasses look their module up while it executes
-        spec.loader.exec_module(module)
-        return module
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
 
-    return load
+
+@pytest.fixture
+def load_script() -> Callable[[str], Any]:
+    """Import ``scripts/NAME.py`` as a module (the scripts are not a package): ``load_script("sweep_rule")``."""
+    return lambda name: _import_file(Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py", name)
+
+
+@pytest.fixture
+def load_bench() -> Callable[[str], Any]:
+    """Import ``bench/NAME.py`` as a module, as ``drmoo_bench_NAME``: ``load_bench("op_count")``."""
+    return lambda name: _import_file(Path(__file__).resolve().parents[1] / "bench" / f"{name}.py",
+                                     f"drmoo_bench_{name}")
 
 
 RankWorker = Callable[..., None]

@@ -11,10 +11,6 @@ norm overflows fp16 long before its entries do, and a finite step must not be re
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -111,22 +107,9 @@ def test_a_finite_half_precision_trunk_gradient_whose_norm_overflows_fp16_passes
         assert not torch.equal(trunk.weight, before) and torch.isfinite(trunk.weight).all()
 
 
-def op_count() -> ModuleType:
-    """bench/op_count.py, the counter behind the committed op tables (the module tests/test_step_budgets.py loads)."""
-    name = "drmoo_bench_op_count"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[2] / "bench" / "op_count.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # (dataclasses look their module up)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 @pytest.mark.parametrize("api", APIS)
 def test_on_the_cpu_the_guard_is_one_compiled_op_in_place_of_one_foreach_norm(
-        api: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        api: str, monkeypatch: pytest.MonkeyPatch, load_bench: Any) -> None:
     """With the ``cpp`` backend the trunk's gradients are guarded by ONE ``drmoo::sum_squares`` call, in place of the
     one ``aten::_foreach_norm`` of every other backend: the step dispatches as many non-view ops either way (the
     op counts of bench/launches.py)."""
@@ -137,7 +120,7 @@ def test_on_the_cpu_the_guard_is_one_compiled_op_in_place_of_one_foreach_norm(
     for guard in ("sum_squares", "foreach_norm"):
         if guard == "foreach_norm":  # the same step as another backend guards it
             monkeypatch.setattr(_features, "cpp_backend", None)
-        with op_count().OpCounter() as counter:
+        with load_bench("op_count").OpCounter() as counter:  # the counter behind the op tables
             STEPS[api](MaskedTrunk(), heads, x, y, lr=0.1, backend="cpp")
         counted[guard] = counter.ops
     fused, foreach = counted["sum_squares"], counted["foreach_norm"]
