@@ -35,6 +35,7 @@ from drmoo.experiments.paired_stats import holm_adjusted, paired_differences, pa
 from drmoo.experiments.variants import parse_variants
 
 ERM_LAM = 100.0
+DEFAULT_LAM = 0.8  # the methods' λ when a row names none (the paper's)
 LOSS_COLUMNS = ("mean_loss", "cvar_0.05", "robust_chi2_0.1", "robust_chi2_0.8", "ece", "misclassified_loss")
 # The hypotheses, chosen before any run was scored: on the nominal test set the accuracies, the tail, the
 # worst case on two fixed balls, calibration; FGSM at a middle and at the strongest eps, the strongest
@@ -118,6 +119,12 @@ def lam_of(row: str) -> float | None:
     return None if lam is None else float(lam)
 
 
+def lam_on_path(row: str) -> float:
+    """The row's place on the λ path: its λ, or the methods' default (the paper's 0.8) where it names none."""
+    lam = lam_of(row)
+    return DEFAULT_LAM if lam is None else lam
+
+
 def runs_at_own_rates(folder: Path) -> bool:
     """Whether each λ of ``folder`` runs at its own validated rate: a ``*-tuned`` folder."""
     return folder.name.endswith("-tuned")
@@ -149,7 +156,7 @@ def erm_twin(row: str, rows: Iterable[str], own_rates: bool = False) -> str | No
 def dr_rows(per_seed: dict[str, dict[str, dict[int, float]]], own_rates: bool = False) -> list[str]:
     """The rows with a λ 100 twin (the DR rows), by method, then by increasing λ (the default, 0.8, in its place)."""
     return sorted((r for r in per_seed if not r.endswith("+T") and erm_twin(r, per_seed, own_rates)),
-                  key=lambda r: (parse_variants(r)[0].method, lam_of(r) or 0.8))
+                  key=lambda r: (parse_variants(r)[0].method, lam_on_path(r)))
 
 
 def contrasts(per_seed: dict[str, dict[str, dict[int, float]]],
@@ -210,12 +217,13 @@ def plot_path(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     columns = [("balanced_accuracy" if c == "accuracy" and "clean:balanced_accuracy" in present else c)
                for c in PLOT_COLUMNS]
     methods = sorted({parse_variants(row["reference"])[0].method for row in rows})
+    ticks = sorted({lam_on_path(row["reference"]) for row in rows})
     figure, axes = plt.subplots(1, len(columns), figsize=(4 * len(columns), 3.4), layout="constrained")
     for axis, column in zip(axes, columns, strict=True):
         for colour, method in zip(("tab:blue", "tab:orange", "tab:green"), methods, strict=False):
             for dashed in (False, True):
                 series = sorted(
-                    ((lam_of(row["reference"]) or 0.8, row) for row in rows
+                    ((lam_on_path(row["reference"]), row) for row in rows
                      if row["column"] == f"clean:{column}" and row["other"].endswith("+T") == dashed
                      and parse_variants(row["reference"])[0].method == method), key=lambda item: item[0])
                 if not series:
@@ -231,7 +239,6 @@ def plot_path(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                               label=f"{method} − λ 100" + (" with T" if dashed else ""))
         axis.axhline(0.0, color="grey", linewidth=0.8)
         axis.set_xscale("log")
-        ticks = sorted({lam_of(row["reference"]) or 0.8 for row in rows})
         axis.set_xticks(ticks, [f"{lam:g}" for lam in ticks])
         axis.minorticks_off()
         axis.set_xlabel("λ (smaller: a larger ball)")
