@@ -129,7 +129,7 @@ from .optim._accumulate import Accumulation, accumulate_refusal, reduce_micro_ba
 from .optim._base import MultiObjectiveOptimizer
 from .optim._features import with_features
 from .optim._fsdp import is_sharded
-from .optim._hyperparameters import check_flag
+from .optim._hyperparameters import check_flag, check_hyperparameter
 from .optim._loss_scale import LossScale
 
 LossesInput = Tensor | tuple[Tensor, Tensor] | Callable[[], Any]
@@ -350,7 +350,8 @@ class Balancer:
         # and what tells a gradient added to the direction without anyone meaning it (drmoo._grad_watch).
         self._accumulation: Accumulation | None = None
         self._grad_watch = GradWatch(self._algorithm._shared_params())
-        self._dual_lr_start: tuple[float, float] | None = None  # Double-Loop: (dual_lr, the lr it goes with)
+        # Double-Loop with optimizer=: dual_lr / lr, kept as the optimizer's rate moves (None: dual_lr is fixed)
+        self._dual_lr_ratio: float | None = None
         if optimizer is not None:
             group = self._lr_group(optimizer)  # refuse an optimizer that does not hold the shared parameters now
             if method in _DUAL_LR_METHODS:
@@ -360,7 +361,8 @@ class Balancer:
                         f"drmoo.Balancer({method!r}, optimizer=...): eta's step dual_lr follows the optimizer's "
                         f"learning rate in ratio to its starting rate, which is {start!r}; build the balancer while "
                         "the rate is > 0, or leave optimizer= out (dual_lr is then fixed)")
-                self._dual_lr_start = (float(self._algorithm.hyper("dual_lr")), start)
+                self._dual_lr_ratio = float(self._algorithm.hyper("dual_lr")) / start
+            self._follow_optimizer_lr(optimizer)  # a state saved before the first backward holds the coupled rates
         elif "lr" not in hparams and method not in _LR_UNUSED:
             warnings.warn(
                 f"drmoo.Balancer({method!r}): eta's step size is the method's default "
@@ -419,6 +421,13 @@ class Balancer:
                 "eta and w: close the step (backward without accumulate=True) before load_state_dict"
             )
         self._algorithm.load_state_dict(state_dict)
+        if self._dual_lr_ratio is not None:
+            # The saved dual_lr went with the saved lr (both followed the optimizer's): keep their ratio, not the
+            # constructor's dual_lr over the rate the optimizer had when this balancer was built (a resumed run
+            # builds it at the decayed rate, and the next backward would undo the decay of dual_lr).
+            group = self._algorithm.param_groups[0]
+            if self._algorithm.steps_taken > 0 and float(group["lr"]) > 0.0:
+                self._dual_lr_ratio = float(group["dual_lr"]) / float(group["lr"])
 
     def __repr__(self) -> str:
         return f"Balancer({self.method!r}, num_tasks={self.num_tasks}, steps_taken={self.steps_taken})"
@@ -591,13 +600,17 @@ class Balancer:
         the optimizer's scheduler reaches eta too (checked with the other hyperparameters by the step)."""
         coupled = self._lr_group(optimizer)
         lr = coupled["lr"]
+        if not (isinstance(lr, Tensor) and self._algorithm.capturable):  # (a capturable step reads no tensor)
+            try:  # checked before it is copied: a refused backward leaves this balancer's rates as they were
+                check_hyperparameter("lr", lr)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"the optimizer passed as optimizer= has an invalid rate for the shared parameters: "
+                                 f"{error} (eta's step size follows it; nothing was updated)") from None
         for group in self._algorithm.param_groups:
             group["lr"] = lr
-        if self._dual_lr_start is not None:  # Double-Loop: eta steps with dual_lr, scaled as theta's lr is
-            dual_lr, start = self._dual_lr_start
-            start = float(coupled.get("initial_lr", start))
+        if self._dual_lr_ratio is not None:  # Double-Loop: eta steps with dual_lr, scaled as theta's lr is
             for group in self._algorithm.param_groups:
-                group["dual_lr"] = dual_lr * float(lr) / start
+                group["dual_lr"] = self._dual_lr_ratio * float(lr)
 
     def _check_losses(self, losses: Tensor | tuple[Tensor, Tensor]) -> None:
         """Refuse what the method would misread, before anything runs: the shape, a graph that does
@@ -616,6 +629,8 @@ class Balancer:
                 f"losses must be per-sample losses of shape [B, {m}] (one column per task, not averaged over "
                 f"the batch); got shape {tuple(losses.shape)}"
             )
+        if not losses.is_floating_point():  # an integer tensor holds no graph, a complex one is no objective
+            raise ValueError(f"losses must be floating point (per-sample losses with their graph), got {losses.dtype}")
         device = self._algorithm.device
         if losses.device != device:
             raise ValueError(

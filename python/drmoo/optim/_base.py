@@ -79,7 +79,13 @@ from ._agreement import (
 )
 from ._engine import JacobianEngine
 from ._features import FeaturesJacobian
-from ._fsdp import feed_sharded_heads, refuse_sharded, reshard_after_forward_without_grad, split_sharded_heads
+from ._fsdp import (
+    feed_sharded_heads,
+    is_sharded,
+    refuse_sharded,
+    reshard_after_forward_without_grad,
+    split_sharded_heads,
+)
 from ._guards import FiniteValues, NonFiniteStepError, StepGuard, finite_columns, finite_each, finite_entries
 from ._head_grads import HeadGradients, fed_grads_finite
 from ._hyperparameters import (
@@ -599,7 +605,12 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
         """Refuse a shared parameter that only some tasks reach (a head passed as shared), read off the
         Jacobian (no extra backward)."""
         if (reach := self._pending_shared_reach()) is not None:
-            reach.check_jacobian(self._shared_params(), jacobian, self.settle_guards)
+            features = self.features_engine
+            if features is None:
+                reach.check_jacobian(self._shared_params(), jacobian, self.settle_guards)
+            elif features.features is not None and not is_sharded(shared := self._shared_params()):
+                # (FSDP2 shards are skipped: the graph below z holds FSDP's copies of them, not them)
+                reach.check_features(shared, features.features, jacobian, self.settle_guards)
 
     def _refuse_partly_shared_params_by_backward(self, losses: Tensor, cotangent: Tensor) -> None:
         """The same for a method that forms no Jacobian (FAMO): one backward per task while it is pending."""

@@ -24,9 +24,10 @@ in features mode without ``features_rate_chosen=True`` (or the warning filtered:
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
+
+from drmoo._caller import user_stacklevel
 
 __all__ = ["FeaturesRateWarning", "warn_unless_rate_chosen"]
 
@@ -43,16 +44,6 @@ class FeaturesRateWarning(UserWarning):
 
 # Issued once per method class and process: a training loop builds its optimizer once, a sweep many times.
 _warned: set[str] = set()
-
-
-def _first_frame_outside_drmoo() -> int:
-    """The ``stacklevel`` that points a warning at the user's line (the Balancer or optimizer call)."""
-    frame: Any = sys._getframe(1)  # the function that warns: stacklevel 1
-    level = 1
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("drmoo"):
-        frame = frame.f_back
-        level += 1
-    return level
 
 
 def warn_unless_rate_chosen(optimizer: Any, jacobian: str, why: str | None, chosen: bool) -> bool:
@@ -72,6 +63,6 @@ def warn_unless_rate_chosen(optimizer: Any, jacobian: str, why: str | None, chos
         f"chosen for parameters mode is another step here (on the 2-digit benchmark, at the parameters-mode "
         f"rates Double-Clip lost 8-18 points and Nash-MTL did not train; a tenth of the rate was chosen in "
         f"features mode). Choose lr for features mode, then pass features_rate_chosen=True to silence this.",
-        FeaturesRateWarning, stacklevel=_first_frame_outside_drmoo(),
+        FeaturesRateWarning, stacklevel=user_stacklevel(),
     )
     return chosen

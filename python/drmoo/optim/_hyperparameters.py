@@ -78,6 +78,11 @@ def _check_loss_floor(name: str, value: Any) -> tuple[float, ...]:
     return floors
 
 
+def _check_optional_positive(name: str, value: Any) -> float | None:
+    """None (the option is off) or a number > 0 (MGDA's clip constants)."""
+    return None if value is None else check_positive(name, value)
+
+
 # Every hyperparameter any drmoo optimizer has, and its check.
 HYPERPARAMETER_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     **{key: lambda name, value: check_positive(name, value, allow_zero=True)
@@ -90,7 +95,18 @@ HYPERPARAMETER_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "divergence": _check_divergence,
     "solver": _check_solver,
     "loss_floor": _check_loss_floor,
+    **{key: _check_optional_positive for key in ("clip_c1", "clip_c2")},
 }
+# Hyperparameters that are on or off together: one of them None and the other set is refused.
+PAIRED = (("clip_c1", "clip_c2"),)
+
+
+def check_pairs(group: dict[str, Any]) -> None:
+    """Each pair of :data:`PAIRED` in ``group`` is both None or both set (MGDA's clip needs both constants)."""
+    for first, second in PAIRED:
+        if first in group and (group[first] is None) != (group.get(second) is None):
+            raise ValueError(f"{first} and {second} clip the step together: give both or neither "
+                             f"(got {first}={group[first]!r}, {second}={group.get(second)!r})")
 # Keys torch and its LR schedulers keep in parameter groups next to the hyperparameters.
 BOOKKEEPING_KEYS = frozenset({"params", "param_names", "initial_lr", "max_lr", "min_lr", "base_lr", "base_momentum",
                               "max_momentum"})
@@ -111,6 +127,7 @@ def check_group_hyperparameters(method: str, known: dict[str, Any], param_group:
         if key not in known:
             raise ValueError(f"{method} has no hyperparameter {key!r}; its hyperparameters: {', '.join(sorted(known))}")
         checked[key] = check_hyperparameter(key, value)
+    check_pairs(checked)
     return checked
 
 
@@ -141,6 +158,16 @@ def recheck_hyperparameters(groups: list[dict[str, Any]], passed: list[dict[str,
                 ) from None
             if not isinstance(value, Tensor):
                 seen[key] = value
+        try:
+            check_pairs(group)
+        except ValueError as error:
+            raise ValueError(f"parameter group {index}: {error} (set after construction -- by a param_groups "
+                             "write; checked at every step, nothing was updated)") from None
+        if "momentum" in group and ("base_momentum" in group or "max_momentum" in group):
+            raise ValueError(
+                f"parameter group {index}: an LR scheduler cycles 'momentum' (OneCycleLR or CyclicLR with "
+                "cycle_momentum=True), but here it is SDMGrad's inner-SGD momentum, not a training momentum; give "
+                "the scheduler cycle_momentum=False (nothing was updated)")
     if len(groups) > 1:
         check_groups_agree(groups)
 

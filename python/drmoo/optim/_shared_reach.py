@@ -10,12 +10,15 @@ task has been seen.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from drmoo import distributed
+from drmoo._caller import user_stacklevel
+from drmoo.jacobian import graph_leaves
 
 # How many Jacobians at most are read for shared parameters that only some tasks reach (heads passed
 # as shared): the first one whose every row is nonzero settles it (one pass over J, one host read).
@@ -28,6 +31,7 @@ class SharedReach:
     def __init__(self, num_tasks: int) -> None:
         self.num_tasks = num_tasks
         self.checks_done = 0
+        self.warned_unshared = False
 
     @property
     def pending(self) -> bool:
@@ -43,6 +47,23 @@ class SharedReach:
         if reached is not None:
             settle()
             self.checks_done = judge_shared_reach(shared, reached, self.num_tasks, self.checks_done)
+
+    def check_features(self, shared: Sequence[Tensor], pieces: Sequence[Tensor], rows: Tensor,
+                       settle: Callable[[], None]) -> None:
+        """Judge the table read off features rows (:func:`reach_from_features`; ``settle``: as above), and warn
+        once of trainable parameters below z that are not shared (features mode gives them no gradient)."""
+        settle()
+        reached, unshared = reach_from_features(shared, pieces, rows)
+        if unshared and not self.warned_unshared:
+            self.warned_unshared = True
+            shapes = ", ".join(str(tuple(param.shape)) for param in unshared[:5])
+            warnings.warn(
+                f"{len(unshared)} trainable parameter(s) below the features z (shapes {shapes}"
+                f"{', ...' if len(unshared) > 5 else ''}) are not among the shared parameters: jacobian=\"features\" "
+                "lifts the direction to the shared parameters only, so they get no gradient and do not train. "
+                "Pass them as shared parameters, or freeze them (requires_grad_(False))",
+                UserWarning, stacklevel=user_stacklevel())
+        self.checks_done = judge_shared_reach(shared, reached, self.num_tasks, self.checks_done)
 
     def check_by_backward(self, losses: Tensor, cotangent: Tensor, shared: Sequence[Tensor],
                           device: torch.device, settle: Callable[[], None]) -> None:
@@ -68,6 +89,31 @@ def reach_from_jacobian(shared: Sequence[Tensor], jacobian: Tensor) -> Tensor | 
         return None
     with torch.no_grad():
         return torch.stack([view.any(dim=1) for view in column_views_2d(shared, jacobian != 0)], dim=1)
+
+
+def reach_from_features(shared: Sequence[Tensor], pieces: Sequence[Tensor],
+                        rows: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """The same [m, P] table in features mode, from the rows w.r.t. z ([m, sum of the pieces' numel]) and the
+    graph below each piece of z: task i reaches parameter p when its row is nonzero on a piece whose graph
+    reaches p (a walk of the trunk's graph, no backward).  Also the ``nn.Parameter`` leaves below z that are
+    not shared (they get no gradient in features mode)."""
+    index_of = {id(param): index for index, param in enumerate(shared)}
+    below = torch.zeros(len(pieces), len(shared), dtype=torch.bool)
+    unshared: dict[int, Tensor] = {}
+    for k, piece in enumerate(pieces):
+        for leaf in graph_leaves(piece):
+            index = index_of.get(id(leaf))
+            if index is not None:
+                below[k, index] = True
+            elif isinstance(leaf, torch.nn.Parameter):
+                unshared[id(leaf)] = leaf
+    with torch.no_grad():
+        blocks = torch.split(rows, [piece.numel() for piece in pieces], dim=1)
+        reads = torch.stack([(block != 0).any(dim=1) for block in blocks])  # [pieces, m]: task i reads piece k
+        if distributed.is_distributed():  # each rank's rows hold its own samples' columns
+            reads = distributed.all_reduce_sum_(reads.to(torch.float32)) > 0
+        reached = (reads.T.to(torch.float32) @ below.to(reads.device, torch.float32)) > 0
+    return reached, list(unshared.values())
 
 
 def reach_by_backward(losses: Tensor, cotangent: Tensor, shared: Sequence[Tensor], num_tasks: int,

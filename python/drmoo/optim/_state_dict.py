@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._hyperparameters import BOOKKEEPING_KEYS, check_groups_agree, check_hyperparameter
+from ._hyperparameters import BOOKKEEPING_KEYS, check_groups_agree, check_hyperparameter, check_pairs
 
 # The key of drmoo's own entries (w, eta, the counters) in ``optimizer.state``, beside torch's per-parameter ones.
 STATE_KEY = "drmoo"
@@ -153,6 +153,10 @@ def _check_groups(groups: Any, method: str, hyperparameters: set[str]) -> None:
                 check_hyperparameter(key, group[key])
             except (TypeError, ValueError) as error:
                 raise ValueError(f"state_dict has an invalid hyperparameter: {error}") from None
+        try:
+            check_pairs(group)
+        except ValueError as error:
+            raise ValueError(f"state_dict has invalid hyperparameters: {error}") from None
     check_groups_agree(groups)
 
 

@@ -197,6 +197,15 @@ class FAMO(JointBaseline):
                 "pending": torch.zeros((), device=self.device, dtype=torch.float64),
                 "pending_distance": torch.ones(self.num_tasks, device=self.device, dtype=torch.float64)}
 
+    def validate_state_dict(self, state_dict: Any) -> None:
+        """The base checks, and ``loss_floor`` with one value or one per task of this optimizer."""
+        super().validate_state_dict(state_dict)
+        for group in state_dict["param_groups"]:
+            floors = HYPERPARAMETER_CHECKS["loss_floor"]("loss_floor", group["loss_floor"])
+            if len(floors) not in (1, self.num_tasks):
+                raise ValueError(f"state_dict's loss_floor has {len(floors)} values, but this FAMO has "
+                                 f"num_tasks={self.num_tasks}")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a FAMO state; one saved when ``adam_steps`` was an int is accepted (made a tensor), one
         saved before the next-batch form existed gets no pending logit update.

@@ -13,7 +13,7 @@ from drmoo_kernels.reference import clip_factor
 from ._base import configure_jacobian
 from ._features_rate import warn_unless_rate_chosen
 from ._guards import NonFiniteStepError
-from ._hyperparameters import SOLVERS, check_flag, check_positive
+from ._hyperparameters import SOLVERS, check_flag, check_pairs, check_positive
 from ._joint import (
     JointBaseline,
     check_count,
@@ -426,9 +426,7 @@ class MGDA(JointBaseline):
     ) -> None:
         if solver not in SOLVERS:
             raise ValueError(f"solver must be one of {', '.join(SOLVERS)}; got {solver!r}")
-        if (clip_c1 is None) != (clip_c2 is None):
-            raise ValueError(f"clip_c1 and clip_c2 clip the step together: give both or neither "
-                             f"(got clip_c1={clip_c1!r}, clip_c2={clip_c2!r})")
+        check_pairs({"clip_c1": clip_c1, "clip_c2": clip_c2})
         defaults = {
             **common_defaults(lam, divergence, lr=lr, pref_lr=pref_lr, rho=rho),
             "solver": solver,

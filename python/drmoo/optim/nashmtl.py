@@ -204,6 +204,15 @@ class NashMTL(JointBaseline):
     def extra_state(self) -> dict[str, Any]:
         return {"alpha": torch.ones(self.num_tasks, device=self.device, dtype=torch.float64)}
 
+    def validate_state_dict(self, state_dict: Any) -> None:
+        """The base checks, and ``alpha`` as the solver writes it: >= 0 with an entry > 0 (a forged negative
+        alpha would send the reuse steps, which apply it as it is, uphill)."""
+        super().validate_state_dict(state_dict)
+        alpha = state_dict["state"][STATE_KEY]["alpha"].double()
+        if bool((alpha < 0).any()) or not bool((alpha > 0).any()):
+            raise ValueError(f"state_dict's alpha must be >= 0 with at least one entry > 0 (Nash-MTL's task "
+                             f"weights), got {alpha.tolist()}")
+
     def step(self, closure: Closure | None = None) -> Tensor:  # type: ignore[override]
         """One Nash-MTL iteration; calls ``closure`` once.  Nothing changes if a check fails.
 
