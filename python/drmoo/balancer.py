@@ -41,7 +41,9 @@ per task to find them (once: not on later steps).
 What ``.grad`` receives.  The shared parameters: the method's direction d (Double-Clip: the clipped
 alpha * J^T w_t; Nash-MTL: clip * J^T alpha; the baselines: J^T w), *added* to any existing ``.grad``
 as autograd accumulates.  Every other trainable leaf of the losses' graph (the heads): the gradient
-of sum_i L^i, head i seeing only task i -- the same as ``step`` gives them.  A step that raises
+of sum_i L^i, head i seeing only task i -- the same as ``step`` gives them.  (With ``jacobian="features"``
+the direction is lifted through z to the shared parameters only: a trainable parameter below z that is not
+shared gets nothing, and the first backward warns of it.)  A step that raises
 leaves every ``.grad``, eta, w and the state as they were.
 
 One batch or a closure.  ``backward(losses)`` (or ``backward((losses, sample_weight))``) is the
@@ -123,13 +125,14 @@ import torch
 from torch import Tensor
 
 from ._grad_watch import GradientAccumulationWarning, GradWatch
+from ._rate_coupling import RateCoupling
 from .jacobian import graph_leaves
 from .optim import NonFiniteStepError, available, create
 from .optim._accumulate import Accumulation, accumulate_refusal, reduce_micro_batch, shared_versions
 from .optim._base import MultiObjectiveOptimizer
 from .optim._features import with_features
 from .optim._fsdp import is_sharded
-from .optim._hyperparameters import check_flag, check_hyperparameter
+from .optim._hyperparameters import check_flag
 from .optim._loss_scale import LossScale
 
 LossesInput = Tensor | tuple[Tensor, Tensor] | Callable[[], Any]
@@ -158,8 +161,6 @@ SolverName = Literal["one_step", "min_norm"]
 _GRAPH_PASSES = {"modo": 3, "sdmgrad": 3, "double-loop": 3}
 # Methods whose lr is not eta's step size (Double-Loop's eta takes dual_lr): no warning about it.
 _LR_UNUSED = {"double-loop"}
-# Methods whose eta step is dual_lr: under optimizer= it follows the optimizer's lr in ratio.
-_DUAL_LR_METHODS = {"double-loop"}
 
 
 def method_name(name: str) -> MethodName:
@@ -350,20 +351,8 @@ class Balancer:
         # and what tells a gradient added to the direction without anyone meaning it (drmoo._grad_watch).
         self._accumulation: Accumulation | None = None
         self._grad_watch = GradWatch(self._algorithm._shared_params())
-        # Double-Loop with optimizer=: dual_lr / lr, kept as the optimizer's rate moves (None: dual_lr is fixed)
-        self._dual_lr_ratio: float | None = None
-        if optimizer is not None:
-            group = self._lr_group(optimizer)  # refuse an optimizer that does not hold the shared parameters now
-            if method in _DUAL_LR_METHODS:
-                start = float(group.get("initial_lr", group["lr"]))
-                if not start > 0.0:
-                    raise ValueError(
-                        f"drmoo.Balancer({method!r}, optimizer=...): eta's step dual_lr follows the optimizer's "
-                        f"learning rate in ratio to its starting rate, which is {start!r}; build the balancer while "
-                        "the rate is > 0, or leave optimizer= out (dual_lr is then fixed)")
-                self._dual_lr_ratio = float(self._algorithm.hyper("dual_lr")) / start
-            self._follow_optimizer_lr(optimizer)  # a state saved before the first backward holds the coupled rates
-        elif "lr" not in hparams and method not in _LR_UNUSED:
+        self._rates = None if optimizer is None else RateCoupling(method, self._algorithm, optimizer)
+        if optimizer is None and "lr" not in hparams and method not in _LR_UNUSED:
             warnings.warn(
                 f"drmoo.Balancer({method!r}): eta's step size is the method's default "
                 f"lr={self._algorithm.hyper('lr')!r}, not your optimizer's learning rate; pass optimizer=<the torch "
@@ -421,13 +410,8 @@ class Balancer:
                 "eta and w: close the step (backward without accumulate=True) before load_state_dict"
             )
         self._algorithm.load_state_dict(state_dict)
-        if self._dual_lr_ratio is not None:
-            # The saved dual_lr went with the saved lr (both followed the optimizer's): keep their ratio, not the
-            # constructor's dual_lr over the rate the optimizer had when this balancer was built (a resumed run
-            # builds it at the decayed rate, and the next backward would undo the decay of dual_lr).
-            group = self._algorithm.param_groups[0]
-            if self._algorithm.steps_taken > 0 and float(group["lr"]) > 0.0:
-                self._dual_lr_ratio = float(group["dual_lr"]) / float(group["lr"])
+        if self._rates is not None:
+            self._rates.loaded()
 
     def __repr__(self) -> str:
         return f"Balancer({self.method!r}, num_tasks={self.num_tasks}, steps_taken={self.steps_taken})"
@@ -498,8 +482,8 @@ class Balancer:
                 f"Balancer.backward takes per-sample losses [B, {self.num_tasks}] (a Tensor), a pair "
                 f"(losses, sample_weight) or a closure; got {type(losses).__name__}"
             )
-        if self._optimizer is not None:
-            self._follow_optimizer_lr(self._optimizer)
+        if self._rates is not None:
+            self._rates.follow()
         algorithm.loss_scale = algorithm.grad_scale = scale
         algorithm.graph_reuses = graph_reuses
         try:
@@ -577,40 +561,6 @@ class Balancer:
     def optimizer(self) -> torch.optim.Optimizer | None:
         """The torch optimizer whose learning rate eta's step size follows (``optimizer=``), or None."""
         return self._optimizer
-
-    def _lr_group(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer's parameter group that holds the shared parameters (one lr for all of them)."""
-        shared = {id(param) for param in self._algorithm._shared_params()}
-        groups = [group for group in optimizer.param_groups if any(id(p) in shared for p in group["params"])]
-        if not groups:
-            raise ValueError(
-                "optimizer= holds none of the balancer's shared parameters: pass the torch optimizer that steps "
-                "them (eta's step size follows that optimizer's learning rate)"
-            )
-        rates = {float(group["lr"]) for group in groups}
-        if len(rates) > 1:
-            raise ValueError(
-                f"the shared parameters are in parameter groups with different learning rates {sorted(rates)}, "
-                "but eta has one step size: build the balancer with lr=<eta's step size> instead of optimizer="
-            )
-        return groups[0]
-
-    def _follow_optimizer_lr(self, optimizer: torch.optim.Optimizer) -> None:
-        """eta's step size = the current lr of the optimizer's group of the shared parameters, so that
-        the optimizer's scheduler reaches eta too (checked with the other hyperparameters by the step)."""
-        coupled = self._lr_group(optimizer)
-        lr = coupled["lr"]
-        if not (isinstance(lr, Tensor) and self._algorithm.capturable):  # (a capturable step reads no tensor)
-            try:  # checked before it is copied: a refused backward leaves this balancer's rates as they were
-                check_hyperparameter("lr", lr)
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"the optimizer passed as optimizer= has an invalid rate for the shared parameters: "
-                                 f"{error} (eta's step size follows it; nothing was updated)") from None
-        for group in self._algorithm.param_groups:
-            group["lr"] = lr
-        if self._dual_lr_ratio is not None:  # Double-Loop: eta steps with dual_lr, scaled as theta's lr is
-            for group in self._algorithm.param_groups:
-                group["dual_lr"] = self._dual_lr_ratio * float(lr)
 
     def _check_losses(self, losses: Tensor | tuple[Tensor, Tensor]) -> None:
         """Refuse what the method would misread, before anything runs: the shape, a graph that does

@@ -11,7 +11,8 @@ the whole batch gives (exact gradient accumulation, :mod:`drmoo.optim._micro_bat
 
 Shared vs task-specific parameters.  The parameters handed to the optimizer are the *shared* ones
 and go through the multi-objective update.  Every other trainable leaf that takes part in the losses
-(e.g. one head per task) receives, in its ``.grad``, the gradient of the sum of the task dual
+(e.g. one head per task; in features mode, one above z: a parameter below z that is not shared gets no
+gradient, warned at the first step) receives, in its ``.grad``, the gradient of the sum of the task dual
 objectives from the batch used for the parameter step - head i therefore sees task i only - and is
 stepped by the user's own optimizer (paper: SGD, lr 1e-2) after ``step`` returns.  Zero those grads
 before ``step`` as usual (a step adds to an existing ``.grad``, as ``backward`` does).  Under
