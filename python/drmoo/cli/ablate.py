@@ -47,7 +47,7 @@ def _add_ablate(sub: argparse._SubParsersAction[_Parser]) -> None:
                         help="lr only: methods (default double-clip,double-loop,mgda,modo,moco,sdmgrad)")
     parser.add_argument("--backend", choices=BACKENDS, help="kernel backend (default: automatic, by device)")
     parser.add_argument("--preset", default="quick", choices=PRESETS,
-                        help="multimnist2: quick (CPU demo) | paper (App. D) (default: %(default)s)")
+                        help="multimnist2: quick (CPU demo) | small | medium | paper (App. D) (default: %(default)s)")
     parser.add_argument("--max-steps", type=_count, help="multimnist2: stop each run after this many steps "
                         "(default: no limit)")
     for flag in ("--epochs", "--input-size", "--train-size", "--test-size"):

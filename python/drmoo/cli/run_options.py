@@ -107,7 +107,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jacobian-strategy", default="loop", choices=JACOBIAN_STRATEGIES,
                         help="how the per-task gradients are computed: loop (m backward passes) | batched (one "
                         "vmapped pass) | auto (batched on a GPU, loop on the CPU; in features mode separate heads "
-                        "in one pass) (default: %(default)s; not --hp jacobian=features, the coordinates)")
+                        "in one pass, else batched on a GPU or above 4 tasks) (default: %(default)s; not --hp "
+                        "jacobian=features, the coordinates)")
     parser.add_argument("--amp", default="none", choices=AMP_MODES,
                         help="autocast the model's forward (default: %(default)s)")
     parser.add_argument("--max-steps", type=_count, help="stop after this many optimizer steps in total "

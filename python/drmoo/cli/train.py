@@ -170,5 +170,6 @@ def _refuse_contradictions(args: argparse.Namespace, config: Any, run_dir: Any) 
                 contradictions.append(f"{flag} {value} (the run's: {getattr(config, dest)})")
     if contradictions:
         raise UsageError(f"--resume {run_dir} continues the run as saved, but {', '.join(contradictions)} "
-                         "contradict it; only --epochs/--max-steps may change, and --device to move it (start a "
-                         "new --out for other settings)")
+                         "contradict it; only --epochs/--max-steps may change, and --device, --cuda-graph, "
+                         "--log-dir and --nproc, which do not change what it computes (start a new --out for other "
+                         "settings)")
