@@ -9,6 +9,7 @@ import ast
 from typing import Any, NoReturn
 
 from drmoo._echo import echo, first_repeat, shortened
+from drmoo.experiments.run_config import FLOAT32_MAX
 
 # The fixed sets offered as argparse choices.  Written out here rather than imported from the modules
 # that own them, so that building the parser (`drmoo --help`) imports no torch;
@@ -112,14 +113,16 @@ def _seed_list(text: str) -> list[int]:
 
 
 def _positive_float(text: str) -> float:
+    """A learning rate: a finite number > 0 that float32 holds."""
     import math
 
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {echo(text)}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {echo(text)}")
+    if not (math.isfinite(value) and 0 < value <= FLOAT32_MAX):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0 and at most {FLOAT32_MAX:.4g} (the largest "
+                                         f"float32), got {echo(text)}")
     return value
 
 

@@ -91,6 +91,9 @@ def _run_compare(args: argparse.Namespace) -> int:
 
     check_distinct(configs)  # a row and seed given twice, or two labels of the same settings
     _check_data(experiment, configs)
+    if experiment.check_model is not None:  # the model settings each run would refuse, before --out is created
+        for row in rows:
+            experiment.check_model(row)
     _check_out_dir(args.out)
     table = experiment.compare(configs, Path(args.out), eps=args.eps, progress=not args.quiet, **options)
     print(table)

@@ -111,6 +111,11 @@ def attributes_of(experiment: str) -> tuple[str, ...]:
     return ATTRIBUTE_SETS[experiment]
 
 
+def check_celeba_model(config: RunConfig) -> None:
+    """The model setting :func:`build_celeba` would refuse, refused without building it: a missing weights file."""
+    resolve_weights(config.weights)
+
+
 def build_celeba(config: RunConfig) -> tuple[MultiTaskModel, CelebA]:
     """The ResNet18 multi-task model (a two-class head per attribute) and the lazily decoded CelebA splits."""
     data = load_celeba(config.data_root, config.input_size, config.train_size, config.test_size,
@@ -237,6 +242,7 @@ def compare_celeba(configs: list[RunConfig], out: Path, *, eps: list[float] | No
 CELEBA, CELEBA40 = (
     register(Experiment(name=name, build=build_celeba, presets=PRESETS, method_hparams=method_hparams,
                         evaluate=evaluate_celeba, eval_table=metrics_table, compare=compare_celeba,
-                        sample_weight=label_balancing_weights, check_data=check_celeba_data))
+                        sample_weight=label_balancing_weights, check_data=check_celeba_data,
+                        check_model=check_celeba_model))
     for name in ATTRIBUTE_SETS
 )

@@ -16,6 +16,7 @@ Imports no torch (the CLI reads the file before anything else).
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import fields
 from itertools import pairwise
@@ -98,6 +99,38 @@ def _check_keys(values: dict[str, Any], path: Path, command: str) -> None:
                          f"are {where}: {', '.join(sorted(known))}")
 
 
+def _typed_method(typed: list[str]) -> str | None:
+    """The --method given on the command line (the last one), or None."""
+    method = None
+    for flag, item in pairwise(typed):
+        if flag == "--method":
+            method = item
+    for item in typed:
+        if item.startswith("--method="):
+            method = item[len("--method="):]
+    return method
+
+
+def _refuse_other_methods_hparams(path: Path, saved: Any, typed: str | None, passed: set[str]) -> None:
+    """A file's hyperparameters are its method's: with another --method, refuse the ones that method lacks,
+    naming the file (the refusal would otherwise name keys the user never typed)."""
+    if typed is None or typed == saved or not passed:
+        return
+    from drmoo.optim import available
+
+    if typed not in available():
+        return  # the command refuses the unknown method itself
+    parameters = inspect.signature(available()[typed].__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    foreign = sorted(passed - set(parameters))
+    if foreign:
+        raise UsageError(f"--config {path} holds the hyperparameters of a {saved} run, and {', '.join(foreign)} "
+                         f"{'is' if len(foreign) == 1 else 'are'} not {typed}'s (--method {typed}): remove "
+                         f"{'it' if len(foreign) == 1 else 'them'} from the file's hparams, or start from a {typed} "
+                         "run's config.json")
+
+
 def options_from_config_file(path: str | Path, typed: list[str], command: str = "train"
                              ) -> tuple[list[str], str | None]:
     """The options that stand for the settings of ``path``, to be placed before ``typed`` (the options
@@ -127,6 +160,7 @@ def options_from_config_file(path: str | Path, typed: list[str], command: str = 
     typed_hp |= {item[len("--hp="):].partition("=")[0].strip() for item in typed if item.startswith("--hp=")}
     if "--lr" in typed or any(item.startswith("--lr=") for item in typed):
         typed_hp.add("lr")
+    _refuse_other_methods_hparams(path, values.get("method"), _typed_method(typed), set(hparams) - typed_hp)
     for key, value in hparams.items():
         if key not in typed_hp:
             options += ["--hp", f"{key}={value!r}"]  # repr: --hp's literal_eval gives back the value's type

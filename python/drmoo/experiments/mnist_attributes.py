@@ -110,9 +110,8 @@ def build_mnist_attributes(config: RunConfig) -> tuple[MultiTaskModel, MnistAttr
                                  train_size=config.train_size or PRESETS["small"]["train_size"],
                                  test_size=config.test_size or PRESETS["small"]["test_size"],
                                  holdout=config.eval_split)
+    multimnist.check_model_settings(config)
     if config.model == "lenet":
-        if config.weights.lower() != "none":
-            raise ValueError(f"--weights {config.weights}: the LeNet trains from scratch (use --weights none)")
         return MultiLeNet([2] * data.num_tasks, input_size=config.input_size), data
     return MultiTaskResNet([2] * data.num_tasks, weights=resolve_weights(config.weights)), data
 
@@ -342,4 +341,5 @@ def _check_data(config: RunConfig) -> None:
 for _name, _weighted in EXPERIMENTS.items():  # registered on import (drmoo.experiments.registry looks them up)
     register(Experiment(name=_name, build=build_mnist_attributes, presets=PRESETS, method_hparams=method_hparams,
                         evaluate=evaluate_attributes, eval_table=metrics_table, compare=compare_attributes,
-                        sample_weight=label_balancing_weights if _weighted else None, check_data=_check_data))
+                        sample_weight=label_balancing_weights if _weighted else None, check_data=_check_data,
+                        check_model=multimnist.check_model_settings))

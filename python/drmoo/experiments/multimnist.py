@@ -21,7 +21,7 @@ from typing import Any
 from drmoo.data import MultiMnist, MultiMnistRecipe, load_multimnist
 from drmoo.data.mnist import digit_source_fingerprint
 from drmoo.data.multimnist import GRID_DIGITS
-from drmoo.models import MultiLeNet, MultiTaskModel, MultiTaskResNet, resolve_weights
+from drmoo.models import MultiLeNet, MultiTaskModel, MultiTaskResNet, check_lenet_input_size, resolve_weights
 from drmoo.optim import available
 
 from .run_config import RunConfig
@@ -285,11 +285,21 @@ def recipe_of(config: RunConfig) -> MultiMnistRecipe:
     )
 
 
-def build_model(config: RunConfig, digits: int) -> MultiTaskModel:
-    """The run's multi-task network: the paper's ResNet18 or Sener & Koltun's MultiLeNet."""
+def check_model_settings(config: RunConfig) -> None:
+    """What :func:`build_model` would refuse of the model's settings, refused without building it (``compare``
+    checks every row before it creates its --out): the LeNet's weights and input size, ResNet18's weights file."""
     if config.model == "lenet":
         if config.weights.lower() != "none":
             raise ValueError(f"--weights {config.weights}: the LeNet trains from scratch (use --weights none)")
+        check_lenet_input_size(config.input_size)
+    else:
+        resolve_weights(config.weights)
+
+
+def build_model(config: RunConfig, digits: int) -> MultiTaskModel:
+    """The run's multi-task network: the paper's ResNet18 or Sener & Koltun's MultiLeNet."""
+    check_model_settings(config)
+    if config.model == "lenet":
         return MultiLeNet([10] * digits, input_size=config.input_size)
     return MultiTaskResNet([10] * digits, weights=resolve_weights(config.weights))
 

@@ -48,6 +48,8 @@ class Experiment:
     evaluates every config and returns the markdown table.  ``eps`` matters to FGSM experiments only.
     ``check_data(config)`` raises (FileNotFoundError / ValueError, one line) when the config's data
     cannot be found: the command line calls it before anything is written or torchrun is launched.
+    ``check_model(config)`` raises likewise for model settings ``build`` would refuse (``compare`` calls it
+    for every row before its --out is created).
     """
 
     name: str
@@ -59,6 +61,7 @@ class Experiment:
     compare: Callable[..., str]
     sample_weight: Callable[[Tensor], Tensor] | None = None  # labels [B, m] -> importance weights [B, m]
     check_data: Callable[[RunConfig], None] | None = None
+    check_model: Callable[[RunConfig], None] | None = None
 
 
 def register(experiment: Experiment) -> Experiment:

@@ -508,7 +508,7 @@ def _multimnist_experiment(name: str) -> Experiment:
     presets = {preset: values[name] for preset, values in multimnist.PRESETS.items() if name in values}
     hparams = functools.partial(multimnist.method_hparams, experiment=name)
     return Experiment(name, build_multimnist, presets, hparams, evaluate, eval_table, compare_runs,
-                      check_data=multimnist.check_digit_source)
+                      check_data=multimnist.check_digit_source, check_model=multimnist.check_model_settings)
 
 
 for _name in multimnist.DIGIT_COUNTS:  # registered on import (drmoo.experiments.registry looks them up)

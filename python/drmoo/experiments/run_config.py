@@ -19,6 +19,10 @@ from typing import Any
 
 from drmoo.store import UsageError, parse_json, read_bytes
 
+# The largest float32 (torch.finfo(torch.float32).max, written out: the CLI's --help loads no torch).  A rate
+# above it cannot be converted to the float32 the heads' SGD steps in: refused here, not mid-run.
+FLOAT32_MAX = 3.4028234663852886e38
+
 __all__ = ["AMP_MODES", "MAX_COUNTS", "MAX_SEED", "RENAMED_KEYS", "RESUMABLE_FIELDS", "RunConfig",
            "config_differences", "read_run_config", "upgrade_config_dict"]
 
@@ -115,8 +119,9 @@ class RunConfig:
             raise UsageError(f"unknown --jacobian-strategy {self.jacobian_strategy!r}; valid choices: "
                              f"{', '.join(JACOBIANS)}")
         if isinstance(self.head_lr, bool) or not isinstance(self.head_lr, (int, float)) or not (
-                math.isfinite(self.head_lr) and self.head_lr > 0):
-            raise UsageError(f"--head-lr must be a finite number > 0, got {self.head_lr!r}")
+                math.isfinite(self.head_lr) and 0 < self.head_lr <= FLOAT32_MAX):
+            raise UsageError(f"--head-lr must be a finite number > 0 and at most {FLOAT32_MAX:.4g} (the largest "
+                             f"float32: the heads' SGD steps in float32), got {self.head_lr!r}")
         if self.amp not in AMP_MODES:
             raise UsageError(f"unknown --amp {self.amp!r}; valid choices: {', '.join(AMP_MODES)}")
         if not isinstance(self.cuda_graph, bool):

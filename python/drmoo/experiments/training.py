@@ -462,7 +462,12 @@ def _check_extends(run: _Run, saved: dict[str, Any]) -> None:
     if step > total:
         raise UsageError(f"cannot resume {run.run_dir} to {total} steps: it has trained {step} already; a resume "
                          "can only extend a run (--epochs / --max-steps)")
-    if step == total and (saved.get("epochs"), saved.get("max_steps")) != (config.epochs, config.max_steps):
+    unchanged = (saved.get("epochs"), saved.get("max_steps")) == (config.epochs, config.max_steps)
+    if step == total and unchanged and run.pending_epoch is None and (run.run_dir / "done").exists():
+        # a finished run resumed as it is: a session would only remove its eval.json and rewrite its files
+        raise UsageError(f"{run.run_dir} is finished ({step} steps): nothing to train, and its files stay as they "
+                         "are; raise --epochs or --max-steps to extend it")
+    if step == total and not unchanged:
         # asked to go further, but the other limit stops the run where it is
         limit = (f"--max-steps {config.max_steps}" if config.max_steps is not None and config.max_steps == total
                  else f"--epochs {config.epochs}")

@@ -29,6 +29,13 @@ __all__ = ["LENET_INPUT_SIZE", "MultiLeNet"]
 LENET_INPUT_SIZE = 28  # 28 -conv5-> 24 -pool-> 12 -conv5-> 8 -pool-> 4: 20 x 4 x 4 = 320 trunk features
 
 
+def check_lenet_input_size(input_size: int) -> None:
+    """Refuse an input size the MultiLeNet cannot take (before a command builds it, or writes anything)."""
+    if input_size != LENET_INPUT_SIZE:
+        raise ValueError(f"the MultiLeNet takes {LENET_INPUT_SIZE} x {LENET_INPUT_SIZE} inputs (its linear layer "
+                         f"expects 320 features), got input_size {input_size}: use --input-size {LENET_INPUT_SIZE}")
+
+
 class MultiLeNet(MultiTaskModel):
     """Shared LeNet trunk + ``len(num_classes)`` two-layer heads; ``forward`` returns one logit tensor per task."""
 
@@ -36,10 +43,7 @@ class MultiLeNet(MultiTaskModel):
         super().__init__()
         if not num_classes or any(isinstance(c, bool) or not isinstance(c, int) or c < 2 for c in num_classes):
             raise ValueError(f"num_classes must be a non-empty list of ints >= 2, got {num_classes!r}")
-        if input_size != LENET_INPUT_SIZE:
-            raise ValueError(f"the MultiLeNet takes {LENET_INPUT_SIZE} x {LENET_INPUT_SIZE} inputs (its linear layer "
-                             f"expects 320 features), got input_size {input_size}: use --input-size "
-                             f"{LENET_INPUT_SIZE}")
+        check_lenet_input_size(input_size)
         self.trunk = nn.ModuleDict({
             "conv1": nn.Conv2d(1, 10, kernel_size=5),
             "conv2": nn.Conv2d(10, 20, kernel_size=5),
