@@ -78,11 +78,10 @@ def test_lambda_linear_end_to_end_and_rerun_skips(tmp_path: Path, capsys: pytest
     stamps = {p.name: (p / "metrics.csv").stat().st_mtime_ns for p in out.iterdir() if p.is_dir()}
     assert main(args) == 0  # finished values are skipped
     assert {p: (out / p / "metrics.csv").stat().st_mtime_ns for p in stamps} == stamps
-    # Other settings for a point: that point is run again (the others are left as they are).
-    assert main([*args[:-5], "--steps", "26", "--grid", "0.4", "--out", str(out), "--quiet"]) == 0
-    assert [int(r["steps"]) for r in _rows(out / "ablation-lambda.csv")] == [26]
-    assert (out / "lam0.4" / "metrics.csv").stat().st_mtime_ns != stamps["lam0.4"]
-    assert (out / "lam0.8" / "metrics.csv").stat().st_mtime_ns == stamps["lam0.8"]
+    # Other settings for a finished point: refused (a rerun never replaces finished work), every point kept.
+    assert main([*args[:-5], "--steps", "26", "--grid", "0.4", "--out", str(out), "--quiet"]) == 2
+    assert "steps 25 there, 26 now" in capsys.readouterr().err
+    assert {p: (out / p / "metrics.csv").stat().st_mtime_ns for p in stamps} == stamps
 
 
 def test_every_ablation_on_linear_with_the_paper_grids(tmp_path: Path, fast_point_plots: None) -> None:

@@ -33,7 +33,8 @@ def _add_ablate(sub: argparse._SubParsersAction[_Parser]) -> None:
     parser.add_argument("--experiment", required=True, choices=ABLATION_EXPERIMENTS,
                         help="the problem (multimnist2: lambda only)")
     parser.add_argument("--out", type=_path, required=True,
-                        help="output directory (finished grid values in it are reused)")
+                        help="output directory (finished grid values in it are reused; one finished with other "
+                        "settings is refused and kept)")
     parser.add_argument("--data-root", type=_path,
                         help="wine: the UCI CSV or its directory (required); multimnist2: torchvision "
                         "MNIST root (default: the embedded digits)")
@@ -44,7 +45,9 @@ def _add_ablate(sub: argparse._SubParsersAction[_Parser]) -> None:
     parser.add_argument("--batch-size", type=_count, help="batch size where it is not the ablated value "
                         "(default: the paper's)")
     parser.add_argument("--methods", type=_name_list,
-                        help="lr only: methods (default double-clip,double-loop,mgda,modo,moco,sdmgrad)")
+                        help="lr only: methods, or 'all' for every method with synthetic settings, each given "
+                        "only the fixed hyperparameters it has (default double-clip,double-loop,mgda,modo,moco,"
+                        "sdmgrad)")
     parser.add_argument("--backend", choices=BACKENDS, help="kernel backend (default: automatic, by device)")
     parser.add_argument("--preset", default="quick", choices=PRESETS,
                         help="multimnist2: quick (CPU demo) | small | medium | paper (App. D) (default: %(default)s)")
@@ -63,7 +66,7 @@ def _add_ablate(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 
 def _run_ablate(args: argparse.Namespace) -> int:
-    from drmoo.experiments.ablations import AblationConfig, grid_points, run_ablation
+    from drmoo.experiments.ablations import AblationConfig, check_ablation, run_ablation
 
     run_overrides = {key: getattr(args, key) for key in ("epochs", "input_size", "train_size", "test_size",
                                                          "weights") if getattr(args, key) is not None}
@@ -73,7 +76,9 @@ def _run_ablate(args: argparse.Namespace) -> int:
         max_steps=args.max_steps, run_overrides=run_overrides, cache_dir=args.cache_dir, device=args.device,
         eps=args.eps,
     )
-    grid_points(config)  # validates the whole request before anything is written
+    # the whole request (settings, hyperparameter values, data, what the point directories hold) is checked
+    # before anything is written
+    check_ablation(config, args.out)
     _check_out_dir(args.out)
     print(run_ablation(config, args.out, progress=not args.quiet))
     print(f"wrote {args.out}/ablation-{args.what}.csv, .md, .png, .json")

@@ -41,12 +41,14 @@ def _add_synthetic(sub: argparse._SubParsersAction[_Parser]) -> None:
     parser.add_argument("--hp", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="override a hyperparameter of every method, e.g. --hp lam=0.8 (repeatable; default: "
                         "the paper's settings)")
-    parser.add_argument("--out", type=_path, required=True, help="output directory (finished runs in it are reused)")
+    parser.add_argument("--out", type=_path, required=True,
+                        help="output directory: new, empty or an earlier synthetic --out (its finished runs are "
+                        "reused; one made with other settings is refused and kept)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def _run_synthetic(args: argparse.Namespace) -> int:
-    from drmoo.experiments.synthetic import PAPER_PRESETS, SyntheticConfig, run_synthetic
+    from drmoo.experiments.synthetic import PAPER_PRESETS, SyntheticConfig, check_output_directory, run_synthetic
     from drmoo.optim import available
 
     methods = args.methods
@@ -57,7 +59,11 @@ def _run_synthetic(args: argparse.Namespace) -> int:
         problem=args.problem, methods=methods, seeds=seeds, steps=args.steps, batch_size=args.batch_size,
         overrides=_hp_overrides(args.hp), data_root=args.data_root,
     )
-    config.resolved()  # every setting checked before the output directory is created
+    # Everything is checked before the output directory is created: the settings, each method's hyperparameter
+    # values, the problem's data, and what --out already holds (someone's files, a finished run made with other
+    # settings: refused and kept as they are).
+    settings = config.check()
+    check_output_directory(args.out, settings)
     _check_out_dir(args.out)
     summary = run_synthetic(config, args.out, progress=not args.quiet)
     from drmoo.experiments.summaries import summary_table

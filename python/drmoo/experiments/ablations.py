@@ -8,14 +8,18 @@ lambda    linear, wine, multimnist2          lambda in {0.4, 0.8, 1.6} for Doubl
                                              on linear / wine
 lr        linear, wine                       the step size of (theta, eta) and of w, both set to the
                                              grid value (F.2); mean balanced gradient norm of the last
-                                             20 iterations per method
+                                             20 iterations per method (``--methods all``: every
+                                             method with synthetic settings, each given only the
+                                             fixed hyperparameters it has)
 batch     linear, wine                       N1 = N2 in {32, ..., 1024} for Double-Clip (F.3); curves
 inner     linear, wine                       D in {5, ..., 25} for Double-Loop (F.4); curves
 ========  =================================  ==========================================================
 
 Every grid point is trained in its own sub-directory of ``out`` by :func:`run_synthetic` or
 :func:`compare`, which keep finished runs; ``point.json`` there records the point's settings
-once it is done, so a rerun with the same settings skips it.  ``out`` then holds
+once it is done, so a rerun with the same settings skips it; a point finished with other settings is
+refused and kept (:func:`~drmoo.experiments.synthetic.check_output_directory`), before anything is
+written.  ``out`` then holds
 ``ablation-<what>.csv`` (one row per grid point), ``.md``, ``.png`` and ``.json`` (the settings,
 machine and backend, read by ``drmoo report``).
 """
@@ -39,9 +43,17 @@ from drmoo_kernels import resolve_backend
 
 from .run_config import upgrade_config_dict
 from .summaries import aggregate_curves
-from .synthetic import PAPER_PRESETS, SyntheticConfig, run_synthetic
+from .synthetic import (
+    PAPER_PRESETS,
+    SyntheticConfig,
+    check_hparam_values,
+    check_output_directory,
+    check_problem_data,
+    method_hparams,
+    run_synthetic,
+)
 
-__all__ = ["GRIDS", "SUPPORTED", "AblationConfig", "grid_points", "run_ablation"]
+__all__ = ["GRIDS", "SUPPORTED", "AblationConfig", "check_ablation", "grid_points", "run_ablation"]
 
 WHATS = ("lambda", "lr", "batch", "inner")
 EXPERIMENTS = ("linear", "wine", "multimnist2")
@@ -68,6 +80,8 @@ LR_METHODS = ("double-clip", "double-loop", "mgda", "modo", "moco", "sdmgrad")
 
 # App. F.2: B = 256, rho = 1e-5 for every method; gamma = 1e-3 is Double-Loop's inner (eta) step.
 # For Double-Clip gamma *is* the (theta, eta) step, the rate being varied, so only rho is fixed.
+# Each method gets only those of these (and of pref_lr, the w step) that it has: NashMTL has no rho
+# and no w step (its w solves a bargaining problem), FAMO no rho.
 LR_FIXED: dict[str, Any] = {"rho": 1e-5}
 LR_FIXED_DOUBLE_LOOP: dict[str, Any] = {"dual_lr": 1e-3}
 # App. F.3: beta = gamma = 1e-2, c1 = f1 = 1.0, c2 = f2 = 0.5, rho = 1e-5 for every batch size.
@@ -199,19 +213,38 @@ def grid_points(config: AblationConfig) -> list[GridPoint]:
     return _lr_points(config, values)
 
 
-def _lr_points(config: AblationConfig, values: Any) -> list[GridPoint]:
-    methods = list(config.methods or LR_METHODS)
+def _lr_methods(config: AblationConfig) -> list[str]:
+    """The methods of an lr ablation: ``--methods`` (``all``: every method with synthetic settings on the
+    experiment, in registry order), by default the paper's (:data:`LR_METHODS`)."""
+    from drmoo.optim import available
+
     known = PAPER_PRESETS[config.experiment]["methods"]
+    if config.methods is not None and list(config.methods) == ["all"]:
+        return [m for m in available() if m in known]
+    methods = list(config.methods or LR_METHODS)
+    if "all" in methods:
+        raise ValueError(f"--methods {','.join(methods)}: 'all' stands for every method; give it alone")
     unknown = [m for m in methods if m not in known]
     if unknown:
-        raise ValueError(f"no synthetic preset for method(s) {unknown}; valid choices: {', '.join(known)}")
+        raise ValueError(f"no synthetic preset for method(s) {unknown}; valid choices: {', '.join(known)}, or all")
+    return methods
+
+
+def _lr_overrides(method: str, value: float) -> dict[str, Any]:
+    """The lr ablation's settings of ``method`` at ``value``: its step sizes (lr, and pref_lr where it has a w
+    step) set to the value, and the fixed ones of App. F.2 that it has (a method without rho gets none)."""
+    wanted = {**LR_FIXED, **(LR_FIXED_DOUBLE_LOOP if method == "double-loop" else {}), "lr": value, "pref_lr": value}
+    accepted = method_hparams(method)
+    return {key: v for key, v in wanted.items() if accepted is None or key in accepted}
+
+
+def _lr_points(config: AblationConfig, values: Any) -> list[GridPoint]:
     points = []
-    for method in methods:
+    for method in _lr_methods(config):
         grid = values(GRIDS["lr-double-clip" if method == "double-clip" else "lr-unclipped"])
-        fixed = {**LR_FIXED, **(LR_FIXED_DOUBLE_LOOP if method == "double-loop" else {})}
         for value in grid:
             points.append(GridPoint(f"{method}-lr{_fmt(value)}", f"{method} lr={_fmt(value)}", value, method,
-                                    {**fixed, "lr": value, "pref_lr": value}))
+                                    _lr_overrides(method, value)))
     return points
 
 
@@ -243,8 +276,8 @@ def _mark_done(directory: Path, settings: dict[str, Any], outcome: dict[str, Any
     write_json(directory / "point.json", {"settings": settings, **outcome})  # last: its presence means "finished"
 
 
-def _synthetic_point(config: AblationConfig, point: GridPoint, out: Path, progress: bool) -> dict[str, Any]:
-    """Train one grid point on linear / wine; returns its row of the ablation table."""
+def _synthetic_config(config: AblationConfig, point: GridPoint) -> tuple[SyntheticConfig, dict[str, Any]]:
+    """The synthetic run of one grid point, and its settings as ``point.json`` records them."""
     overrides = dict(point.overrides)
     if config.backend is not None:
         overrides["backend"] = config.backend
@@ -254,7 +287,33 @@ def _synthetic_point(config: AblationConfig, point: GridPoint, out: Path, progre
         data_root=config.data_root,
     )
     resolved = synthetic.resolved()
-    settings = {key: resolved[key] for key in ("problem", "steps", "batch_size", "seeds", "methods")}
+    return synthetic, {key: resolved[key] for key in ("problem", "steps", "batch_size", "seeds", "methods")}
+
+
+def check_ablation(config: AblationConfig, out: str | Path) -> list[GridPoint]:
+    """Check the whole ablation before anything is written; returns its grid points.
+
+    On linear / wine: every point's settings and hyperparameter values (an optimizer built on a
+    stand-in parameter), the problem's data once, and every point directory that the run would write
+    into (a point not finished with these settings): someone's files there, or a run finished with
+    other settings, are refused and kept.  A point finished with these settings is reused as it is.
+    """
+    points = grid_points(config)
+    if config.experiment not in SYNTHETIC:
+        return points
+    check_problem_data(config.experiment, config.data_root)
+    for point in points:
+        _, settings = _synthetic_config(config, point)
+        check_hparam_values(point.method, settings["methods"][point.method])
+        directory = Path(out) / point.name
+        if _point_done(directory, settings) is None:
+            check_output_directory(directory, settings)
+    return points
+
+
+def _synthetic_point(config: AblationConfig, point: GridPoint, out: Path, progress: bool) -> dict[str, Any]:
+    """Train one grid point on linear / wine; returns its row of the ablation table."""
+    synthetic, settings = _synthetic_config(config, point)
     directory = out / point.name
     outcome = _point_done(directory, settings)
     if outcome is None:
@@ -270,7 +329,7 @@ def _synthetic_point(config: AblationConfig, point: GridPoint, out: Path, progre
                 raise
             outcome = {"status": "diverged", "error": str(error)}
         _mark_done(directory, settings, outcome)
-    return _synthetic_row(config, point, resolved, outcome)
+    return _synthetic_row(config, point, settings, outcome)
 
 
 def _synthetic_row(config: AblationConfig, point: GridPoint, resolved: dict[str, Any],
@@ -435,7 +494,8 @@ def _header(config: AblationConfig, rows: list[dict[str, Any]], environment: dic
     what = VARIED[config.what]
     fixed = {"lambda": "the problem's paper preset", "batch": _kv(BATCH_FIXED),
              "inner": _kv(INNER_FIXED.get(config.experiment, {})),
-             "lr": f"B = 256, {_kv(LR_FIXED)}, Double-Loop {_kv(LR_FIXED_DOUBLE_LOOP)}; lr = pref_lr = grid value"}
+             "lr": f"B = 256, {_kv(LR_FIXED)} (methods that have it), Double-Loop {_kv(LR_FIXED_DOUBLE_LOOP)}; "
+                   "lr = pref_lr (methods with a w step) = grid value"}
     first = rows[0]
     return (f"### Ablation on {what}: {config.experiment} (paper App. F)\n\n"
             f"{first['steps']} iterations, seeds {','.join(map(str, config.seeds))}; fixed: {fixed[config.what]}; "
@@ -521,8 +581,11 @@ def _settings(config: AblationConfig, rows: list[dict[str, Any]]) -> dict[str, A
 
 
 def run_ablation(config: AblationConfig, out: str | Path, progress: bool = True) -> str:
-    """Run (or finish) every grid point of ``config`` under ``out``; write the outputs; return the table."""
-    points = grid_points(config)
+    """Run (or finish) every grid point of ``config`` under ``out``; write the outputs; return the table.
+
+    Everything is checked first (:func:`check_ablation`): a refused ablation creates and changes nothing.
+    """
+    points = check_ablation(config, out)
     out = make_directory(out)
     environment = _environment(config)
     started = time.perf_counter()

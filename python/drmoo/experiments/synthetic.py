@@ -3,7 +3,8 @@
 ``run_synthetic`` trains each (method, seed) with the paper's settings (``PAPER_PRESETS``), logs the
 balanced gradient norm, the per-task dual objectives, w and eta at every iteration, and writes
 
-* ``runs/<method>-seed<k>.csv`` - one file per finished run (a rerun skips finished runs);
+* ``runs/<method>-seed<k>.csv`` - one file per finished run (a rerun skips finished runs; a finished run made
+  with other settings is refused and kept, never replaced);
 * ``metrics.csv`` - all iterations of all runs;
 * ``convergence.csv`` / ``convergence.png`` - mean and spread over seeds vs iterations and vs samples
   consumed (paper Fig. 3);
@@ -15,7 +16,10 @@ balanced gradient norm, the per-task dual objectives, w and eta at every iterati
 from __future__ import annotations
 
 import inspect
+import json
 import math
+import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,13 +31,26 @@ from tqdm.auto import tqdm
 
 from drmoo._echo import echo_items, first_repeat
 from drmoo.optim import available, create
-from drmoo.store import UsageError, iter_csv, make_directory, read_json, write_csv, write_json, write_text
+from drmoo.store import (
+    LOCK_FILE,
+    TEMP_SUFFIX,
+    UsageError,
+    iter_csv,
+    json_bytes,
+    make_directory,
+    parse_json,
+    read_json,
+    write_csv,
+    write_json,
+    write_text,
+)
 
 from .problems import BatchStream, Problem, make_linear_problem, make_wine_problem
 from .robust_eval import LOSS_METRICS
 from .summaries import aggregate_curves, mean_std, plot_convergence, summary_table
 
-__all__ = ["PAPER_PRESETS", "PROBLEMS", "SyntheticConfig", "run_synthetic"]
+__all__ = ["PAPER_PRESETS", "PROBLEMS", "SyntheticConfig", "check_output_directory", "method_hparams",
+           "run_synthetic"]
 
 PROBLEMS: dict[str, Callable[..., Problem]] = {"linear": make_linear_problem, "wine": make_wine_problem}
 MAX_STEPS, MAX_BATCH, MAX_SEED = 10_000_000, 1 << 20, 2**63 - 1  # upper bounds (typos, int64 overflow)
@@ -130,16 +147,142 @@ class SyntheticConfig:
             },
         }
 
+    def check(self) -> dict[str, Any]:
+        """:meth:`resolved`, then every method's hyperparameter values (its optimizer built on a stand-in
+        parameter) and the problem's data (the wine CSV read): everything a run would refuse, checked
+        before anything is written.  Returns the resolved settings."""
+        settings = self.resolved()
+        for method, hparams in settings["methods"].items():
+            check_hparam_values(method, hparams)
+        check_problem_data(self.problem, self.data_root)
+        return settings
+
+
+def method_hparams(method: str) -> frozenset[str] | None:
+    """The keyword arguments ``method``'s optimizer takes (None: any, it has ``**kwargs``)."""
+    parameters = inspect.signature(available()[method].__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return frozenset(parameters) - {"self", "params", "num_tasks"}
+
 
 def _check_overrides(method: str, overrides: dict[str, Any]) -> None:
     """Refuse hyperparameters ``method``'s optimizer does not take (a typo would crash mid-run)."""
-    parameters = inspect.signature(available()[method].__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+    accepted = method_hparams(method)
+    if accepted is None:
         return
-    accepted = sorted(set(parameters) - {"self", "params", "num_tasks"})
-    unknown = sorted(set(overrides) - set(accepted))
+    unknown = sorted(set(overrides) - accepted)
     if unknown:
-        raise ValueError(f"unknown hyperparameter(s) {', '.join(unknown)} for {method}; valid: {', '.join(accepted)}")
+        raise ValueError(f"unknown hyperparameter(s) {', '.join(unknown)} for {method}; valid: "
+                         f"{', '.join(sorted(accepted))}")
+
+
+NUM_TASKS = 3  # both problems have three tasks
+
+
+def check_hparam_values(method: str, hparams: dict[str, Any]) -> None:
+    """Build ``method``'s optimizer on a stand-in parameter: a bad value (``lr=abc``, a negative lam, an unknown
+    divergence, an unusable backend) is refused with one line now, not after the output directory is made."""
+    try:
+        create(method, [torch.nn.Parameter(torch.zeros(2))], NUM_TASKS, **hparams)
+    except (ValueError, TypeError) as error:
+        text = str(error).strip()
+        raise ValueError(f"{method}: {text.splitlines()[0] if text else repr(error)}") from None
+
+
+def check_problem_data(problem: str, data_root: str | None) -> None:
+    """Refuse a problem whose data is missing or unreadable (wine without --data-root, a wrong path, a
+    malformed CSV) before anything is written; linear is generated and needs nothing."""
+    if problem != "linear":
+        PROBLEMS[problem](seed=0, data_root=data_root)
+
+
+# ---------------------------------------------------------------------------- the output directory
+
+RUNS = "runs"
+# A run's files in runs/: <method>-seed<k>.csv, .json (its settings, written last) and -tail.json, and the
+# temporaries of their writes (the store's, and the ".tmp" names of older versions).
+_RUN_FILE = re.compile(r"[A-Za-z0-9_.-]+-seed[0-9]+(?:-tail)?(?:\.csv|\.json|\.tmp|\.csv\.tmp|\.json\.tmp)")
+
+
+def _entries(directory: Path) -> list[str] | None:
+    """The names in ``directory`` less the store's lock and temporaries; None when it is not there."""
+    try:
+        return [name for name in os.listdir(directory) if name != LOCK_FILE and not name.endswith(TEMP_SUFFIX)]
+    except (FileNotFoundError, NotADirectoryError):  # absent (or a file in the way: make_directory says so)
+        return None
+    except OSError as error:
+        raise UsageError(f"cannot list the output directory {directory}: {error.strerror or error}") from None
+
+
+def _holds_synthetic_output(out: Path) -> bool:
+    """Whether ``out`` holds what ``run_synthetic`` writes: a real ``runs/`` directory holding only run files
+    (empty when the first run was interrupted)."""
+    runs = out / RUNS
+    if runs.is_symlink() or not runs.is_dir():
+        return False
+    names = _entries(runs)
+    return names is not None and all(_RUN_FILE.fullmatch(name) for name in names)
+
+
+_UNSET = object()
+_META_KEYS = frozenset({"problem", "hparams", "steps", "batch_size", "seed"})
+
+
+def _run_differences(saved: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    """What differs between a finished run's saved settings and these ones, one ``KEY SAVED there, NEW now``
+    each (the hyperparameters by their own names)."""
+    def show(value: Any) -> str:
+        return "unset" if value is _UNSET else json.dumps(value, default=str)
+
+    differences = []
+    for key in ("problem", "steps", "batch_size", "seed"):
+        if saved.get(key, _UNSET) != meta[key]:
+            differences.append(f"{key} {show(saved.get(key, _UNSET))} there, {show(meta[key])} now")
+    before, now = saved.get("hparams"), meta["hparams"]
+    before = before if isinstance(before, dict) else {}
+    for key in sorted(set(before) | set(now)):
+        if before.get(key, _UNSET) != now.get(key, _UNSET):
+            differences.append(f"{key} {show(before.get(key, _UNSET))} there, {show(now.get(key, _UNSET))} now")
+    return differences
+
+
+def _run_meta(settings: dict[str, Any], method: str, seed: int) -> dict[str, Any]:
+    """The settings file of (method, seed)'s run, as it reads back from JSON (tuples become lists)."""
+    meta = {"problem": settings["problem"], "hparams": settings["methods"][method], "steps": settings["steps"],
+            "batch_size": settings["batch_size"], "seed": seed}
+    return parse_json(json_bytes(meta), "run settings")
+
+
+def check_output_directory(out_dir: str | Path, settings: dict[str, Any]) -> None:
+    """Refuse, before anything is written, an output directory that a run of ``settings`` would damage.
+
+    * A directory that is not empty and holds no ``run_synthetic`` output (no ``runs/`` of run files) is
+      someone's data: refused, never written into.
+    * A finished run (its settings file written last) of one of ``settings``' (method, seed) pairs made
+      with other settings is refused and kept, naming what differs: a rerun reuses finished work and
+      never replaces it.  An unreadable settings file is a damaged result and is redone.
+    """
+    out = Path(out_dir)
+    names = _entries(out)
+    if not names:
+        return  # new or empty: nothing to keep
+    if not _holds_synthetic_output(out):
+        shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        raise UsageError(f"the output directory {out} is not empty and holds no drmoo synthetic output ({shown}): "
+                         "refusing to write into it; pick a new or empty --out")
+    for method in settings["methods"]:
+        for seed in settings["seeds"]:
+            meta_path = out / RUNS / f"{method}-seed{seed}.json"
+            saved = _saved_meta(meta_path)
+            if not isinstance(saved, dict) or not _META_KEYS <= set(saved):
+                continue  # not finished (or a damaged settings file): the run is (re)done
+            meta = _run_meta(settings, method, seed)
+            if saved != meta:
+                raise UsageError(
+                    f"{meta_path.with_suffix('.csv')} is a finished run with other settings "
+                    f"({'; '.join(_run_differences(saved, meta))}); it is kept: use another --out (or the same "
+                    "settings to reuse it)")
 
 
 def _run_one(
@@ -220,21 +363,25 @@ def _read_records(path: Path, method: str, seed: int, steps: int) -> list[dict[s
 
 
 def run_synthetic(config: SyntheticConfig, out_dir: str | Path, progress: bool = True) -> dict[str, Any]:
-    """Run every (method, seed) of ``config``, write the outputs listed above, return the summary."""
-    settings = config.resolved()
+    """Run every (method, seed) of ``config``, write the outputs listed above, return the summary.
+
+    Everything is checked before anything is written (:meth:`SyntheticConfig.check`,
+    :func:`check_output_directory`): a refusal leaves the directory as it was, finished runs included.
+    """
+    settings = config.check()
+    check_output_directory(out_dir, settings)
     out = make_directory(out_dir)
-    make_directory(out / "runs")
+    make_directory(out / RUNS)
     all_records: list[dict[str, Any]] = []
     tails: dict[str, list[dict[str, list[float]]]] = {}  # method -> the final loss metrics of each seed's run
     problems: dict[int, Problem] = {}
     jobs = [(m, s) for m in settings["methods"] for s in settings["seeds"]]
     for method, seed in tqdm(jobs, desc="runs", disable=not progress):
         hparams = settings["methods"][method]
-        run_path = out / "runs" / f"{method}-seed{seed}.csv"
+        run_path = out / RUNS / f"{method}-seed{seed}.csv"
         meta_path = run_path.with_suffix(".json")
-        meta = {"problem": settings["problem"], "hparams": hparams, "steps": settings["steps"],
-                "batch_size": settings["batch_size"], "seed": seed}
-        tail_path = out / "runs" / f"{method}-seed{seed}-tail.json"
+        meta = _run_meta(settings, method, seed)
+        tail_path = out / RUNS / f"{method}-seed{seed}-tail.json"
         if _saved_meta(meta_path) == meta:
             records = _read_records(run_path, method, seed, settings["steps"])
             if records is not None:

@@ -198,7 +198,11 @@ class FAMO(JointBaseline):
                 "pending_distance": torch.ones(self.num_tasks, device=self.device, dtype=torch.float64)}
 
     def validate_state_dict(self, state_dict: Any) -> None:
-        """The base checks, and ``loss_floor`` with one value or one per task of this optimizer."""
+        """The base checks, and ``loss_floor`` with one value or one per task of this optimizer.
+
+        Args:
+            state_dict: what was handed to :meth:`load_state_dict`.
+        """
         super().validate_state_dict(state_dict)
         for group in state_dict["param_groups"]:
             floors = HYPERPARAMETER_CHECKS["loss_floor"]("loss_floor", group["loss_floor"])

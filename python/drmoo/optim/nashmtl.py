@@ -206,7 +206,11 @@ class NashMTL(JointBaseline):
 
     def validate_state_dict(self, state_dict: Any) -> None:
         """The base checks, and ``alpha`` as the solver writes it: >= 0 with an entry > 0 (a forged negative
-        alpha would send the reuse steps, which apply it as it is, uphill)."""
+        alpha would send the reuse steps, which apply it as it is, uphill).
+
+        Args:
+            state_dict: what was handed to :meth:`load_state_dict`.
+        """
         super().validate_state_dict(state_dict)
         alpha = state_dict["state"][STATE_KEY]["alpha"].double()
         if bool((alpha < 0).any()) or not bool((alpha > 0).any()):
