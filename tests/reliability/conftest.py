@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,3 +72,17 @@ def tiny_args(reliability_cache: str) -> Callable[..., list[str]]:
         return [*TINY_RUN, "--cache-dir", reliability_cache, *extra]
 
     return build
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper counts as dead): /proc, else ps."""
+    if Path("/proc/self/stat").exists():
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return False
+    else:
+        state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+        if not state:
+            return False
+    return not state.startswith(("Z", "X"))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import assert_one_line_refusal, run_cli
+from .conftest import assert_one_line_refusal, process_alive, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON_SOURCE = REPO / "python"
@@ -52,20 +52,6 @@ def _environment(tmp_path: Path) -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie waiting for its reaper counts as dead): /proc, else ps."""
-    if Path("/proc/self/stat").exists():
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            return False
-    else:
-        state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
-        if not state:
-            return False
-    return not state.startswith(("Z", "X"))
-
-
 def _wait_for(condition, what: str, limit_s: float = 120.0) -> None:
     """Poll ``condition`` until true; fail naming ``what`` after ``limit_s`` (a bound, not a timing)."""
     end = time.monotonic() + limit_s
@@ -95,10 +81,10 @@ def test_workers_die_when_the_comparison_is_killed(tmp_path: Path) -> None:
                   "both workers to start")
         assert parent.poll() is None, "the parent ended before its workers started"
         workers = [int(path.stem) for path in markers.glob("*.pid")]
-        assert all(_alive(pid) for pid in workers)
+        assert all(process_alive(pid) for pid in workers)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        _wait_for(lambda: not any(_alive(pid) for pid in workers), f"workers {workers} to die with their parent")
+        _wait_for(lambda: not any(process_alive(pid) for pid in workers), f"workers {workers} to die with their parent")
     finally:
         end_fake_workers(parent, markers)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import Any
 
@@ -43,8 +44,21 @@ def _add_train(sub: argparse._SubParsersAction[_Parser]) -> None:
                         "(needs the tensorboard package: pip install 'drmoo[tensorboard]'; default: none)")
 
 
+# The signals the launcher passes on to torchrun, which passes them on to its workers: SIGTERM and SIGINT
+# make each worker save its checkpoint and stop (130 / 143); SIGHUP and SIGQUIT (a closed terminal, Ctrl-\)
+# end them as they would end a single-process run.  torchrun runs in its own session (below), so it gets
+# these only from the launcher.
+FORWARDED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+                          if hasattr(signal, name))
+
+
 def _launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Re-run this very command under torchrun with ``nproc`` processes (minus --nproc)."""
+    """Re-run this very command under torchrun with ``nproc`` processes (minus --nproc).
+
+    A SIGTERM or SIGINT to the launcher stops the run as it stops a single-process one: it is passed on to
+    torchrun, the launcher waits until torchrun and its workers have saved and exited (the run directory's
+    lock is free again, --resume works at once), then exits with 128 + the signal (143 / 130).
+    """
     import os
     import subprocess
 
@@ -61,8 +75,70 @@ def _launch_torchrun(nproc: int, argv: list[str]) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "drmoo", *forwarded]
     print("launching:", " ".join(command), file=sys.stderr)
-    return subprocess.call(command, env=os.environ.copy())
 
+    received: list[int] = []  # the signals the launcher got
+    sent: list[int] = []  # the one passed on
+    child: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        # Only the first signal, as a single-process run heeds only the first: torchrun answers it by
+        # signalling its workers and waiting for them (SIGKILL after its shutdown timeout); signalled again
+        # (torch 2.x: a third time) it gives up that wait and exits while the workers are still saving,
+        # leaving them running without it.
+        if child is not None and not sent:
+            sent.append(signum)
+            _send(child, signum)
+
+    previous: dict[int, Any] = {}
+    for signum in FORWARDED_SIGNALS:
+        try:
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP) stays ignored
+                previous[signum] = signal.signal(signum, forward)
+        except ValueError:  # not the main thread: signals cannot be handled here
+            break
+    try:
+        # torchrun starts in its own session (so its own process group, as it starts each worker): a signal
+        # to the launcher's process group (Ctrl-C in a terminal, timeout -s TERM, kill -TERM -PGID) then
+        # reaches torchrun once, through the launcher, exactly as a signal to the launcher's pid alone does.
+        # In the launcher's group, torchrun would get each signal twice (from the terminal and from the
+        # launcher), and a second Ctrl-C would then abort its shutdown of the workers, as above.
+        child = subprocess.Popen(command, env=os.environ.copy(), start_new_session=True,
+                                 preexec_fn=_stop_with_parent if sys.platform.startswith("linux") else None)
+        if received and not sent:  # a signal that came before torchrun started
+            sent.append(received[0])
+            _send(child, received[0])
+        status = child.wait()
+    finally:
+        if child is not None and child.poll() is None:  # an exception in the launcher itself: no orphans
+            _send(child, signal.SIGTERM)
+            child.wait()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if not received or status == 0:  # no signal, or the run finished before the signal stopped it
+        return status
+    name = signal.Signals(received[0]).name
+    print(f"drmoo train: stopped by {name}; torchrun and its {nproc} processes have exited", file=sys.stderr)
+    return 128 + received[0]
+
+
+def _stop_with_parent() -> None:
+    """In torchrun's process, before it starts (Linux): a SIGTERM when the launcher dies, even by SIGKILL
+    (``timeout -k``, a scheduler's last resort), so that its workers save and stop instead of training on
+    with no launcher, torchrun being in a session of its own (``prctl(PR_SET_PDEATHSIG)``)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl here: the launcher's own signal handling still applies
+        pass
+
+
+def _send(child: Any, signum: int) -> None:
+    try:
+        child.send_signal(signum)
+    except ProcessLookupError:  # it has just exited
+        pass
 
 
 def _run_train(args: argparse.Namespace) -> int:
