@@ -106,3 +106,25 @@ def test_a_config_replayed_with_another_method_that_takes_its_hyperparameters_ru
                          "--quiet"], capsys)
     assert code == 0, err
     assert json.loads((out / "config.json").read_text())["method"] == "mgda"
+
+
+def test_a_finished_comparison_is_reused_when_only_the_cache_folder_moved(
+        tmp_path: Path, reliability_cache: str, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "cmp"
+    common = ["compare", "--model", "lenet", "--input-size", "28", "--train-size", "32", "--test-size", "8",
+              "--batch-size", "16", "--max-steps", "1", "--methods", "mgda", "--eps", "0", "--quiet",
+              "--out", str(out)]
+    code, err = run_cli([*common, "--cache-dir", reliability_cache], capsys)
+    assert code == 0, err
+    run = next(path for path in out.iterdir() if path.is_dir() and (path / "done").exists())
+    before = _files(run)
+    code, err = run_cli([*common, "--cache-dir", str(tmp_path / "elsewhere")], capsys)
+    assert code == 0, err  # the data cache is keyed by content: where it lives does not define the run
+    assert _files(run) == before
+
+
+def test_a_resume_may_move_the_cache_folder(trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, err = run_cli(["train", "--resume", str(trained_run), "--max-steps", "2", "--cache-dir",
+                         str(tmp_path / "elsewhere"), "--quiet"], capsys)
+    assert code == 0, err
+    assert (trained_run / "done").read_text().strip() == "2"

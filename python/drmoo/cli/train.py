@@ -209,7 +209,8 @@ def _metrics_logger(log_dir: str | None) -> Any:
 
 
 # Options of ``train`` that a resume may take without contradicting the saved run.
-_RESUME_MAY_CHANGE = {"epochs", "max_steps", "quiet", "resume", "nproc", "device", "cuda_graph", "log_dir"}
+_RESUME_MAY_CHANGE = {"epochs", "max_steps", "quiet", "resume", "nproc", "device", "cuda_graph", "log_dir",
+                      "cache_dir"}
 
 
 def _given_options(args: argparse.Namespace) -> set[str]:
@@ -247,5 +248,5 @@ def _refuse_contradictions(args: argparse.Namespace, config: Any, run_dir: Any) 
     if contradictions:
         raise UsageError(f"--resume {run_dir} continues the run as saved, but {', '.join(contradictions)} "
                          "contradict it; only --epochs/--max-steps may change, and --device, --cuda-graph, "
-                         "--log-dir and --nproc, which do not change what it computes (start a new --out for other "
-                         "settings)")
+                         "--cache-dir, --log-dir and --nproc, which do not change what it computes (start a new "
+                         "--out for other settings)")

@@ -38,7 +38,7 @@ from .multimnist import build_multimnist
 from .paired_stats import paired_differences, paired_markdown
 from .registry import Experiment, register
 from .robust_eval import robustness_tables
-from .run_config import RunConfig, config_differences, read_run_config
+from .run_config import HOW_IT_RUNS, RunConfig, config_differences, read_run_config
 from .summaries import fgsm_comparison, mean_std, mean_std_text
 from .training import DIVERGED, Build, check_fresh_directory, check_run_names, read_diverged, train
 from .variants import run_dir_name
@@ -138,11 +138,13 @@ def _ended(run_dir: Path) -> bool:
 
 
 def _finished(run_dir: Path, config: RunConfig) -> bool:
-    """``run_dir`` holds ``config``'s run, ended: trained to its length, or stopped at a non-finite step."""
+    """``run_dir`` holds ``config``'s run, ended: trained to its length, or stopped at a non-finite step (where
+    and how its steps ran aside: device, CUDA graphs, the data cache's folder)."""
     if not _ended(run_dir) or not (run_dir / "config.json").is_file():
         return False
     try:
-        return asdict(read_run_config(run_dir)) == asdict(config)
+        saved, wanted = asdict(read_run_config(run_dir)), asdict(config)
+        return all(saved[key] == wanted[key] for key in saved.keys() | wanted.keys() if key not in HOW_IT_RUNS)
     except (UsageError, FileNotFoundError):
         return False  # a damaged config.json: ensure_trained's checks below decide
 

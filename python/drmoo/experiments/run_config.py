@@ -23,7 +23,7 @@ from drmoo.store import UsageError, parse_json, read_bytes
 # above it cannot be converted to the float32 the heads' SGD steps in: refused here, not mid-run.
 FLOAT32_MAX = 3.4028234663852886e38
 
-__all__ = ["AMP_MODES", "MAX_COUNTS", "MAX_SEED", "RENAMED_KEYS", "RESUMABLE_FIELDS", "RunConfig",
+__all__ = ["AMP_MODES", "HOW_IT_RUNS", "MAX_COUNTS", "MAX_SEED", "RENAMED_KEYS", "RESUMABLE_FIELDS", "RunConfig",
            "config_differences", "read_run_config", "upgrade_config_dict"]
 
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is ~1 KB
@@ -35,7 +35,9 @@ JACOBIANS = ("auto", "loop", "batched")  # drmoo.jacobian.STRATEGIES
 COORDINATES = ("parameters", "features")  # hparams["jacobian"]: drmoo.optim._base.JACOBIANS
 # The settings a resume may change: how far the run goes, and where it runs (a GPU run may be continued
 # on a CPU; the continuation is then not bit-identical to one on the GPU).  Every other field defines the run.
-RESUMABLE_FIELDS = ("epochs", "max_steps", "device", "cuda_graph")  # cuda_graph: how a step runs, not what
+# cuda_graph: how a step runs, not what; cache_dir: where the data cache lives (keyed and checked by content).
+HOW_IT_RUNS = ("device", "cuda_graph", "cache_dir")  # what a finished run may have differed in and still be reused
+RESUMABLE_FIELDS = ("epochs", "max_steps", *HOW_IT_RUNS)
 MODELS = ("resnet18", "lenet")
 EVAL_SPLITS = ("test", "validation")
 MAX_LABEL = 200  # a run's label (a variant's text) names its directory: well below a file name's 255 bytes
