@@ -251,7 +251,8 @@ def _run_meta(settings: dict[str, Any], method: str, seed: int) -> dict[str, Any
     """The settings file of (method, seed)'s run, as it reads back from JSON (tuples become lists)."""
     meta = {"problem": settings["problem"], "hparams": settings["methods"][method], "steps": settings["steps"],
             "batch_size": settings["batch_size"], "seed": seed}
-    return parse_json(json_bytes(meta), "run settings")
+    read_back: dict[str, Any] = parse_json(json_bytes(meta), "run settings")
+    return read_back
 
 
 def check_output_directory(out_dir: str | Path, settings: dict[str, Any]) -> None:
