@@ -222,7 +222,7 @@ DRMOO_HD GramStepResult gram_step_small(int64_t m, GramAt gram_at, double* w, co
     gram_w[i] = s;
     quad += w[i] * s;
   }
-  r.d_norm = d_sqrt(quad > 0.0 ? quad : 0.0);
+  r.d_norm = d_sqrt(quad < 0.0 ? 0.0 : quad);  // a NaN stays NaN (as the reference's clamp keeps it)
   r.alpha = clip_factor(c1, c2, r.d_norm);
   for (int64_t i = 0; i < m; ++i) {
     const double pref_grad = r.alpha * gram_w[i] + mu * (z[i] * z[i]) * w[i] + rho * w[i];

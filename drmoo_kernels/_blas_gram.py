@@ -25,7 +25,12 @@ _ROWS_PER_BLOCK = 128
 
 
 def blas_gram(flat: Tensor) -> Tensor:
-    """J J^T of ``flat`` [m, n] (float32 or float64), exactly symmetric, by BLAS in row blocks."""
+    """J J^T of ``flat`` [m, n], exactly symmetric, by BLAS in row blocks: float32 (float64 for float64 J).
+
+    A float16 / bfloat16 J is widened to float32 first (one copy): a half-precision product would round every
+    entry to J's dtype and overflow float16 where the contract's float32 result is finite."""
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()
     m = flat.shape[0]
     out = torch.empty(m, m, dtype=flat.dtype, device=flat.device)
     for start in range(0, m, _ROWS_PER_BLOCK):

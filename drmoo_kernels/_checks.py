@@ -247,6 +247,11 @@ def _writable(op: str, name: str, tensor: Tensor) -> None:
             f"drmoo.{op}: {name} is written in place, but several of its elements share memory (an expanded "
             f"or stride-0 tensor, shape {_shape(tensor)}, strides {list(tensor.stride())}); pass {name}.clone()"
         )
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"drmoo.{op}: {name} is an inference tensor (made under torch.inference_mode()), which cannot be "
+            f"written in place outside inference mode; pass {name}.clone(), or call the op in inference mode"
+        )
     if tensor.requires_grad and torch.is_grad_enabled():
         leaf = "a leaf Variable that requires grad" if tensor.is_leaf else "a tensor that requires grad"
         raise RuntimeError(
@@ -337,6 +342,9 @@ def check_gram(jacobian: Any, op: str = "gram") -> tuple[int, int, torch.device]
             )
         if block.shape[0] != m:
             raise ValueError(f"drmoo.{op}: every block of J must have {m} rows, but {name} has shape {_shape(block)}")
+        if block.dtype != first.dtype:  # joined, they would be promoted: J's dtype would be none of the blocks'
+            raise TypeError(f"drmoo.{op}: the blocks of J must share one dtype, but J[0] is {first.dtype} and "
+                            f"{name} is {block.dtype}")
         n += block.numel() // m if m else 0
     if m == 0:
         raise ValueError(f"drmoo.{op}: J has no rows (m = 0 tasks)")

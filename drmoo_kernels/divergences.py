@@ -15,6 +15,7 @@ divergence by its integer ``code`` and a single float ``param`` (see ``Divergenc
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -146,7 +147,12 @@ class Divergence:
         family = _FAMILIES.get(self.name)
         if family is None:
             raise ValueError(f"unknown divergence {self.name!r}; valid choices: {_VALID}")
-        if family.param_name is not None and not family.param_ok(float(self.param)):
+        # The parameter is kept as the float it was checked as: text such as "0.2" would pass float() here and
+        # then reach the kernels and str() as text.
+        if isinstance(self.param, bool) or not isinstance(self.param, numbers.Real):
+            raise ValueError(f"the parameter of divergence {self.name!r} must be a number, got {self.param!r}")
+        object.__setattr__(self, "param", float(self.param))
+        if family.param_name is not None and not family.param_ok(self.param):
             raise ValueError(
                 f"invalid {family.param_name}={self.param!r} for divergence {self.name!r}: "
                 f"need {family.param_rule}"
@@ -186,7 +192,8 @@ class Divergence:
         return self.name if family.param_name is None else f"{self.name}({self.param:g})"
 
 
-_CALL_SYNTAX = re.compile(r"^\s*([a-z_0-9]+)\s*(?:\(\s*(?:[a-z_]+\s*=\s*)?([^)]*?)\s*\))?\s*$")
+# name, or name(value), or name(keyword=value): groups name, keyword (None when absent), value ("" when empty).
+_CALL_SYNTAX = re.compile(r"^\s*([a-z_0-9]+)\s*(?:\(\s*(?:([a-z_]+)\s*=\s*)?([^)]*?)\s*\))?\s*$")
 
 
 def get_divergence(spec: str | Divergence, param: float | None = None) -> Divergence:
@@ -209,19 +216,28 @@ def get_divergence(spec: str | Divergence, param: float | None = None) -> Diverg
     match = _CALL_SYNTAX.match(spec.lower())
     if match is None:
         raise ValueError(f"cannot parse divergence {spec!r}; valid choices: {_VALID}")
-    name, text_param = match.group(1), match.group(2)
+    name, keyword, text_param = match.group(1), match.group(2), match.group(3)
     family = _FAMILIES.get(name)
     if family is None:
         raise ValueError(f"unknown divergence {spec!r}; valid choices: {_VALID}")
+    if family.param_name is None:
+        if keyword is not None or text_param or param is not None:
+            raise ValueError(f"divergence {name!r} takes no parameter, got {spec!r}"
+                             + ("" if param is None else f" with param={param!r}"))
+        return Divergence(name)
+    if keyword is not None and keyword != family.param_name:
+        raise ValueError(f"divergence {name!r} takes {family.param_name}, not {keyword}: got {spec!r}")
+    if keyword is not None and not text_param:
+        raise ValueError(f"divergence {spec!r} gives {keyword}= no value")
     if param is None and text_param:
-        if family.param_name is None:
-            raise ValueError(f"divergence {name!r} takes no parameter, got {spec!r}")
         try:
             param = float(text_param)
         except ValueError:
             raise ValueError(f"cannot parse the parameter of divergence {spec!r}") from None
     if param is None:
         param = family.default_param
+    if isinstance(param, bool) or not isinstance(param, numbers.Real):
+        raise ValueError(f"the parameter of divergence {name!r} must be a number, got {param!r}")
     return Divergence(name, float(param))
 
 

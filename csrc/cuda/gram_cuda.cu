@@ -472,7 +472,7 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   if (finite) {
     double quad = 0.0;
     for (int64_t i = 0; i < m; ++i) quad += w_work[i] * gram_w[i];
-    d_norm = d_sqrt(quad > 0.0 ? quad : 0.0);
+    d_norm = d_sqrt(quad < 0.0 ? 0.0 : quad);  // a NaN stays NaN (as the reference's clamp keeps it)
     alpha = clip_factor(step.c1, step.c2, d_norm);
     const double mu = load_value(step.mu, 0);
     for (int64_t i = 0; i < m; ++i) {

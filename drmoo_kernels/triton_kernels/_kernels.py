@@ -48,23 +48,23 @@ def _expm1(u):
 
 @triton.jit
 def _positive_pow(base, exponent):
-    """base ** exponent for base >= 0 and exponent > 0 (0 maps to 0 without evaluating log 0)."""
+    """base ** exponent for base >= 0 and exponent > 0 (0 maps to 0 without evaluating log 0; NaN stays NaN)."""
     positive = base > 0.0
     safe = tl.where(positive, base, 1.0)
-    return tl.where(positive, tl.exp2(exponent * tl.log2(safe)), 0.0)
+    return tl.where(positive, tl.exp2(exponent * tl.log2(safe)), tl.where(base == base, 0.0, base))
 
 
 @triton.jit
 def _conj_grad(u, CODE: tl.constexpr, P0, P1, P2, P3):
     """f*'(u) >= 0.  cvar: P2 = log(alpha/(1-alpha)), P3 = 1/alpha.  cressie: P0 = k-1, P1 = 1/(k-1)."""
     if CODE == 0:
-        grad = 0.5 * tl.maximum(u + 2.0, 0.0)
+        grad = 0.5 * tl.maximum(u + 2.0, 0.0, propagate_nan=tl.PropagateNan.ALL)
     elif CODE == 1:
         grad = tl.exp(u)
     elif CODE == 2:
         grad = tl.sigmoid(u + P2) * P3
     else:
-        grad = _positive_pow(tl.maximum(P0 * u + 1.0, 0.0), P1)
+        grad = _positive_pow(tl.maximum(P0 * u + 1.0, 0.0, propagate_nan=tl.PropagateNan.ALL), P1)
     return grad
 
 
@@ -72,7 +72,7 @@ def _conj_grad(u, CODE: tl.constexpr, P0, P1, P2, P3):
 def _conj_and_grad(u, CODE: tl.constexpr, P0, P1, P2, P3):
     """(f*(u), f*'(u)).  cvar: P0 = log(1-alpha), P1 = log(alpha); cressie: P2 = 1/k."""
     if CODE == 0:
-        plus = tl.maximum(u + 2.0, 0.0)
+        plus = tl.maximum(u + 2.0, 0.0, propagate_nan=tl.PropagateNan.ALL)
         conj = 0.25 * plus * plus - 1.0
         grad = 0.5 * plus
     elif CODE == 1:
@@ -81,12 +81,12 @@ def _conj_and_grad(u, CODE: tl.constexpr, P0, P1, P2, P3):
     elif CODE == 2:
         # log((1 - alpha) + alpha e^u) as a log-sum-exp of log(1-alpha) and log(alpha) + u.
         b = u + P1
-        hi = tl.maximum(b, P0)
-        lo = tl.minimum(b, P0)
+        hi = tl.maximum(b, P0, propagate_nan=tl.PropagateNan.ALL)
+        lo = tl.minimum(b, P0, propagate_nan=tl.PropagateNan.ALL)
         conj = (hi + _log1p_unit(tl.exp(lo - hi))) * P3
         grad = tl.sigmoid(u + P2) * P3
     else:
-        base = tl.maximum(P0 * u + 1.0, 0.0)
+        base = tl.maximum(P0 * u + 1.0, 0.0, propagate_nan=tl.PropagateNan.ALL)
         grad = _positive_pow(base, P1)
         # base^(k/(k-1)) = base * base^(1/(k-1)): one power serves both values.
         conj = (base * grad - 1.0) * P2
@@ -393,7 +393,7 @@ def gram_finalize_kernel(
     tl.store(w_prev_ptr + rows, w_in.to(tl.float32), mask=ok_r)
     w = w_in.to(tl.float64)
     gw = tl.sum(safe * w[None, :], axis=1)
-    d = tl.sqrt(tl.maximum(tl.sum(w * gw, axis=0), 0.0))
+    d = tl.sqrt(tl.maximum(tl.sum(w * gw, axis=0), 0.0, propagate_nan=tl.PropagateNan.ALL))
     c1 = _split_double(c1_hi, c1_lo)
     c2 = _split_double(c2_hi, c2_lo)
     clip = tl.where(d > 0.0, tl.minimum(c2 / tl.where(d > 0.0, d, 1.0), c1), c1)
@@ -414,7 +414,7 @@ def gram_finalize_kernel(
     size = tl.max(tl.where(support, counts, 0.0), axis=0)
     total = tl.max(tl.where(support & (counts == size), sums, -1.0e300), axis=0)
     size = tl.maximum(size, 1.0)
-    projected = tl.maximum(u - (total - 1.0) / size, 0.0)
+    projected = tl.maximum(u - (total - 1.0) / size, 0.0, propagate_nan=tl.PropagateNan.ALL)
     w_next = tl.where(finite, projected, w)
     if w_ptr.dtype.element_ty == tl.float64:
         tl.store(w_ptr + rows, w_next, mask=ok_r)

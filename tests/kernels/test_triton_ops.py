@@ -311,3 +311,27 @@ def test_import_does_not_import_triton_and_reports_why() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES, ids=str)
+def test_a_nan_loss_stays_nan_as_in_the_reference(divergence: Divergence) -> None:
+    """A NaN loss makes its task's objective, z and weight NaN in the reference; Triton's maximum drops a NaN
+    operand unless told to propagate it, which turned a NaN loss into finite values (and a finite eta step)."""
+    losses = torch.tensor([[float("nan"), 1.0], [0.5, 0.2]], device=DEVICE)
+    eta, w = torch.zeros(2, device=DEVICE), torch.full((2,), 0.5, device=DEVICE)
+    expected, got = reference.dual_forward(losses.cpu(), eta.cpu(), 0.8, 1.0, divergence), \
+        tb.dual_forward(losses, eta, 0.8, 1.0, divergence)
+    for want, have in zip(expected, got):
+        assert torch.equal(torch.isnan(want), torch.isnan(have.cpu())), (want, have)
+    eta_ref, eta_got = eta.cpu().clone(), eta.clone()
+    reference.dual_step(losses.cpu(), eta_ref, w.cpu(), 0.8, 1.0, divergence, 0.5, 1.0, 0.5)
+    tb.dual_step(losses, eta_got, w, 0.8, 1.0, divergence, 0.5, 1.0, 0.5)
+    assert torch.equal(torch.isnan(eta_ref), torch.isnan(eta_got.cpu())) and bool(torch.isnan(eta_got[0]))
+
+
+def test_gram_step_with_a_nan_weight_reports_a_nan_norm() -> None:
+    """A NaN in w: the reference's d_norm is NaN; max(quad, 0) read it as 0, a converged run's norm."""
+    jacobian, params = torch.ones(2, 3, device=DEVICE), [torch.zeros(3, device=DEVICE)]
+    w = torch.tensor([float("nan"), 0.5], device=DEVICE)
+    _, d_norm, _ = tb.gram_step(jacobian, w, params, 0.1, 1.0, 1.0, 0.1, 0.0, 0.0, torch.ones(2, device=DEVICE))
+    assert bool(torch.isnan(d_norm.cpu()).all())
