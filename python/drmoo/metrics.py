@@ -1,7 +1,9 @@
 """Binary classification metrics per task (paper Table 2): accuracy, balanced accuracy, ROC AUC.
 
 Inputs are per-task columns: labels ``[N, m]`` in {0, 1}, hard predictions ``[N, m]`` in {0, 1} and
-scores ``[N, m]`` (any monotone score of the positive class, e.g. its softmax probability).
+scores ``[N, m]`` (any monotone score of the positive class: drmoo's evaluations use the logit margin
+z_1 - z_0, which ranks as the softmax probability does and stays ordered where that probability is NaN or
+rounds to 0 or 1; ±inf scores rank as the extremes).
 
 One-class rules (a small or skewed split can miss a class for a rare attribute such as Bald):
 
@@ -11,6 +13,9 @@ One-class rules (a small or skewed split can miss a class for a rare attribute s
 * ROC AUC is undefined without both classes: the task's AUC is NaN, the averaged AUC is the mean
   over the tasks where it is defined (NaN if there is none), and :func:`task_metrics` lists the
   tasks it left out under ``auc_undefined_tasks``.
+
+A NaN score (a margin of two equal infinite logits, a NaN logit) has no rank: the task's AUC is NaN
+too, handled as above (never a NaN ranked above or below the real scores).
 """
 
 from __future__ import annotations
@@ -55,17 +60,19 @@ def balanced_accuracy(labels: Tensor, predictions: Tensor) -> float:
 
 
 def roc_auc(labels: Tensor, scores: Tensor) -> float:
-    """Area under the ROC curve, NaN when ``labels`` hold a single class.
+    """Area under the ROC curve, NaN when ``labels`` hold a single class or any score is NaN.
 
     Rank form (Mann-Whitney U): AUC = (sum of the positives' ranks - P(P+1)/2) / (P N), with tied
     scores sharing their average rank, so a tie between a positive and a negative counts 1/2.
+    ±inf scores rank first / last (equal infinities tie); a NaN score has no place in the ranking, so
+    the AUC is undefined (NaN), not the AUC of the NaN placed above every real score.
     """
     _check_pair(labels, scores, "scores")
     positives = int(labels.sum())
     negatives = labels.numel() - positives
-    if positives == 0 or negatives == 0:
-        return math.nan
     scores = scores.double()
+    if positives == 0 or negatives == 0 or bool(torch.isnan(scores).any()):
+        return math.nan
     order = torch.argsort(scores)
     ordered = scores[order]
     # average rank (1-based) of each run of equal scores
@@ -87,8 +94,8 @@ def task_metrics(labels: Tensor, predictions: Tensor, scores: Tensor, names: lis
                  ) -> dict[str, Any]:
     """Per-task and task-averaged accuracy, balanced accuracy and AUC (fractions in [0, 1]).
 
-    ``auc_undefined_tasks`` names the tasks whose test labels hold one class (their AUC is NaN and
-    left out of ``mean_auc``).
+    ``auc_undefined_tasks`` names the tasks whose test labels hold one class or whose scores hold a NaN
+    (their AUC is NaN and left out of ``mean_auc``).
     """
     if labels.dim() != 2 or labels.shape != predictions.shape or labels.shape != scores.shape:
         raise ValueError(f"labels, predictions and scores must share one [N, m] shape, got "

@@ -125,9 +125,12 @@ def build_celeba(config: RunConfig) -> tuple[MultiTaskModel, CelebA]:
 
 
 def predictions_and_scores(logits: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Hard predictions (argmax) and positive-class probabilities ``[N, m]`` of every two-class task's logits."""
+    """Hard predictions (argmax) and positive-class scores ``[N, m]`` of every two-class task's logits: the
+    margin z_1 - z_0 (float64), which ranks the samples as the positive-class probability sigmoid(z_1 - z_0)
+    does, also where that probability is NaN (a +inf logit) or rounds to 0 or 1 (NaN only where both logits
+    are the same infinity or one is NaN; :func:`drmoo.metrics.roc_auc` then gives NaN)."""
     predictions = torch.stack([z.argmax(1) for z in logits], dim=1)
-    scores = torch.stack([z.float().softmax(1)[:, 1] for z in logits], dim=1)
+    scores = torch.stack([z.double()[:, 1] - z.double()[:, 0] for z in logits], dim=1)
     return predictions, scores
 
 

@@ -119,13 +119,15 @@ def build_mnist_attributes(config: RunConfig) -> tuple[MultiTaskModel, MnistAttr
 @torch.no_grad()
 def predict(model: nn.Module, images: Tensor, to_input: Any, batch_size: int, device: torch.device
             ) -> tuple[Tensor, Tensor]:
-    """Hard predictions (argmax) and positive-class probabilities ``[N, m]``."""
+    """Hard predictions (argmax) and positive-class scores (the margin z_1 - z_0,
+    :func:`drmoo.experiments.celeba.predictions_and_scores`) ``[N, m]``."""
     model.eval()
     predictions, scores = [], []
     for start in range(0, images.shape[0], batch_size):
         logits = model(to_input(images[start : start + batch_size]).to(device))
-        predictions.append(torch.stack([z.argmax(1) for z in logits], dim=1).cpu())
-        scores.append(torch.stack([z.float().softmax(1)[:, 1] for z in logits], dim=1).cpu())
+        batch_predictions, batch_scores = celeba.predictions_and_scores([z.cpu() for z in logits])
+        predictions.append(batch_predictions)
+        scores.append(batch_scores)
     return torch.cat(predictions), torch.cat(scores)
 
 

@@ -114,9 +114,10 @@ class Required:
     schema: Any
 
 
-NUMBER = (int, float)
+NUMBER = (int, float)  # an integer too large for a float is refused (it cannot be formatted as a number)
 SCALAR = (str, int, float, bool)
 ANY_JSON = (str, int, float, bool, list, dict)
+NUMBER_OR_NULL = (int, float, type(None))  # a metric: null is an undefined one (NaN)
 
 SCHEMAS: dict[str, Any] = {
     "config.json": {"experiment": Required(str), "method": Required(str), "seed": Required(int),
@@ -141,6 +142,76 @@ SCHEMAS: dict[str, Any] = {
 }
 
 
+# eval.json's robustness block (drmoo.experiments.robust_eval), what robustness_tables reads of it.  Checked
+# only when the file is shown (it describes the checkpoint there now): a stale file from an older drmoo is
+# listed as not shown, whatever its robustness block holds.
+METRICS_BLOCK = {"per_task": Required(MapOf([NUMBER_OR_NULL])), "mean": Required(MapOf(NUMBER))}
+SHOWN_EVAL: dict[str, Any] = {
+    "results": Required([{"metrics": METRICS_BLOCK, "metrics_temperature_scaled": METRICS_BLOCK}]),
+    "robustness": {
+        "run_ball": Required({"divergence": Required(str), "lam": Required(NUMBER)}),
+        "clean": Required(METRICS_BLOCK),
+        "temperature_scaled": Required(METRICS_BLOCK),
+        "label_shift": Required({"family": Required(str), "points": Required([{
+            "positive_rate_strength": NUMBER, "digit_factor": NUMBER, **METRICS_BLOCK}])}),
+        "temperature_label_shift": {"points": Required([METRICS_BLOCK])},
+        "noise": Required({"points": Required([{"sigma": Required(NUMBER), "temperature_scaled": METRICS_BLOCK,
+                                                **METRICS_BLOCK}])}),
+    },
+}
+
+
+def _check_shown_eval(report: dict[str, Any], name: str = "eval.json") -> None:
+    """Raise :class:`Malformed` naming the key unless the tables of ``report`` (an eval.json that fits its
+    schema) can be printed as they should: :data:`SHOWN_EVAL`'s types, and every per-task row as long as
+    the run has tasks (``results[0].task_acc``), so that no value lands in another task's column."""
+    from .robust_eval import METRICS, WEIGHTED_METRICS
+
+    _validate(report, SHOWN_EVAL, name)
+    tasks = len(report["results"][0]["task_acc"])
+
+    def check_block(block: Any, where: str) -> None:
+        if not isinstance(block, dict):
+            return
+        for key, values in block["per_task"].items():
+            if values is not None and len(values) != tasks:
+                raise Malformed(f"{where}.per_task.{key} has {len(values)} values, not one per task ({tasks}: "
+                                f"{name}.results[0].task_acc)")
+
+    for index, row in enumerate(report["results"]):
+        if len(row["task_acc"]) != tasks:
+            raise Malformed(f"{name}.results[{index}].task_acc has {len(row['task_acc'])} values, "
+                            f"{name}.results[0].task_acc {tasks}")
+        for key in ("metrics", "metrics_temperature_scaled"):
+            check_block(row.get(key), f"{name}.results[{index}].{key}")
+    block = report.get("robustness")
+    if not isinstance(block, dict):
+        return
+    where = f"{name}.robustness"
+    clean = block["clean"]
+    for key in (*METRICS, *WEIGHTED_METRICS):  # the per-task table: a row for every metric the mean has
+        if (key in clean["mean"] or key == "accuracy") and clean["per_task"].get(key) is None:
+            raise Malformed(f"{where}.clean.per_task has no {key!r}")
+    check_block(clean, f"{where}.clean")
+    check_block(block["temperature_scaled"], f"{where}.temperature_scaled")
+    shift = block["label_shift"]["points"]
+    for index, point in enumerate(shift):
+        if point.get("positive_rate_strength") is None and point.get("digit_factor") is None:
+            raise Malformed(f"{where}.label_shift.points[{index}] has neither 'positive_rate_strength' "
+                            "nor 'digit_factor'")
+        check_block(point, f"{where}.label_shift.points[{index}]")
+    scaled_shift = block.get("temperature_label_shift")
+    if isinstance(scaled_shift, dict):
+        if len(scaled_shift["points"]) != len(shift):
+            raise Malformed(f"{where}.temperature_label_shift.points has {len(scaled_shift['points'])} points, "
+                            f"{where}.label_shift.points {len(shift)}")
+        for index, point in enumerate(scaled_shift["points"]):
+            check_block(point, f"{where}.temperature_label_shift.points[{index}]")
+    for index, point in enumerate(block["noise"]["points"]):
+        check_block(point, f"{where}.noise.points[{index}]")
+        check_block(point.get("temperature_scaled"), f"{where}.noise.points[{index}].temperature_scaled")
+
+
 def _type_name(schema: Any) -> str:
     if isinstance(schema, Required):
         return _type_name(schema.schema)
@@ -149,7 +220,8 @@ def _type_name(schema: Any) -> str:
     if isinstance(schema, list):
         return f"a list of {_type_name(schema[0])}s"
     types = schema if isinstance(schema, tuple) else (schema,)
-    names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "list", dict: "object"}
+    names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "list", dict: "object",
+             type(None): "null"}
     return " or ".join(dict.fromkeys(names.get(t, t.__name__) if isinstance(t, type) else _type_name(t)
                                      for t in types))
 
@@ -192,6 +264,11 @@ def _validate(value: Any, schema: Any, where: str) -> None:
     types = schema if isinstance(schema, tuple) else (schema,)
     if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         raise Malformed(f"{where} is not {_type_name(schema)}")
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        try:  # a number is formatted as a float: an integer beyond the float range is no number to show
+            float(value)
+        except OverflowError:
+            raise Malformed(f"{where} is an integer too large for a number (beyond ±1.8e308)") from None
 
 
 def _load(path: Path, schema_name: str) -> dict[str, Any]:
@@ -577,6 +654,7 @@ def _training_run(directory: Path) -> list[Section]:
         if result_matches_checkpoint(directory, report):
             from .robustness import eval_table
 
+            _check_shown_eval(report)
             tables.append(eval_table(report))
         else:  # computed from other weights (the run was resumed since), or by an older drmoo: never shown
             provenance["eval.json"] = ("not shown: it was not computed from the checkpoint this run holds now "
@@ -617,7 +695,7 @@ def _recognise(directory: Path) -> list[Section]:
     """Every recogniser's sections of ``directory``; :class:`Malformed` / UsageError / OSError when a file is bad."""
     try:
         return [section for recognise in RECOGNISERS for section in recognise(directory)]
-    except (KeyError, TypeError, IndexError, AttributeError) as error:  # a shape the schemas let through
+    except (KeyError, TypeError, IndexError, AttributeError, OverflowError) as error:  # a shape the schemas let through
         raise Malformed(f"a result file of an unexpected shape ({type(error).__name__}: {error})") from None
 
 

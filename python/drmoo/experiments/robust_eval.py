@@ -141,13 +141,18 @@ class Scored:
     labels: Tensor
     losses: Tensor  # cross-entropy, nats
     confidence: Tensor  # the top label's probability
-    predictions: Tensor  # the top label
+    predictions: Tensor  # the top label: argmax of the logits (-1 for every sample of a task whose logits are all NaN)
 
     @classmethod
     def of(cls, logits: Tensor, labels: Tensor) -> Scored:
         z = logits.detach().to("cpu", torch.float64)
         y = labels.detach().to("cpu", torch.long)
-        confidence, predictions = torch.softmax(z, 1).max(1)
+        # The top label is read from the logits, as eval.json's task_acc is: the softmax of a row holding +inf
+        # is NaN (inf - inf), and its max would name the first NaN, not the infinite logit's class.
+        predictions = z.argmax(1)
+        if z.numel() and bool(torch.isnan(z).all()):  # no logit at all (e.g. an unfitted temperature): no top label
+            predictions = torch.full_like(predictions, -1)
+        confidence = torch.softmax(z, 1).gather(1, predictions.clamp(min=0)[:, None]).squeeze(1)
         return cls(y, F.cross_entropy(z, y, reduction="none"), confidence, predictions)
 
     def take(self, rows: Tensor) -> Scored:
@@ -162,10 +167,11 @@ def scored_metrics(scored: Scored, ball: tuple[str, float], weights: Tensor | No
     correct = predictions == y
     tail = loss_metrics(losses, ball, weights)
     finite = _finite(losses) and _finite(scored.confidence)
+    labelled = not bool((predictions < 0).all())  # False: logits all NaN, no top label (Scored.of)
     values = {
-        "accuracy": float(correct.double().mean()),
-        "balanced_accuracy": dr_metrics.balanced_accuracy(y, predictions),
-        "worst_class_accuracy": dr_metrics.worst_class_accuracy(y, predictions),
+        "accuracy": float(correct.double().mean()) if labelled else math.nan,
+        "balanced_accuracy": dr_metrics.balanced_accuracy(y, predictions) if labelled else math.nan,
+        "worst_class_accuracy": dr_metrics.worst_class_accuracy(y, predictions) if labelled else math.nan,
         **{key: tail.pop(key) for key in LOSS_METRICS},
         "ece": dr_metrics.expected_calibration_error(scored.confidence, correct) if finite else math.nan,
         "misclassified_loss": dr_metrics.misclassified_loss(losses, correct) if finite else math.nan,
@@ -252,8 +258,9 @@ def block_means(per_task: dict[str, list[float]]) -> dict[str, float]:
 @dataclass(frozen=True)
 class FittedTemperatures:
     """Each task's cross-fitted temperatures (:func:`fit_temperatures`): per sample, the one fitted on the
-    other half of the evaluated split (None for a task whose logits overflowed: nothing to fit), the two
-    folds' fits and the whole split's fit."""
+    other half of the evaluated split (None for a task with no likelihood to fit: a +inf or NaN logit, or
+    -inf on a sample's own label; see :func:`drmoo.experiments.temperature.fittable`), the two folds' fits
+    and the whole split's fit."""
 
     per_sample: list[Tensor | None]
     fits: list[list[Any]]
@@ -261,25 +268,30 @@ class FittedTemperatures:
 
     def apply(self, logits: Sequence[Tensor]) -> list[Tensor]:
         """``logits`` (the evaluated split's samples, in order: clean, noisy or attacked) divided by each
-        sample's temperature, in float64; a task without a fit is left as it is."""
+        sample's temperature, in float64.  A task without a fit has no scaled logits: they are all NaN, so
+        that every metric of them is NaN (null in eval.json; the accuracies too, see :class:`Scored`), never
+        the unscaled numbers under a temperature-scaled label."""
         from .temperature import scaled
 
-        return [z.double() if temperatures is None else scaled(z, temperatures)
-                for z, temperatures in zip(logits, self.per_sample, strict=True)]
+        return [torch.full(z.shape, math.nan, dtype=torch.float64) if temperatures is None
+                else scaled(z, temperatures) for z, temperatures in zip(logits, self.per_sample, strict=True)]
 
 
 def fit_temperatures(logits: Sequence[Tensor], labels: Tensor) -> FittedTemperatures:
     """Each task's temperature, cross-fitted on the evaluated split's clean logits (two folds: no sample is
     scaled by a temperature fitted on it; :func:`drmoo.experiments.temperature.cross_fitted_temperatures`).
-    Needs at least 2 samples."""
-    from .temperature import Fit, cross_fitted_temperatures, fit_temperature
+    Needs at least 2 samples.  A -inf logit in a class other than the sample's label is fitted (that class
+    has probability 0 at every temperature); a task with a +inf or NaN logit, or a -inf on a label, has an
+    infinite or undefined likelihood at every temperature: it gets no fit (NaN) and every scaled number of it
+    is NaN (:meth:`FittedTemperatures.apply`)."""
+    from .temperature import Fit, cross_fitted_temperatures, fit_temperature, fittable
 
     per_sample: list[Tensor | None] = []
     fits: list[list[Any]] = []
     whole: list[float] = []
     with single_thread():
         for i, z in enumerate(logits):
-            if not _finite(z):  # overflowed logits: no likelihood to fit, every scaled number undefined
+            if not fittable(z, labels[:, i]):  # overflowed logits: no likelihood to fit, every scaled number undefined
                 per_sample.append(None)
                 fits.append([Fit(math.nan, False), Fit(math.nan, False)])
                 whole.append(math.nan)

@@ -4,7 +4,9 @@ The scaled logits are ``z / T``.  In ``beta = 1 / T`` the NLL ``mean_j[logsumexp
 is convex (its second derivative is the variance of z under softmax(beta z)), so its derivative
 ``mean_j[E_softmax(beta z_j)[z_j] - z_j[y_j]]`` is non-decreasing and :func:`fit_temperature` finds its
 root by safeguarded Newton steps, to a few units in the last place.  T is kept within
-[:data:`T_MIN`, :data:`T_MAX`]; a fit that ends at a bound says so.
+[:data:`T_MIN`, :data:`T_MAX`]; a fit that ends at a bound says so.  A -inf logit in a class other than
+the sample's label is allowed (that class has probability 0 at every T and drops out); a NaN or +inf
+logit, or -inf on the label, makes the NLL infinite or undefined at every T: no fit (:func:`fittable`).
 
 A temperature changes no top label (argmax(z / T) = argmax(z) for T > 0) and no ranking of a
 two-class score (softmax(z / T)[1] = sigmoid((z_1 - z_0) / T) is increasing in z_1 - z_0): accuracy,
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["FOLD_SEED", "T_MAX", "T_MIN", "Fit", "cross_fitted_temperatures", "fit_temperature", "nll"]
+__all__ = ["FOLD_SEED", "T_MAX", "T_MIN", "Fit", "cross_fitted_temperatures", "fit_temperature", "fittable", "nll"]
 
 T_MIN, T_MAX = 1e-2, 1e2
 FOLD_SEED = 0
@@ -46,10 +48,26 @@ def _checked(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     if logits.dim() != 2 or labels.dim() != 1 or logits.shape[0] != labels.shape[0] or labels.numel() == 0:
         raise ValueError(f"logits must be [N, C] and labels [N] with N >= 1, got {tuple(logits.shape)} and "
                          f"{tuple(labels.shape)}")
-    z = logits.detach().to("cpu", torch.float64)
-    if not bool(torch.isfinite(z).all()):
-        raise ValueError("logits contain NaN or Inf")
-    return z, labels.detach().to("cpu", torch.long)
+    z, y = logits.detach().to("cpu", torch.float64), labels.detach().to("cpu", torch.long)
+    if not _fittable(z, y):
+        raise ValueError("logits contain NaN or +Inf, or -Inf on a sample's label: the likelihood is infinite or "
+                         "undefined at every temperature")
+    return z, y
+
+
+def _fittable(z: Tensor, y: Tensor) -> bool:
+    if bool(torch.isnan(z).any()) or bool(torch.isposinf(z).any()):
+        return False
+    if z.dim() != 2 or y.shape != z.shape[:1] or not bool(((y >= 0) & (y < z.shape[1])).all()):
+        return True  # not this check's business: the shape checks and cross_entropy name what is wrong
+    return bool(torch.isfinite(z.gather(1, y[:, None])).all())
+
+
+def fittable(logits: Tensor, labels: Tensor) -> bool:
+    """Whether the NLL of ``labels`` under softmax(logits / T) is finite for every T > 0, so that a temperature
+    can be fitted: no logit NaN or +inf and no sample's own label at -inf.  A -inf logit in another class is
+    fine: that class has probability 0 at every T and drops out of the likelihood."""
+    return _fittable(logits.detach().to("cpu", torch.float64), labels.detach().to("cpu", torch.long))
 
 
 def nll(logits: Tensor, labels: Tensor, temperature: float) -> float:
@@ -61,6 +79,7 @@ def nll(logits: Tensor, labels: Tensor, temperature: float) -> float:
 def _slope_and_curvature(z: Tensor, y: Tensor, beta: float) -> tuple[float, float]:
     """The NLL's first and second derivatives in beta: mean E_q[z] - z_y and mean Var_q[z], q = softmax(beta z)."""
     q = torch.softmax(beta * z, 1)
+    z = torch.where(torch.isneginf(z), 0.0, z)  # a -inf class has q = 0 and adds nothing (0 * -inf would be NaN)
     expected = (q * z).sum(1)
     variance = (q * (z - expected[:, None]) ** 2).sum(1)
     return float((expected - z.gather(1, y[:, None]).squeeze(1)).mean()), float(variance.mean())
