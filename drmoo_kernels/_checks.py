@@ -240,6 +240,22 @@ def _scalar(op: str, name: str, value: Any, device: torch.device, *, allow_zero:
         check_positive(f"drmoo.{op}: {name}", value.detach().reshape(()), allow_zero=allow_zero)
 
 
+def refuse_autograd(backend: str, op: str, inputs: Sequence[tuple[str, Any]]) -> None:
+    """A compiled backend's op has no autograd formula: in grad mode, an input that requires grad is refused
+    (its outputs would carry no gradient back to it, silently).  ``inputs``: (name, tensor or list of tensors)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, value in inputs:
+        for index, tensor in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(tensor, Tensor) and tensor.requires_grad:
+                shown = name if not isinstance(value, (list, tuple)) else f"{name}[{index}]"
+                raise RuntimeError(
+                    f"drmoo_kernels.backends.{backend}.{op}: {shown} requires grad, but the compiled ops have no "
+                    "autograd formula, so no gradient would reach it: call the op under torch.no_grad() (or on "
+                    f"{shown}.detach()), or use drmoo_kernels.reference, which autograd differentiates"
+                )
+
+
 def _writable(op: str, name: str, tensor: Tensor) -> None:
     """``tensor`` may be written in place: its elements do not overlap, and autograd allows it."""
     if torch._debug_has_internal_overlap(tensor) == 1:  # 1: overlaps for sure (stride 0, as expand gives)

@@ -418,7 +418,10 @@ def _op(name: str) -> torch._ops.OpOverload:
 
 
 def _require(device_type: str, op: str, names: tuple[str, ...], *tensors: Tensor | None) -> None:
-    """Raise unless the backend is available and every given tensor is on ``device_type``."""
+    """Raise unless the backend is available and every given tensor is on ``device_type`` (and, in grad mode,
+    none requires grad: the compiled ops have no autograd formula)."""
+    if torch.is_grad_enabled():
+        _checks.refuse_autograd("cpp" if device_type == "cpu" else "cuda", op, list(zip(names, tensors)))
     if availability(device_type) is None:
         for tensor in tensors:
             if tensor is not None and (not isinstance(tensor, Tensor) or tensor.device.type != device_type):

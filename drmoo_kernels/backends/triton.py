@@ -281,6 +281,8 @@ def dual_forward(
     sample_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-task dual objective, its eta-gradient z and the per-sample loss cotangents (float32)."""
+    _checks.refuse_autograd("triton", "dual_forward",
+                            [("losses", losses), ("eta", eta), ("sample_weight", sample_weight)])
     divergence = _checks.check_dual_forward(losses, eta, lam, scale, divergence, sample_weight)
     if _float64(losses):
         return reference.dual_forward(losses, eta, lam, scale, divergence, sample_weight)
@@ -315,6 +317,7 @@ def dual_step(
     sample_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Alg. 2 steps 1-3: z at eta_t, mu, eta_{t+1} (in place), weights at eta_{t+1}; one launch."""
+    _checks.refuse_autograd("triton", "dual_step", [("losses", losses), ("w", w), ("sample_weight", sample_weight)])
     divergence = _checks.check_dual_step(losses, eta, w, lam, scale, divergence, gamma, f1, f2, sample_weight)
     batch, tasks = losses.shape
     if _float64(losses):
@@ -562,6 +565,7 @@ def _gram_blocks(blocks: list[Tensor]) -> Tensor:
 
 def gram(jacobian: JacobianBlocks) -> Tensor:
     """J J^T in float32, summed over the column blocks (split reduction over the columns), one launch."""
+    _checks.refuse_autograd("triton", "gram", [("J", jacobian)])
     _checks.check_gram(jacobian)
     blocks = _blocks(jacobian)
     if _float64(*blocks):
@@ -640,6 +644,7 @@ def _combine_blocks(
 
 def combine(jacobian: JacobianBlocks, w: Tensor, params: Sequence[Tensor], lr: float | Tensor) -> None:
     """params -= lr * J^T w in one launch for any number of parameters (float32 math, rounded on store)."""
+    _checks.refuse_autograd("triton", "combine", [("J", jacobian), ("w", w)])
     _checks.check_combine(jacobian, w, params, lr)
     blocks = _blocks(jacobian)
     layout = _param_layout(blocks, params)
@@ -662,6 +667,7 @@ def gram_step(
     z: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Alg. 2 steps 4-5 (see the reference): nothing is written when the Gram is not finite."""
+    _checks.refuse_autograd("triton", "gram_step", [("J", jacobian), ("z", z)])
     _checks.check_gram_step(jacobian, w, params, gamma, c1, c2, beta, rho, mu, z)
     blocks = _blocks(jacobian)
     layout = _param_layout(blocks, params)  # raises on a size mismatch, before anything is written

@@ -126,3 +126,31 @@ def test_a_divergence_parameter_must_be_a_number(param: object) -> None:
 def test_a_numpy_parameter_is_kept_as_a_python_float() -> None:
     divergence = Divergence("cvar_smooth", np.float32(0.25))  # type: ignore[arg-type]
     assert type(divergence.param) is float and divergence.param == 0.25 and str(divergence) == "cvar_smooth(0.25)"
+
+
+# ------------------------------------------------------------------- compiled ops and autograd
+def test_a_compiled_op_refuses_an_input_that_requires_grad_in_grad_mode() -> None:
+    """cpp's outputs carried requires_grad without an autograd kernel: backward left the input's .grad None."""
+    losses = torch.rand(4, 2, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"cpp.dual_forward: losses requires grad, but the compiled ops have no "
+                                           r"autograd formula"):
+        cpp.dual_forward(losses, torch.zeros(2), 0.8, 1.0, Divergence("chi2"))
+    jacobian = torch.rand(2, 5, requires_grad=True)
+    with pytest.raises(RuntimeError, match="cpp.gram: J requires grad"):
+        cpp.gram(jacobian)
+
+
+def test_a_compiled_op_runs_on_the_same_inputs_without_grad_mode_or_detached() -> None:
+    losses = torch.rand(4, 2, requires_grad=True)
+    with torch.no_grad():
+        inside = cpp.dual_forward(losses, torch.zeros(2), 0.8, 1.0, Divergence("chi2"))
+    detached = cpp.dual_forward(losses.detach(), torch.zeros(2), 0.8, 1.0, Divergence("chi2"))
+    for a, b in zip(inside, detached):
+        assert torch.equal(a, b)
+
+
+def test_the_reference_backend_still_differentiates() -> None:
+    losses = torch.rand(4, 2, requires_grad=True)
+    objective, _, _ = reference.dual_forward(losses, torch.zeros(2), 0.8, 1.0, Divergence("chi2"))
+    objective.sum().backward()
+    assert losses.grad is not None and bool(torch.isfinite(losses.grad).all())
