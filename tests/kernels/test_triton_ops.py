@@ -340,7 +340,7 @@ def test_gram_step_with_a_nan_weight_reports_a_nan_norm() -> None:
 def test_an_input_that_requires_grad_is_refused_in_grad_mode() -> None:
     """Triton's outputs are fresh buffers, detached: a gradient would silently stop there."""
     losses = torch.rand(4, 2, device=DEVICE, requires_grad=True)
-    with pytest.raises(RuntimeError, match="triton.dual_forward: losses requires grad"):
+    with pytest.raises(RuntimeError, match=r"triton\.dual_forward: losses requires grad"):
         tb.dual_forward(losses, torch.zeros(2, device=DEVICE), 0.8, 1.0, Divergence("chi2"))
     with pytest.raises(RuntimeError, match=r"triton.gram: J\[1\] requires grad"):
         tb.gram([torch.rand(2, 3, device=DEVICE), torch.rand(2, 2, device=DEVICE, requires_grad=True)])
