@@ -51,7 +51,7 @@ def _positive_pow(base, exponent):
     """base ** exponent for base >= 0 and exponent > 0 (0 maps to 0 without evaluating log 0; NaN stays NaN)."""
     positive = base > 0.0
     safe = tl.where(positive, base, 1.0)
-    return tl.where(positive, tl.exp2(exponent * tl.log2(safe)), tl.where(base == base, 0.0, base))
+    return tl.where(positive, tl.exp2(exponent * tl.log2(safe)), base * 0.0)  # 0 at 0, NaN at NaN (base >= 0)
 
 
 @triton.jit
