@@ -98,16 +98,17 @@ def test_ablate_lr_gives_each_method_only_the_fixed_hyperparameters_it_has(
     assert famo["lr"] == famo["pref_lr"] == 1e-3 and "rho" not in famo  # FAMO's w step is ablated too
     assert nash["lr"] == 1e-3 and "rho" not in nash and "pref_lr" not in nash  # NashMTL has no w step
     # --methods all: every method with synthetic settings, each point's settings its optimizer's own
-    from drmoo.experiments.synthetic import check_hparam_values, method_hparams
+    from drmoo.experiments.synthetic import NUM_TASKS
+    from drmoo.optim._method_arguments import accepted_hyperparameters, check_hyperparameter_values
 
     points = grid_points(AblationConfig("lr", "linear", methods=["all"]))
     assert {p.method for p in points} == {"double-clip", "double-loop", "mgda", "modo", "moco", "sdmgrad",
                                           "nashmtl", "famo"}
     for point in points:
-        accepted = method_hparams(point.method)
+        accepted = accepted_hyperparameters(point.method)
         assert accepted is None or set(point.overrides) <= accepted
         assert point.overrides["lr"] == point.value
-        check_hparam_values(point.method, point.overrides)
+        check_hyperparameter_values(point.method, point.overrides, NUM_TASKS)
     clip = next(p for p in points if p.method == "double-clip")
     assert clip.overrides == {"rho": 1e-5, "lr": clip.value, "pref_lr": clip.value}  # the paper's, unchanged
 

@@ -46,17 +46,16 @@ def _check_out_dir(path: str) -> None:
 
 def _check_hparams(method: str, hparams: dict[str, Any]) -> None:
     """Refuse hyperparameters that ``method``'s optimizer does not take (a typo would otherwise crash later)."""
-    import inspect
-
     from drmoo.optim import available
+    from drmoo.optim._method_arguments import accepted_hyperparameters
     from drmoo.store import UsageError
 
     if method not in available():
         raise UsageError(f"unknown method {method!r}; valid choices: {', '.join(available())}")
-    parameters = inspect.signature(available()[method].__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+    names = accepted_hyperparameters(method)
+    if names is None:
         return
-    accepted = sorted(set(parameters) - {"self", "params", "num_tasks", "backend", "jacobian_strategy"})
+    accepted = sorted(names - {"backend", "jacobian_strategy"})
     if "backend" in hparams:
         raise UsageError("the kernel backend is not a hyperparameter: use --backend instead of --hp backend=...")
     if "jacobian_strategy" in hparams:  # one place to set it: the run's config records --jacobian-strategy
@@ -161,15 +160,14 @@ def _check_hparam_values(config: Any) -> None:
     import torch
 
     from drmoo.experiments.devices import check_backend
-    from drmoo.optim import create
+    from drmoo.optim._method_arguments import check_hyperparameter_values
     from drmoo.store import UsageError
 
     check_backend(config.backend, torch.device(config.device))
     try:
-        create(config.method, [torch.nn.Parameter(torch.zeros(2))], 2, **config.hparams)
-    except (ValueError, TypeError) as error:
-        raise UsageError(f"{config.method}: {str(error).strip().splitlines()[0] if str(error).strip() else error!r}"
-                         ) from None
+        check_hyperparameter_values(config.method, config.hparams, 2)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 

@@ -38,18 +38,18 @@ from tqdm.auto import tqdm
 
 from drmoo._echo import echo_items, first_repeat
 from drmoo.experiments.summaries import style_norm_axes
+from drmoo.optim._method_arguments import accepted_hyperparameters, check_hyperparameter_values
 from drmoo.store import UsageError, make_directory, read_csv, read_json, write_csv, write_figure, write_json, write_text
 from drmoo_kernels import resolve_backend
 
 from .run_config import upgrade_config_dict
 from .summaries import aggregate_curves
 from .synthetic import (
+    NUM_TASKS,
     PAPER_PRESETS,
     SyntheticConfig,
-    check_hparam_values,
     check_output_directory,
     check_problem_data,
-    method_hparams,
     run_synthetic,
 )
 
@@ -234,7 +234,7 @@ def _lr_overrides(method: str, value: float) -> dict[str, Any]:
     """The lr ablation's settings of ``method`` at ``value``: its step sizes (lr, and pref_lr where it has a w
     step) set to the value, and the fixed ones of App. F.2 that it has (a method without rho gets none)."""
     wanted = {**LR_FIXED, **(LR_FIXED_DOUBLE_LOOP if method == "double-loop" else {}), "lr": value, "pref_lr": value}
-    accepted = method_hparams(method)
+    accepted = accepted_hyperparameters(method)
     return {key: v for key, v in wanted.items() if accepted is None or key in accepted}
 
 
@@ -304,7 +304,7 @@ def check_ablation(config: AblationConfig, out: str | Path) -> list[GridPoint]:
     check_problem_data(config.experiment, config.data_root)
     for point in points:
         _, settings = _synthetic_config(config, point)
-        check_hparam_values(point.method, settings["methods"][point.method])
+        check_hyperparameter_values(point.method, settings["methods"][point.method], NUM_TASKS)
         directory = Path(out) / point.name
         if _point_done(directory, settings) is None:
             check_output_directory(directory, settings)

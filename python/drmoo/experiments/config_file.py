@@ -16,7 +16,6 @@ Imports no torch (the CLI reads the file before anything else).
 
 from __future__ import annotations
 
-import inspect
 import sys
 from dataclasses import fields
 from itertools import pairwise
@@ -117,13 +116,14 @@ def _refuse_other_methods_hparams(path: Path, saved: Any, typed: str | None, pas
     if typed is None or typed == saved or not passed:
         return
     from drmoo.optim import available
+    from drmoo.optim._method_arguments import accepted_hyperparameters
 
     if typed not in available():
         return  # the command refuses the unknown method itself
-    parameters = inspect.signature(available()[typed].__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+    accepted = accepted_hyperparameters(typed)
+    if accepted is None:
         return
-    foreign = sorted(passed - set(parameters))
+    foreign = sorted(passed - accepted)
     if foreign:
         raise UsageError(f"--config {path} holds the hyperparameters of a {saved} run, and {', '.join(foreign)} "
                          f"{'is' if len(foreign) == 1 else 'are'} not {typed}'s (--method {typed}): remove "

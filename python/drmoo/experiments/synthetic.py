@@ -15,7 +15,6 @@ balanced gradient norm, the per-task dual objectives, w and eta at every iterati
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -31,6 +30,7 @@ from tqdm.auto import tqdm
 
 from drmoo._echo import echo_items, first_repeat
 from drmoo.optim import available, create
+from drmoo.optim._method_arguments import accepted_hyperparameters, check_hyperparameter_values
 from drmoo.store import (
     LOCK_FILE,
     TEMP_SUFFIX,
@@ -49,8 +49,7 @@ from .problems import BatchStream, Problem, make_linear_problem, make_wine_probl
 from .robust_eval import LOSS_METRICS
 from .summaries import aggregate_curves, mean_std, plot_convergence, summary_table
 
-__all__ = ["PAPER_PRESETS", "PROBLEMS", "SyntheticConfig", "check_output_directory", "method_hparams",
-           "run_synthetic"]
+__all__ = ["PAPER_PRESETS", "PROBLEMS", "SyntheticConfig", "check_output_directory", "run_synthetic"]
 
 PROBLEMS: dict[str, Callable[..., Problem]] = {"linear": make_linear_problem, "wine": make_wine_problem}
 MAX_STEPS, MAX_BATCH, MAX_SEED = 10_000_000, 1 << 20, 2**63 - 1  # upper bounds (typos, int64 overflow)
@@ -153,22 +152,14 @@ class SyntheticConfig:
         before anything is written.  Returns the resolved settings."""
         settings = self.resolved()
         for method, hparams in settings["methods"].items():
-            check_hparam_values(method, hparams)
+            check_hyperparameter_values(method, hparams, NUM_TASKS)
         check_problem_data(self.problem, self.data_root)
         return settings
 
 
-def method_hparams(method: str) -> frozenset[str] | None:
-    """The keyword arguments ``method``'s optimizer takes (None: any, it has ``**kwargs``)."""
-    parameters = inspect.signature(available()[method].__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return None
-    return frozenset(parameters) - {"self", "params", "num_tasks"}
-
-
 def _check_overrides(method: str, overrides: dict[str, Any]) -> None:
     """Refuse hyperparameters ``method``'s optimizer does not take (a typo would crash mid-run)."""
-    accepted = method_hparams(method)
+    accepted = accepted_hyperparameters(method)
     if accepted is None:
         return
     unknown = sorted(set(overrides) - accepted)
@@ -178,16 +169,6 @@ def _check_overrides(method: str, overrides: dict[str, Any]) -> None:
 
 
 NUM_TASKS = 3  # both problems have three tasks
-
-
-def check_hparam_values(method: str, hparams: dict[str, Any]) -> None:
-    """Build ``method``'s optimizer on a stand-in parameter: a bad value (``lr=abc``, a negative lam, an unknown
-    divergence, an unusable backend) is refused with one line now, not after the output directory is made."""
-    try:
-        create(method, [torch.nn.Parameter(torch.zeros(2))], NUM_TASKS, **hparams)
-    except (ValueError, TypeError) as error:
-        text = str(error).strip()
-        raise ValueError(f"{method}: {text.splitlines()[0] if text else repr(error)}") from None
 
 
 def check_problem_data(problem: str, data_root: str | None) -> None:
