@@ -30,6 +30,9 @@ forward, backward, optimizer step):
   ``features-nashmtl``, ``features-modo``, ``features-sdmgrad``, ``features-double-loop``: every other method
   that has a features mode (MoCo refuses it), so that the target "features mode, every method, <= 1.3x
   plain" is measured for each (its own table: ratios and memory);
+* ``features-unchecked`` (not in the default grid): ``features`` with ``check_trunk_gradients=False``, the
+  lifted trunk gradients written without their NaN/Inf test -- as ``rep-grad`` writes them -- so that the two
+  compare like for like;
 * ``parameters-batched`` and ``parameters-loop`` (not in the default grid): ``parameters`` with the per-task
   passes vmapped into one (``jacobian_strategy = "batched"``, as TorchJD's autojac does) or run one by one
   (``"loop"``).  ``parameters`` itself takes the default, ``"auto"``: ``loop`` on the CPU, ``batched`` on a GPU,
@@ -91,16 +94,19 @@ FEATURES_METHODS = {"features": "mgda", "features-double-clip": "double-clip", "
 VARIANTS = ("plain", "rep-grad", "parameters", *FEATURES_METHODS, "torchjd-mgda", "torchjd-upgrad")
 TORCHJD_VARIANTS = ("torchjd-mgda", "torchjd-upgrad")  # measured where TorchJD is installed, else skipped
 # Measurable with --variants, outside the default grid (the committed CPU table's command stays the same).
-EXTRA_VARIANTS = ("parameters-batched", "parameters-loop")
+EXTRA_VARIANTS = ("parameters-batched", "parameters-loop", "features-unchecked")
+# Features MGDA without the NaN/Inf test of the trunk's gradients (check_trunk_gradients=False): what the rep-grad
+# baseline does, which tests nothing, so that the two compare like for like.
+UNCHECKED = "features-unchecked"
 # The parameters variants' jacobian_strategy: "parameters" takes the default ("auto": loop on the CPU, batched on a
 # GPU -- there it runs what parameters-batched runs), the others pin one.
 PARAMETERS_STRATEGIES = {"parameters": "auto", "parameters-batched": "batched", "parameters-loop": "loop"}
 # The first table's columns (the issue's comparison); every features variant goes to the second.
-COMPARISON = ("plain", "rep-grad", "parameters", "parameters-loop", "parameters-batched", "features",
+COMPARISON = ("plain", "rep-grad", "parameters", "parameters-loop", "parameters-batched", "features", UNCHECKED,
               "features-double-clip", "torchjd-mgda", "torchjd-upgrad")
 # Variants a CUDA graph can capture (--cuda-graph): plain and rep-grad whole, drmoo's through GraphedStep.
 # TorchJD reads values on the host inside its step (its MGDA solver), which capture forbids.
-GRAPHABLE = ("plain", "rep-grad", *PARAMETERS_STRATEGIES, *FEATURES_METHODS)
+GRAPHABLE = ("plain", "rep-grad", *PARAMETERS_STRATEGIES, *FEATURES_METHODS, UNCHECKED)
 REP_GRAD_ITERATIONS = 20  # Frank-Wolfe iterations of the rep-grad baseline's min-norm weights
 TASKS = (2, 3, 8, 40, 100, 200, 500)
 TRUNKS = ("groupnorm", "batchnorm")
@@ -233,13 +239,14 @@ def make_step(variant: str, trunk: Any, heads: Any, num_tasks: int, *,
 
         def backward(losses: Any, z: Any) -> None:
             rep_grad_backward(losses, z, head_parameters)
-    elif variant in PARAMETERS_STRATEGIES or variant in FEATURES_METHODS:
+    elif variant in PARAMETERS_STRATEGIES or variant in FEATURES_METHODS or variant == UNCHECKED:
         method = FEATURES_METHODS.get(variant, "mgda")
-        mode = "features" if variant in FEATURES_METHODS else "parameters"
+        mode = "parameters" if variant in PARAMETERS_STRATEGIES else "features"
         with warnings.catch_warnings():  # the rate does not change a step's cost: no rate to choose here
             warnings.simplefilter("ignore", drmoo.optim.FeaturesRateWarning)
             balancer = drmoo.Balancer(drmoo.method_name(method), shared, num_tasks,
-                                      jacobian="features" if mode == "features" else "parameters", lr=1e-3)
+                                      jacobian="features" if mode == "features" else "parameters", lr=1e-3,
+                                      check_trunk_gradients=variant != UNCHECKED)
         balancer.algorithm.jacobian_strategy = PARAMETERS_STRATEGIES.get(variant, "auto")
 
         def backward(losses: Any, z: Any) -> None:
@@ -291,11 +298,12 @@ def make_graphed_step(variant: str, trunk: Any, heads: Any, num_tasks: int, x: A
         step = make_step(variant, trunk, heads, num_tasks, capturable=True)
         return step if stand_in else _capture_whole(step, x, y)
     method = FEATURES_METHODS.get(variant, "mgda")
-    mode = "features" if variant in FEATURES_METHODS else "parameters"
+    mode = "parameters" if variant in PARAMETERS_STRATEGIES else "features"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", drmoo.optim.FeaturesRateWarning)
         optimizer = drmoo.optim.create(method, trunk.parameters(), num_tasks, jacobian=mode, lr=1e-3,
                                        capturable=True)
+    optimizer.check_trunk_gradients = variant != UNCHECKED
     optimizer.jacobian_strategy = PARAMETERS_STRATEGIES.get(variant, "auto")
     head_sgd = torch.optim.SGD(heads.parameters(), lr=1e-3)
     forward = forward_of(variant, trunk, heads, num_tasks)
@@ -628,6 +636,7 @@ def table(data: dict[str, Any]) -> str:
         lines += [f"| {record['m']} | " + " | ".join(_cell(record, v, seconds=True) for v in columns) + " |"
                   for record in records]
         lines.append("")
+        lines += _against_rep_grad(records, [v for v in columns if v.startswith("features")])
         methods = [v for v in every_method if any(v in r["median_s"] for r in records)]
         if len(methods) > 2:
             lines += ["Features mode, every method that has it (MoCo refuses it), measured in the same rounds: "
@@ -638,6 +647,28 @@ def table(data: dict[str, Any]) -> str:
                       for record in records]
             lines.append("")
     return "\n".join(lines)
+
+
+def _against_rep_grad(records: list[dict[str, Any]], variants: list[str]) -> list[str]:
+    """The features variants against rep-grad, round by round: each round's ratio of the two steps' ratios to
+    their plain steps (both measured in that round), the median [range] over the rounds; [] without rep-grad."""
+    measured = [r for r in records if "rep-grad" in r.get("ratios", {})]
+    if not variants or not measured:
+        return []
+    lines = ["Against rep-grad, round by round (each round's features ratio over its rep-grad ratio; the median "
+             "[range] over the rounds):", "",
+             "| m | " + " | ".join(variants) + " |", "|---:|" + "---:|" * len(variants)]
+    for record in measured:
+        cells = []
+        for variant in variants:
+            ours, theirs = record["ratios"].get(variant), record["ratios"]["rep-grad"]
+            if not ours:
+                cells.append("--")
+                continue
+            paired = [a / b for a, b in zip(ours, theirs)]
+            cells.append(f"{statistics.median(paired):.3f}x [{min(paired):.2f}-{max(paired):.2f}]")
+        lines.append(f"| {record['m']} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def _cell(record: dict[str, Any], variant: str, *, seconds: bool) -> str:

@@ -403,11 +403,22 @@ def test_min_norm_above_the_face_enumeration_reads_once(toy, monkeypatch, mode: 
     Features mode reads once more, and must: the trunk's gradients are lifted from the rows with the weights the
     host found, after the read that gave it the Gram, and a NaN/Inf they carry (a bad parameter, an overflow in
     the trunk's backward) must stop the step before theta (or ``.grad``) is written -- a second read, whatever
-    is folded into the first.  Only a solve on the device avoids it: ``capturable=True``."""
+    is folded into the first.  Only a solve on the device avoids it (``capturable=True``), or writing them
+    untested (``check_trunk_gradients=False``, the test below)."""
     driver = Driver(toy(num_tasks=14), "mgda", mode, api, solver="min_norm", capturable=capturable,
                     features_rate_chosen=True, **clip)
     reads = steady_step_reads(driver, monkeypatch)
     assert len(reads) == (0 if capturable else 1 if mode == "parameters" else 2), reads
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_min_norm_above_the_face_enumeration_without_the_trunk_check_reads_once(toy, monkeypatch, api: str) -> None:
+    """Features mode's second read above is the trunk gradients' NaN/Inf test: with ``check_trunk_gradients``
+    off the lifted gradients are written unread, and the step's one read is the Gram's with the guards'."""
+    driver = Driver(toy(num_tasks=14), "mgda", "features", api, solver="min_norm", features_rate_chosen=True)
+    driver.optimizer.check_trunk_gradients = False
+    reads = steady_step_reads(driver, monkeypatch)
+    assert len(reads) == 1, reads
 
 
 ACCUMULATING = [(method, mode) for method in ("famo", "mgda", "moco", "modo", "nashmtl", "sdmgrad") for mode in MODES

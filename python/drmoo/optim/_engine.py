@@ -42,6 +42,7 @@ class EngineHost(Protocol):
     loss_scale: LossScale
     grad_scale: LossScale
     direction_mode: bool  # drmoo.Balancer: the step adds its direction to .grad instead of writing theta
+    check_trunk_gradients: bool  # features mode: NaN/Inf-test the lifted trunk gradients before writing them
     _ops: ModuleType  # the backend's ops (gram, combine, ...)
 
     @property

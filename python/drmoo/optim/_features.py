@@ -402,9 +402,10 @@ class FeaturesJacobian:
                 distributed.all_reduce_sum_(joined)
                 parts = torch.split(joined, [g.numel() for g in grads])
                 grads = [part.view_as(grad) for part, grad in zip(parts, grads)]
-            host.require_finite(finite_together(trunk_guard_values(grads, host._ops)), lambda _: (
-                f"non-finite gradient of the shared parameters from the backward pass through the trunk in "
-                f"{host.failing_iteration}; the step was abandoned and nothing was updated"))
+            if host.check_trunk_gradients:
+                host.require_finite(finite_together(trunk_guard_values(grads, host._ops)), lambda _: (
+                    f"non-finite gradient of the shared parameters from the backward pass through the trunk in "
+                    f"{host.failing_iteration}; the step was abandoned and nothing was updated"))
             if host.direction_mode:
                 if host.grad_scale is not scale:  # the Balancer's: one scale, the trunk's .grad kept scaled
                     gain = host.grad_scale / scale

@@ -130,11 +130,13 @@ def lift_into_shards(host: EngineHost, features: Sequence[Tensor], cotangents: S
         raise ValueError("the backward pass from the features z reached none of the FSDP-sharded shared "
                          "parameters: z must be the output of the trunk they belong to")
     local = take_local_grads(shared, clear=not host.direction_mode)
-    with torch.no_grad():
-        square = sum_over_ranks(torch.stack([torch.linalg.vector_norm(part).double() ** 2 for part in local]).sum())
-    host.require_finite(torch.isfinite(square).reshape(1), lambda _: (
-        f"non-finite gradient of the shared parameters from the backward pass through the trunk in "
-        f"{host.failing_iteration}; the step was abandoned and nothing was updated"))
+    if host.check_trunk_gradients:  # the same setting on every rank (it is the Balancer's): one collective or none
+        with torch.no_grad():
+            square = sum_over_ranks(torch.stack([torch.linalg.vector_norm(part).double() ** 2
+                                                 for part in local]).sum())
+        host.require_finite(torch.isfinite(square).reshape(1), lambda _: (
+            f"non-finite gradient of the shared parameters from the backward pass through the trunk in "
+            f"{host.failing_iteration}; the step was abandoned and nothing was updated"))
     if not host.direction_mode:
         write_shards(host, shared, local, host.hyper("lr"))
 
