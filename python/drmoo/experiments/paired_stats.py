@@ -59,6 +59,27 @@ def paired_differences(
     return rows
 
 
+# Decimal places of a paired table's column: 2, unless the column holds differences below 0.01, which 2 would print
+# as 0.00 or with one digit (losses in nats differ by thousandths): then enough for their first significant digit,
+# up to 4.
+DECIMALS, MAX_DECIMALS = 2, 4
+
+
+def shown_decimals(rows: Sequence[Mapping[str, Any]]) -> int:
+    """The decimal places one column's cells are printed with: the first significant digit of its smallest
+    non-zero mean or interval half-width, at least :data:`DECIMALS` and at most :data:`MAX_DECIMALS` (exact
+    zeros -- a method that trains the same model -- keep two)."""
+    magnitudes = []
+    for row in rows:
+        candidates = [abs(float(row["mean"]))]
+        if not math.isnan(float(row["ci_high"])):
+            candidates.append((float(row["ci_high"]) - float(row["ci_low"])) / 2)
+        magnitudes += [value for value in candidates if math.isfinite(value) and value > 0]
+    if not magnitudes:
+        return DECIMALS
+    return max(DECIMALS, min(MAX_DECIMALS, -math.floor(math.log10(min(magnitudes)))))
+
+
 def paired_markdown(rows: Sequence[Mapping[str, Any]], labels: Mapping[Any, str], unit: str = "points",
                     sense: str = "better") -> str:
     """One line per other row: per column, the mean difference, its 95 % CI and the reference's wins.
@@ -78,6 +99,7 @@ def paired_markdown(rows: Sequence[Mapping[str, Any]], labels: Mapping[Any, str]
         "| vs | " + " | ".join(labels.get(column, str(column)) for column in columns) + " |",
         "|---|" + "---:|" * len(columns),
     ]
+    decimals = {column: shown_decimals([r for r in rows if r["column"] == column]) for column in columns}
     for other in dict.fromkeys(row["other"] for row in rows):
         cells = []
         for column in columns:
@@ -85,9 +107,11 @@ def paired_markdown(rows: Sequence[Mapping[str, Any]], labels: Mapping[Any, str]
             if row["seeds"] == 0:
                 cells.append("n/a")
                 continue
-            interval = "" if math.isnan(row["ci_low"]) else f" [{row['ci_low']:+.2f}, {row['ci_high']:+.2f}]"
+            places = decimals[column]
+            interval = ("" if math.isnan(row["ci_low"])
+                        else f" [{row['ci_low']:+.{places}f}, {row['ci_high']:+.{places}f}]")
             ties = f" ({row['ties']} tied)" if row["ties"] else ""
-            cells.append(f"{row['mean']:+.2f}{interval} {row['wins']}/{row['seeds']}{ties}")
+            cells.append(f"{row['mean']:+.{places}f}{interval} {row['wins']}/{row['seeds']}{ties}")
         lines.append(f"| {other} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
