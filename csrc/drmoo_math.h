@@ -93,26 +93,33 @@ inline Divergence<T> make_divergence(int64_t code, double param) {
   return d;
 }
 
-// f*(u)
+// f*(u), without cancellation near u = 0 where it vanishes (divergences.py says why: the objective is
+// lam * f*(u), and "something near 1, minus 1" lost all of u's digits at a large lam).  Each comparison is
+// false for NaN, which therefore flows through unchanged.
 template <typename T>
 DRMOO_HD T conj(const Divergence<T>& d, T u) {
   switch (d.code) {
     case kChi2: {
-      const T t = relu_keep_nan(u + T(2));
-      return T(0.25) * (t * t) - T(1);
+      // 0.25 (u + 2)^2 - 1 = u (1 + u / 4) for u >= -2, and -1 below.
+      const T v = u < T(-2) ? T(-2) : u;
+      return v * (T(1) + T(0.25) * v);
     }
     case kKL:
       return d_expm1(u);
     case kCVaRSmooth: {
+      if (u <= T(1)) {  // divergences.CVAR_SMALL_U: log1p(alpha expm1(u)) / alpha, alpha expm1(u) > -alpha
+        return d_log1p(d.c3 * d_expm1(u)) / d.c3;
+      }
       // logaddexp(log1p(-alpha), u + log(alpha)) / alpha, the overflow-free form of the reference.
       const T a = d.c0;
       const T b = u + d.c1;
       const T hi = a < b ? b : a;
       return (hi + d_log1p(d_exp(-d_abs(a - b)))) / d.c3;
     }
-    default: {  // kCressieRead
-      const T base = relu_keep_nan(d.c0 * u + T(1));
-      return (pow_scalar(base, d.c1) - T(1)) / d.c3;
+    default: {  // kCressieRead: expm1(k/(k-1) log1p((k-1) u)) / k; (k-1) u = -1 gives -inf, then -1/k
+      const T scaled = d.c0 * u;
+      const T x = scaled < T(-1) ? T(-1) : scaled;
+      return d_expm1(d.c1 * d_log1p(x)) / d.c3;
     }
   }
 }

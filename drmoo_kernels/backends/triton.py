@@ -182,7 +182,7 @@ def _tile_elements(interpreted: bool) -> int:
     return _INTERPRETER_TILE if interpreted else _GPU_TILE
 
 
-def _dual_launch(batch: int, tasks: int, block_m: int, interpreted: bool) -> DualLaunch:
+def _dual_launch(batch: int, tasks: int, block_m: int, interpreted: bool, per_thread: int = 8) -> DualLaunch:
     """Rows per tile: the tile's element budget over its columns, at most the (padded) batch.
 
     The divergence math keeps about ten values per element live (loss, weight, u, f*, f*', 64-bit
@@ -190,14 +190,22 @@ def _dual_launch(batch: int, tasks: int, block_m: int, interpreted: bool) -> Dua
     8 elements per thread.  4096 elements on 4 warps used all 255 registers and spilled up to
     472 bytes with Triton 3.6 (issue 11; tests/kernels/test_gpu_codegen.py checks every variant).
     """
-    budget = _INTERPRETER_TILE if interpreted else _DUAL_GPU_TILE
+    gpu_budget = _DUAL_GPU_TILE * per_thread // 8  # 8 warps of 32 threads
+    budget = _INTERPRETER_TILE if interpreted else gpu_budget
     block_b = min(max(budget // block_m, 1), _pow2(batch))
-    num_warps = 8 if block_b * block_m >= _DUAL_GPU_TILE else 4
+    num_warps = 8 if block_b * block_m >= gpu_budget else 4
     return DualLaunch(block_b, block_m, _cdiv(tasks, block_m), num_warps)
 
 
-def dual_forward_launch(batch: int, tasks: int, interpreted: bool) -> DualLaunch:
-    return _dual_launch(batch, tasks, min(_pow2(tasks), _MAX_COLUMN_BLOCK), interpreted)
+# Elements per thread of dual_forward's tile, by divergence code: cvar_smooth's f* takes two forms (log1p of
+# alpha expm1(u) near 0, a log-sum-exp above: divergences.CVAR_SMALL_U) and keeps more values live; at 8 per
+# thread Triton 3.6 spilled 8 bytes on sm_90.
+_FORWARD_PER_THREAD = {2: 4}
+
+
+def dual_forward_launch(batch: int, tasks: int, interpreted: bool, code: int = 0) -> DualLaunch:
+    return _dual_launch(batch, tasks, min(_pow2(tasks), _MAX_COLUMN_BLOCK), interpreted,
+                        _FORWARD_PER_THREAD.get(code, 8))
 
 
 def dual_step_launch(batch: int, tasks: int, interpreted: bool) -> DualLaunch:
@@ -289,7 +297,7 @@ def dual_forward(
     device = losses.device
     kernels = _kernels(device)
     batch, tasks = losses.shape
-    launch = dual_forward_launch(batch, tasks, _interpreted())
+    launch = dual_forward_launch(batch, tasks, _interpreted(), divergence.code)
     objective = torch.empty(tasks, device=device, dtype=torch.float32)
     grad_eta = torch.empty(tasks, device=device, dtype=torch.float32)
     weights = torch.empty(batch, tasks, device=device, dtype=torch.float32)

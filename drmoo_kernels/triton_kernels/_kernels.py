@@ -69,27 +69,43 @@ def _conj_grad(u, CODE: tl.constexpr, P0, P1, P2, P3):
 
 
 @triton.jit
+def _log1p(x):
+    """log(1 + x) for x >= -1, accurate for tiny x (Kahan: the rounding of 1 + x is divided back out);
+    -inf at x = -1."""
+    y = 1.0 + x
+    edge = (y == 1.0) | (y == 0.0)  # no log of 0 evaluated (NaN stays NaN: it is neither)
+    log_y = tl.log(tl.where(edge, 1.0, y))
+    denom = tl.where(edge, 1.0, y - 1.0)
+    return tl.where(y == 1.0, x, tl.where(y == 0.0, -float("inf"), log_y * (x / denom)))
+
+
+@triton.jit
 def _conj_and_grad(u, CODE: tl.constexpr, P0, P1, P2, P3):
-    """(f*(u), f*'(u)).  cvar: P0 = log(1-alpha), P1 = log(alpha); cressie: P2 = 1/k."""
+    """(f*(u), f*'(u)).  cvar: P0 = log(1-alpha), P1 = log(alpha), P3 = 1/alpha; cressie: P0 = k-1,
+    P1 = 1/(k-1), P2 = 1/k.  f*(u) without cancellation near u = 0 (see divergences.py)."""
     if CODE == 0:
         plus = tl.maximum(u + 2.0, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        conj = 0.25 * plus * plus - 1.0
+        v = tl.maximum(u, -2.0, propagate_nan=tl.PropagateNan.ALL)
+        conj = v * (1.0 + 0.25 * v)  # 0.25 (u + 2)^2 - 1
         grad = 0.5 * plus
     elif CODE == 1:
         conj = _expm1(u)
         grad = tl.exp(u)
     elif CODE == 2:
-        # log((1 - alpha) + alpha e^u) as a log-sum-exp of log(1-alpha) and log(alpha) + u.
+        # Near 0 (u <= divergences.CVAR_SMALL_U): log1p(alpha expm1(u)) / alpha; above, log((1 - alpha) +
+        # alpha e^u) as a log-sum-exp of log(1-alpha) and log(alpha) + u (NaN takes this branch).
+        small = _log1p(_expm1(tl.minimum(u, 1.0)) / P3) * P3
         b = u + P1
         hi = tl.maximum(b, P0, propagate_nan=tl.PropagateNan.ALL)
         lo = tl.minimum(b, P0, propagate_nan=tl.PropagateNan.ALL)
-        conj = (hi + _log1p_unit(tl.exp(lo - hi))) * P3
+        conj = tl.where(u <= 1.0, small, (hi + _log1p_unit(tl.exp(lo - hi))) * P3)
         grad = tl.sigmoid(u + P2) * P3
     else:
         base = tl.maximum(P0 * u + 1.0, 0.0, propagate_nan=tl.PropagateNan.ALL)
         grad = _positive_pow(base, P1)
-        # base^(k/(k-1)) = base * base^(1/(k-1)): one power serves both values.
-        conj = (base * grad - 1.0) * P2
+        # expm1(k/(k-1) log1p((k-1) u)) / k, k/(k-1) = 1 + 1/(k-1); (k-1) u <= -1 gives -inf, then -1/k.
+        x = tl.maximum(P0 * u, -1.0, propagate_nan=tl.PropagateNan.ALL)
+        conj = _expm1((1.0 + P1) * _log1p(x)) * P2
     return conj, grad
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -506,3 +507,56 @@ def dual_step_bounds(losses: Tensor, eta: Tensor, w: Tensor, lam: float, scale: 
                                  eta_spread=eta_diff)
     return DualBounds(objective=None, z=first.z, weights=second.weights,
                       mu=torch.tensor(mu_diff, dtype=torch.float64), eta=eta_diff)
+
+
+# ------------------------------------------------------------------------ the objective against its exact value
+def _exact_conj(divergence: Divergence, u: Any) -> Any:
+    """f*(u) in mpmath's arbitrary precision (the conjugates' closed forms, written without cancellation)."""
+    import mpmath
+
+    if divergence.name == "chi2":
+        return mpmath.mpf(-1) if u < -2 else u + u * u / 4
+    if divergence.name == "kl":
+        return mpmath.expm1(u)
+    if divergence.name == "cvar_smooth":
+        alpha = mpmath.mpf(divergence.param)
+        return mpmath.log1p(alpha * mpmath.expm1(u)) / alpha
+    k = mpmath.mpf(divergence.param)
+    base = 1 + (k - 1) * u
+    return -1 / k if base <= 0 else (mpmath.power(base, k / (k - 1)) - 1) / k
+
+
+def exact_dual_objective(losses: Tensor, eta: Tensor, lam: float, scale: float,
+                         divergence: Divergence) -> tuple[list[float], list[float]]:
+    """Per task, the dual objective lam mean_i f*((l_i - s eta) / lam) + s eta of the (rounded) inputs, computed
+    in 60 digits, and the error bound of a float computation of it (unit roundoff of ``losses``' math dtype):
+
+        u_i = (l_i - s eta) / lam    relative error gamma(3) (s eta, the difference, the quotient)
+        f*(u_i)                      FUNCTION_ULPS roundings, and u_i's error times f*'s condition |u f*'/f*|
+        lam f*(u_i), their mean      one rounding, then gamma(B + 1) of the sum of |terms| (any order)
+        + s eta                      two roundings of |s eta| and one of the result
+
+    Only a form without cancellation meets it where f*(u) ~ u is small (a large lam): a form "near 1, minus 1"
+    has an absolute error of one rounding of 1, lam times that in the objective."""
+    import mpmath
+
+    mpmath.mp.dps = 60
+    unit = unit_roundoff(acc_dtype(losses.dtype))
+    batch = losses.shape[0]
+    exact, bounds = [], []
+    for task in range(losses.shape[1]):
+        shift = mpmath.mpf(scale) * mpmath.mpf(float(eta[task]))
+        terms, spread = [], mpmath.mpf(0)
+        for loss in losses[:, task].tolist():
+            u = (mpmath.mpf(loss) - shift) / mpmath.mpf(lam)
+            value = _exact_conj(divergence, u)
+            slope = float(divergence.conj_grad(torch.tensor(float(u), dtype=torch.float64)))
+            condition = abs(u * slope / value) if value != 0 else mpmath.mpf(1)  # f*(u) ~ u near 0
+            terms.append(mpmath.mpf(lam) * value)
+            spread += abs(terms[-1]) * (FUNCTION_ULPS + gamma(3, unit) / unit * condition + 1)
+        total = mpmath.fsum(terms) / batch + shift
+        bound = unit * (spread / batch + gamma(batch + 1, unit) / unit * mpmath.fsum(abs(t) for t in terms) / batch
+                        + 3 * abs(shift) + abs(total))
+        exact.append(float(total))
+        bounds.append(float(bound))
+    return exact, bounds

@@ -85,7 +85,7 @@ def _triton_variants() -> list[dict[str, Any]]:
                   "stride_sm": "i32", "sw_ptr": "*fp32", "z_ptr": "*fp32", "weight_ptr": "*fp32"}
     for batch, tasks in DUAL_PROBLEMS:
         for code in range(4):  # chi2, kl, cvar_smooth, cressie_read
-            forward = tb.dual_forward_launch(batch, tasks, interpreted=False)
+            forward = tb.dual_forward_launch(batch, tasks, interpreted=False, code=code)
             variants.append({
                 "kernel": "dual_forward_kernel",
                 "types": {**dual_types, "loss_ptr": "*bf16" if code == 1 else "*fp32", "eta_ptr": "*fp32",

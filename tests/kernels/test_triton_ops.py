@@ -344,3 +344,20 @@ def test_an_input_that_requires_grad_is_refused_in_grad_mode() -> None:
         tb.dual_forward(losses, torch.zeros(2, device=DEVICE), 0.8, 1.0, Divergence("chi2"))
     with pytest.raises(RuntimeError, match=r"triton.gram: J\[1\] requires grad"):
         tb.gram([torch.rand(2, 3, device=DEVICE), torch.rand(2, 2, device=DEVICE, requires_grad=True)])
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES, ids=str)
+@pytest.mark.parametrize("eta", [(0.3, -0.2), (2.5, 3.0)], ids=["u-positive", "u-negative"])
+def test_the_dual_objective_is_within_its_error_bound_at_every_lambda(divergence: Divergence,
+                                                                       eta: tuple[float, float]) -> None:
+    """tests/kernels/test_conj_precision.py's test for the triton kernel (float32 math): against the objective's
+    60-digit value, at lam from 0.05 to 1e30, within the bound of a cancellation-free evaluation."""
+    generator = torch.Generator().manual_seed(7)
+    losses = torch.rand(13, 2, generator=generator, dtype=torch.float64).float() + 1.0
+    eta_tensor = torch.tensor(eta, dtype=torch.float32)
+    for lam in (0.05, 1.0, 100.0, 1e4, 1e8, 1e12, 1e30):
+        objective = tb.dual_forward(losses.to(DEVICE), eta_tensor.to(DEVICE), lam, 1.0, divergence)[0]
+        exact, bounds = eb.exact_dual_objective(losses, eta_tensor, lam, 1.0, divergence)
+        for task, (value, truth, bound) in enumerate(zip(objective.cpu().double().tolist(), exact, bounds)):
+            assert abs(value - truth) <= bound, (
+                f"lam={lam:g} task {task}: {value!r} against {truth!r} (bound {bound:.3g})")
