@@ -256,11 +256,12 @@ class Balancer:
             ``jacobian_strategy`` attribute, which may also be set later.
         check_trunk_gradients: features mode only: test the trunk's gradients for NaN/Inf before
             they are written to ``.grad`` (the default: a non-finite step then changes nothing and raises
-            :class:`drmoo.optim.NonFiniteStepError`).  The test reads every trunk gradient once, about
-            3 % of a small-m ResNet18 step on a CPU; ``False`` writes them unread, as a plain
+            :class:`drmoo.optim.NonFiniteStepError`).  The test reads every trunk gradient once, 3-5 %
+            of a small-m ResNet18 step on a CPU; ``False`` writes them unread, as a plain
             ``backward`` does (a NaN made inside the trunk then reaches ``.grad``), while the losses,
-            the gradients w.r.t. z and the dual quantities are still checked.  The algorithm's
-            ``check_trunk_gradients`` attribute, which may also be set later.
+            the gradients w.r.t. z and the dual quantities are still checked.  Under a GradScaler
+            the test runs either way (an overflow is the scaler's signal to skip the step).  The
+            algorithm's ``check_trunk_gradients`` attribute, which may also be set later.
         **hparams: the method's hyperparameters, as its optimizer class takes them (``lam``,
             ``divergence``, ``lr`` -- eta's step size here --, ``capturable``, ``backend``, ...);
             typed per method for type checkers.

@@ -121,3 +121,17 @@ def test_the_step_api_reads_the_attribute() -> None:
         except NonFiniteStepError:
             outcomes.append("refused")
     assert outcomes == ["refused", True]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_under_a_grad_scaler_the_trunk_is_tested_anyway(method: str) -> None:
+    """An overflow is the scaler's signal to skip the step: with the test off, the balancer must still see it
+    (found_inf = 1, eta and w unchanged, no step counted), or it would commit a step the scaler skips."""
+    trunk, heads, x = problem(nan_gradient=True)
+    balancer = balancer_of(method, trunk, check_trunk_gradients=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    eta_before, w_before = balancer.eta.clone(), balancer.w.clone()
+    z = trunk(x)
+    balancer.backward(heads(z) ** 2, features=z, scaler=scaler)
+    assert float(balancer.stats["found_inf"]) == 1.0 and balancer.steps_taken == 0
+    assert torch.equal(balancer.eta, eta_before) and torch.equal(balancer.w, w_before)

@@ -126,3 +126,11 @@ class JacobianEngine(Protocol):
     def end_step(self) -> None:
         """Forget what was held for the step (called when a step returns or raises)."""
         ...
+
+
+def tests_trunk_gradients(host: EngineHost) -> bool:
+    """Whether features mode's lift tests the trunk's gradients for NaN/Inf before writing them: unless the
+    host turned the test off (``check_trunk_gradients``), and always under loss scaling, where an overflow
+    is the scaler's signal to skip the step and lower its scale -- the balancer must skip it too."""
+    scale = host.loss_scale
+    return host.check_trunk_gradients or not (isinstance(scale, float) and scale == 1.0)

@@ -67,7 +67,7 @@ from drmoo.jacobian import (
 from drmoo_kernels.backends import cpp as cpp_backend
 
 from ._direction import write_direction
-from ._engine import EarlierMicroBatches, EngineHost
+from ._engine import EarlierMicroBatches, EngineHost, tests_trunk_gradients
 from ._fsdp import is_sharded, lift_into_shards, split_sharded_heads
 from ._guards import finite_together
 from ._loss_scale import divide_, is_unit, times, with_scale
@@ -402,7 +402,7 @@ class FeaturesJacobian:
                 distributed.all_reduce_sum_(joined)
                 parts = torch.split(joined, [g.numel() for g in grads])
                 grads = [part.view_as(grad) for part, grad in zip(parts, grads)]
-            if host.check_trunk_gradients:
+            if tests_trunk_gradients(host):
                 host.require_finite(finite_together(trunk_guard_values(grads, host._ops)), lambda _: (
                     f"non-finite gradient of the shared parameters from the backward pass through the trunk in "
                     f"{host.failing_iteration}; the step was abandoned and nothing was updated"))

@@ -60,6 +60,7 @@ from torch import Tensor
 
 from drmoo import distributed
 
+from ._engine import tests_trunk_gradients
 from ._loss_scale import is_unit
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ def lift_into_shards(host: EngineHost, features: Sequence[Tensor], cotangents: S
         raise ValueError("the backward pass from the features z reached none of the FSDP-sharded shared "
                          "parameters: z must be the output of the trunk they belong to")
     local = take_local_grads(shared, clear=not host.direction_mode)
-    if host.check_trunk_gradients:  # the same setting on every rank (it is the Balancer's): one collective or none
+    if tests_trunk_gradients(host):  # the same on every rank (the Balancer's setting): one collective or none
         with torch.no_grad():
             square = sum_over_ranks(torch.stack([torch.linalg.vector_norm(part).double() ** 2
                                                  for part in local]).sum())
