@@ -107,7 +107,7 @@ DRMOO_HD T conj(const Divergence<T>& d, T u) {
     case kKL:
       return d_expm1(u);
     case kCVaRSmooth: {
-      if (u <= T(1)) {  // divergences.CVAR_SMALL_U: log1p(alpha expm1(u)) / alpha, alpha expm1(u) > -alpha
+      if (d_abs(u) <= T(1)) {  // divergences.CVAR_NEAR_U: log1p(alpha expm1(u)) / alpha, 1 + that > 0.36
         return d_log1p(d.c3 * d_expm1(u)) / d.c3;
       }
       // logaddexp(log1p(-alpha), u + log(alpha)) / alpha, the overflow-free form of the reference.

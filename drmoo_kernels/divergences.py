@@ -58,19 +58,22 @@ def _kl_primal(t: Tensor, _: float) -> Tensor:
     return torch.xlogy(t, t) - t + 1.0
 
 
-# Below it, cvar_smooth's conjugate is log1p(alpha * expm1(u)) / alpha (no cancellation, no overflow: alpha *
-# expm1(u) lies in (-alpha, alpha (e - 1)]); above it, the log-sum-exp form, whose value is then far from 0.
-CVAR_SMALL_U = 1.0
+# Within [-CVAR_NEAR_U, CVAR_NEAR_U], cvar_smooth's conjugate is log1p(alpha * expm1(u)) / alpha: there
+# 1 + alpha expm1(u) >= 1 - (1 - 1/e) > 0.36 for every alpha < 1, so neither the sum nor its log cancels, and
+# expm1 cannot overflow.  Outside, the log-sum-exp form, whose value is then far from 0.  (Below the window
+# the log1p form would cancel for alpha near 1: 1 + alpha expm1(-30) is 1e-6 at alpha = 0.999999.)
+CVAR_NEAR_U = 1.0
 
 
 def _cvar_conj(u: Tensor, alpha: float) -> Tensor:
-    # (1/alpha) * log(1 - alpha + alpha*e^u).  Large u: a log-sum-exp, so that it never overflows,
+    # (1/alpha) * log(1 - alpha + alpha*e^u).  Far from 0: a log-sum-exp, so that it never overflows,
     # log((1-alpha) + alpha*e^u) = logaddexp(log(1-alpha), log(alpha) + u); near 0, where that sum is log(1)
     # up to a rounding, log1p(alpha * expm1(u)).  NaN takes the log-sum-exp branch and stays NaN.
-    near = torch.where(u <= CVAR_SMALL_U, u, CVAR_SMALL_U)  # not clamp: its gradient is 0 at the boundary itself
-    small = torch.log1p(alpha * torch.expm1(near)) / alpha
+    near = u.abs() <= CVAR_NEAR_U
+    inside = torch.where(near, u, torch.zeros_like(u))  # not clamp: its gradient is 0 at the window's edge
+    small = torch.log1p(alpha * torch.expm1(inside)) / alpha
     large = torch.logaddexp(torch.full_like(u, math.log1p(-alpha)), u + math.log(alpha)) / alpha
-    return torch.where(u <= CVAR_SMALL_U, small, large)
+    return torch.where(near, small, large)
 
 
 def _cvar_conj_grad(u: Tensor, alpha: float) -> Tensor:
@@ -91,10 +94,14 @@ def _cressie_conj(u: Tensor, k: float) -> Tensor:
     # (base^(k/(k-1)) - 1) / k with base = max(1 + (k - 1) u, 0), as expm1(k/(k-1) * log1p((k - 1) u)) / k,
     # and -1/k where base is 0.  The log is taken of a stand-in 0 there, so that neither the value nor its
     # gradient meets log1p(-1) = -inf (NaN is not <= -1: it stays NaN).
+    # exp(y) - 1 where y < -1/2 has no cancellation, and its gradient exp(y) keeps its digits near the floor
+    # (expm1's backward forms expm1(y) + 1 there).
     x = (k - 1.0) * u
     edge = x <= -1.0
     inside = torch.where(edge, torch.zeros_like(x), x)
-    return torch.where(edge, torch.full_like(x, -1.0 / k), torch.expm1((k / (k - 1.0)) * torch.log1p(inside)) / k)
+    y = (k / (k - 1.0)) * torch.log1p(inside)
+    power_minus_one = torch.where(y < -0.5, torch.exp(y) - 1.0, torch.expm1(y))
+    return torch.where(edge, torch.full_like(x, -1.0 / k), power_minus_one / k)
 
 
 def _cressie_conj_grad(u: Tensor, k: float) -> Tensor:

@@ -198,7 +198,7 @@ def _dual_launch(batch: int, tasks: int, block_m: int, interpreted: bool, per_th
 
 
 # Elements per thread of dual_forward's tile, by divergence code: cvar_smooth's f* takes two forms (log1p of
-# alpha expm1(u) near 0, a log-sum-exp above: divergences.CVAR_SMALL_U) and keeps more values live; at 8 per
+# alpha expm1(u) near 0, a log-sum-exp elsewhere: divergences.CVAR_NEAR_U) and keeps more values live; at 8 per
 # thread Triton 3.6 spilled 8 bytes on sm_90.
 _FORWARD_PER_THREAD = {2: 4}
 

@@ -73,10 +73,11 @@ def _log1p(x):
     """log(1 + x) for x >= -1, accurate for tiny x (Kahan: the rounding of 1 + x is divided back out);
     -inf at x = -1."""
     y = 1.0 + x
-    edge = (y == 1.0) | (y == 0.0)  # no log of 0 evaluated (NaN stays NaN: it is neither)
+    edge = (y == 1.0) | (y == 0.0) | (y == float("inf"))  # no log of 0, no inf / inf (NaN is none of them)
     log_y = tl.log(tl.where(edge, 1.0, y))
     denom = tl.where(edge, 1.0, y - 1.0)
-    return tl.where(y == 1.0, x, tl.where(y == 0.0, -float("inf"), log_y * (x / denom)))
+    inner = tl.where(y == float("inf"), y, log_y * (x / denom))
+    return tl.where(y == 1.0, x, tl.where(y == 0.0, -float("inf"), inner))
 
 
 @triton.jit
@@ -92,13 +93,14 @@ def _conj_and_grad(u, CODE: tl.constexpr, P0, P1, P2, P3):
         conj = _expm1(u)
         grad = tl.exp(u)
     elif CODE == 2:
-        # Near 0 (u <= divergences.CVAR_SMALL_U): log1p(alpha expm1(u)) / alpha; above, log((1 - alpha) +
+        # Near 0 (|u| <= divergences.CVAR_NEAR_U): log1p(alpha expm1(u)) / alpha; elsewhere log((1 - alpha) +
         # alpha e^u) as a log-sum-exp of log(1-alpha) and log(alpha) + u (NaN takes this branch).
-        small = _log1p(_expm1(tl.minimum(u, 1.0)) / P3) * P3
+        near = tl.abs(u) <= 1.0
+        small = _log1p(_expm1(tl.where(near, u, 0.0)) / P3) * P3
         b = u + P1
         hi = tl.maximum(b, P0, propagate_nan=tl.PropagateNan.ALL)
         lo = tl.minimum(b, P0, propagate_nan=tl.PropagateNan.ALL)
-        conj = tl.where(u <= 1.0, small, (hi + _log1p_unit(tl.exp(lo - hi))) * P3)
+        conj = tl.where(near, small, (hi + _log1p_unit(tl.exp(lo - hi))) * P3)
         grad = tl.sigmoid(u + P2) * P3
     else:
         base = tl.maximum(P0 * u + 1.0, 0.0, propagate_nan=tl.PropagateNan.ALL)

@@ -529,9 +529,12 @@ def _exact_conj(divergence: Divergence, u: Any) -> Any:
 def exact_dual_objective(losses: Tensor, eta: Tensor, lam: float, scale: float,
                          divergence: Divergence) -> tuple[list[float], list[float]]:
     """Per task, the dual objective lam mean_i f*((l_i - s eta) / lam) + s eta of the (rounded) inputs, computed
-    in 60 digits, and the error bound of a float computation of it (unit roundoff of ``losses``' math dtype):
+    in 60 digits, and the error bound (``scale`` must be 1) of a float computation of it (unit roundoff of
+    ``losses``' math dtype):
 
-        u_i = (l_i - s eta) / lam    relative error gamma(3) (s eta, the difference, the quotient)
+        u_i = (l_i - s eta) / lam    relative error gamma(4): lam's rounding to the math dtype, s eta, the
+                                     difference, the quotient (for s = 1, where s eta is exact; another s
+                                     would need its error relative to s eta, not to u)
         f*(u_i)                      FUNCTION_ULPS roundings, and u_i's error times f*'s condition |u f*'/f*|
         lam f*(u_i), their mean      one rounding, then gamma(B + 1) of the sum of |terms| (any order)
         + s eta                      two roundings of |s eta| and one of the result
@@ -540,6 +543,8 @@ def exact_dual_objective(losses: Tensor, eta: Tensor, lam: float, scale: float,
     has an absolute error of one rounding of 1, lam times that in the objective."""
     import mpmath
 
+    if scale != 1.0:
+        raise ValueError("exact_dual_objective's bound is derived for scale = 1 (s eta exact)")
     mpmath.mp.dps = 60
     unit = unit_roundoff(acc_dtype(losses.dtype))
     batch = losses.shape[0]
@@ -553,7 +558,7 @@ def exact_dual_objective(losses: Tensor, eta: Tensor, lam: float, scale: float,
             slope = float(divergence.conj_grad(torch.tensor(float(u), dtype=torch.float64)))
             condition = abs(u * slope / value) if value != 0 else mpmath.mpf(1)  # f*(u) ~ u near 0
             terms.append(mpmath.mpf(lam) * value)
-            spread += abs(terms[-1]) * (FUNCTION_ULPS + gamma(3, unit) / unit * condition + 1)
+            spread += abs(terms[-1]) * (FUNCTION_ULPS + gamma(4, unit) / unit * condition + 1)
         total = mpmath.fsum(terms) / batch + shift
         bound = unit * (spread / batch + gamma(batch + 1, unit) / unit * mpmath.fsum(abs(t) for t in terms) / batch
                         + 3 * abs(shift) + abs(total))

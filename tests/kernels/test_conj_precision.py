@@ -21,8 +21,8 @@ from drmoo_kernels import Divergence, reference
 from drmoo_kernels.backends import cpp as cpp_backend
 from drmoo_kernels.backends import cuda as cuda_backend
 
-DIVERGENCES = [Divergence("chi2"), Divergence("kl"), Divergence("cvar_smooth", 0.2), Divergence("cressie_read", 3.0),
-               Divergence("cressie_read", 1.5)]
+DIVERGENCES = [Divergence("chi2"), Divergence("kl"), Divergence("cvar_smooth", 0.2), Divergence("cvar_smooth", 0.999),
+               Divergence("cvar_smooth", 1e-5), Divergence("cressie_read", 3.0), Divergence("cressie_read", 1.5)]
 LAMS = [0.05, 1.0, 100.0, 1e4, 1e8, 1e12, 1e30]
 BACKENDS = [
     pytest.param((reference, "cpu"), id="reference"),
@@ -70,3 +70,31 @@ def test_the_conjugates_keep_nan_and_their_floor(divergence: Divergence) -> None
         floor = -1.0
     assert values[1].item() == pytest.approx(floor, rel=1e-15)
     assert values[2].item() == 0.0
+
+
+@pytest.mark.parametrize(("divergence", "u", "dtype"), [
+    (Divergence("cressie_read", 3.0), -0.5 * (1 - 1e-5), torch.float32),  # f* near its floor -1/k
+    (Divergence("cressie_read", 1.5), -2.0 * (1 - 1e-7), torch.float64),
+    (Divergence("cvar_smooth", 0.999999), -30.0, torch.float64),  # outside the log1p window, alpha near 1
+    (Divergence("cvar_smooth", 0.2), 1.0, torch.float64),  # the window's edge
+    (Divergence("chi2"), -2.0 + 1e-6, torch.float32),
+], ids=["cressie3-floor", "cressie1.5-floor", "cvar-alpha-near-1", "cvar-window-edge", "chi2-floor"])
+def test_autograd_through_the_conjugate_is_conj_grad_near_its_floor(divergence: Divergence, u: float,
+                                                                    dtype: torch.dtype) -> None:
+    """Autograd of the reference f* keeps f*' 's digits where f* nears its floor (expm1's backward forms
+    expm1(y) + 1, which cancels there, so exp(y) - 1 is taken below y = -1/2)."""
+    point = torch.tensor([u], dtype=dtype, requires_grad=True)
+    (grad,) = torch.autograd.grad(divergence.conj(point).sum(), point)
+    expected = divergence.conj_grad(point.detach())
+    assert expected.item() > 0
+    torch.testing.assert_close(grad, expected, rtol=64 * torch.finfo(dtype).eps, atol=0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:2])
+@pytest.mark.parametrize("divergence", DIVERGENCES, ids=str)
+def test_an_infinite_loss_gives_an_infinite_objective(backend: tuple[object, str], divergence: Divergence) -> None:
+    """u = +inf: f*(u) = +inf in every form (Cressie-Read's log1p(inf) * (inf / inf) was NaN in Triton)."""
+    module, device = backend
+    losses = torch.tensor([[1.0, float("inf")], [2.0, 1.5]], device=device)
+    objective = module.dual_forward(losses, torch.zeros(2, device=device), 0.8, 1.0, divergence)[0]
+    assert torch.isfinite(objective[0]) and objective[1].item() == float("inf")

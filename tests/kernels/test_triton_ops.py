@@ -346,7 +346,7 @@ def test_an_input_that_requires_grad_is_refused_in_grad_mode() -> None:
         tb.gram([torch.rand(2, 3, device=DEVICE), torch.rand(2, 2, device=DEVICE, requires_grad=True)])
 
 
-@pytest.mark.parametrize("divergence", DIVERGENCES, ids=str)
+@pytest.mark.parametrize("divergence", [*DIVERGENCES, Divergence("cvar_smooth", 0.999)], ids=str)
 @pytest.mark.parametrize("eta", [(0.3, -0.2), (2.5, 3.0)], ids=["u-positive", "u-negative"])
 def test_the_dual_objective_is_within_its_error_bound_at_every_lambda(divergence: Divergence,
                                                                        eta: tuple[float, float]) -> None:
@@ -361,3 +361,11 @@ def test_the_dual_objective_is_within_its_error_bound_at_every_lambda(divergence
         for task, (value, truth, bound) in enumerate(zip(objective.cpu().double().tolist(), exact, bounds)):
             assert abs(value - truth) <= bound, (
                 f"lam={lam:g} task {task}: {value!r} against {truth!r} (bound {bound:.3g})")
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES, ids=str)
+def test_an_infinite_loss_gives_an_infinite_objective(divergence: Divergence) -> None:
+    """u = +inf: f*(u) = +inf, as in the reference (Cressie-Read's log1p(inf) was inf * (inf / inf) = NaN)."""
+    losses = torch.tensor([[1.0, float("inf")], [2.0, 1.5]], device=DEVICE)
+    objective = tb.dual_forward(losses, torch.zeros(2, device=DEVICE), 0.8, 1.0, divergence)[0]
+    assert torch.isfinite(objective[0]) and objective[1].item() == float("inf")

@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PUBLIC_MODULES = ["python/drmoo/__init__.py", "python/drmoo/balancer.py", "python/drmoo/distributed.py",
                   "python/drmoo/optim/__init__.py"]
-BALANCER_OWN_KEYWORDS = {"optimizer", "allow_partial_shared", "jacobian", "jacobian_strategy"}
+BALANCER_OWN_KEYWORDS = {"optimizer", "allow_partial_shared", "jacobian", "jacobian_strategy", "check_trunk_gradients"}
 
 
 def rejected_lines(path: Path) -> set[int]:

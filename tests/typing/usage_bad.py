@@ -16,6 +16,7 @@ drmoo.Balancer("mgda", trunk.parameters(), 2, c2=0.5, lr=1e-3)  # rejected: Doub
 drmoo.Balancer("mgda", trunk.parameters(), 2, solver="minnorm", lr=1e-3)  # rejected: not a solver
 drmoo.Balancer("mgda", trunk.parameters(), 2, jacobian="feature", lr=1e-3)  # rejected: not a Jacobian mode
 drmoo.Balancer("mgda", trunk.parameters(), "2", lr=1e-3)  # rejected: num_tasks is an int
+drmoo.Balancer("mgda", trunk.parameters(), 2, jacobian="features", check_trunk_gradients="no")  # rejected: a bool
 
 
 def from_config(name: str) -> None:

@@ -22,6 +22,7 @@ drmoo.Balancer("nashmtl", trunk.parameters(), 2, lr=1e-3, update_every=2, max_no
 drmoo.Balancer("famo", trunk.parameters(), 2, lr=1e-3, loss_floor=(0.0, 0.1), backend=None)
 drmoo.Balancer("mgda", [{"params": list(trunk.parameters())}], 2, lr=1, allow_partial_shared=True,
                jacobian="parameters", capturable=False)
+drmoo.Balancer("famo", trunk.parameters(), 2, lr=1e-3, jacobian="features", check_trunk_gradients=False)
 
 # A method's name held in a str (a config file's): checked and typed by drmoo.method_name.
 name_from_config: str = "nashmtl"

@@ -283,10 +283,7 @@ class MultiObjectiveOptimizer(Presets, torch.optim.Optimizer):
         # would be scaled by w_i): refused at the first Jacobian unless allowed (see
         # _refuse_partly_shared_params).  True keeps such parameters in the multi-objective update.
         self.allow_partial_shared = False
-        # Features mode: test the trunk's lifted gradients for NaN/Inf before they are written (one read of
-        # all of them, a few percent of a small-m step).  False writes them unread, as a plain backward does;
-        # every other guard of the step (losses, rows, dual quantities, w) still runs.
-        self.check_trunk_gradients = True
+        self.check_trunk_gradients = True  # features mode's NaN/Inf test of the trunk (_engine.tests_trunk_gradients)
         self._shared_reach = SharedReach(num_tasks)
         # How the messages name where the losses came from: "the closure returned" for step(closure);
         # the Balancer names its own argument when it was given the losses themselves.

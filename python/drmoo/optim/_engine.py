@@ -129,8 +129,11 @@ class JacobianEngine(Protocol):
 
 
 def tests_trunk_gradients(host: EngineHost) -> bool:
-    """Whether features mode's lift tests the trunk's gradients for NaN/Inf before writing them: unless the
-    host turned the test off (``check_trunk_gradients``), and always under loss scaling, where an overflow
-    is the scaler's signal to skip the step and lower its scale -- the balancer must skip it too."""
+    """Whether features mode's lift tests the trunk's gradients for NaN/Inf before writing them (one read of all
+    of them, a few percent of a small-m step): unless the host turned the test off (``check_trunk_gradients``;
+    every other guard of the step -- losses, rows, dual quantities, w -- still runs), and always under loss
+    scaling, where an overflow is the scaler's signal to skip the step and lower its scale: the balancer must
+    skip it too."""
     scale = host.loss_scale
-    return host.check_trunk_gradients or not (isinstance(scale, float) and scale == 1.0)
+    # getattr: an optimizer pickled before the setting existed has no attribute (the test was always on then).
+    return getattr(host, "check_trunk_gradients", True) or not (isinstance(scale, float) and scale == 1.0)
