@@ -201,8 +201,9 @@ if [ "$what" != bench ]; then
     elif [ "$dry" = 1 ]; then
         selected=(tests/optim/test_cuda_graph.py)
     else
-        selected=(tests/kernels/test_cuda_shapes.py tests/kernels/test_compiled_ops.py tests/kernels/test_determinism.py
-            tests/kernels/test_gpu_codegen.py tests/kernels/test_extension_load.py tests/kernels/test_triton_launches.py
+        selected=(tests/kernels/test_cuda_shapes.py tests/kernels/test_compiled_ops.py tests/kernels/test_conj_precision.py
+            tests/kernels/test_determinism.py tests/kernels/test_gpu_codegen.py tests/kernels/test_extension_load.py
+            tests/kernels/test_triton_launches.py
             tests/kernels/test_triton_ops.py tests/optim/test_capturable.py tests/optim/test_cuda_graph.py
             tests/optim/test_min_norm_exact.py tests/optim/test_features_jacobian.py tests/reliability/test_ops_checks.py
             tests/kernels tests/optim tests/reliability tests/test_objective.py)

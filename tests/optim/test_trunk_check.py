@@ -135,3 +135,15 @@ def test_under_a_grad_scaler_the_trunk_is_tested_anyway(method: str) -> None:
     balancer.backward(heads(z) ** 2, features=z, scaler=scaler)
     assert float(balancer.stats["found_inf"]) == 1.0 and balancer.steps_taken == 0
     assert torch.equal(balancer.eta, eta_before) and torch.equal(balancer.w, w_before)
+
+
+def test_the_attribute_written_later_is_checked_at_the_step() -> None:
+    trunk, heads, x = problem(nan_gradient=False)
+    balancer = balancer_of("mgda", trunk)
+    balancer.algorithm.check_trunk_gradients = "false"  # type: ignore[assignment]
+    z = trunk(x)
+    eta_before, w_before = balancer.eta.clone(), balancer.w.clone()
+    with pytest.raises(ValueError, match="check_trunk_gradients must be True or False, got 'false'"):
+        balancer.backward(heads(z) ** 2, features=z)
+    assert all(param.grad is None for param in trunk.parameters()) and balancer.steps_taken == 0
+    assert torch.equal(balancer.eta, eta_before) and torch.equal(balancer.w, w_before)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from ._guards import FiniteValues
+from ._hyperparameters import check_flag
 from ._loss_scale import LossScale
 
 
@@ -135,5 +136,7 @@ def tests_trunk_gradients(host: EngineHost) -> bool:
     scaling, where an overflow is the scaler's signal to skip the step and lower its scale: the balancer must
     skip it too."""
     scale = host.loss_scale
-    # getattr: an optimizer pickled before the setting existed has no attribute (the test was always on then).
-    return getattr(host, "check_trunk_gradients", True) or not (isinstance(scale, float) and scale == 1.0)
+    # getattr: an optimizer pickled before the setting existed has no attribute (the test was always on then);
+    # check_flag: the attribute may be written after construction, and a string "false" would count as True.
+    check = check_flag("check_trunk_gradients", getattr(host, "check_trunk_gradients", True))
+    return check or not (isinstance(scale, float) and scale == 1.0)
