@@ -17,6 +17,7 @@ does there; the decisive comparison needs well-trained models, e.g. the GPU ``me
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,6 +33,10 @@ def summed_task_loss(logits: Sequence[Tensor], labels: Tensor) -> Tensor:
     """sum_i CE(logits_i, labels[:, i]) (batch mean): the attack objective of the paper."""
     if not logits:
         raise ValueError("summed_task_loss needs the logits of at least one task, got none")
+    # one label column per task: a missing column would fail deep in indexing, an extra one be ignored silently
+    if labels.dim() != 2 or labels.shape[1] != len(logits):
+        raise ValueError(f"summed_task_loss needs labels [B, m] with one column per task (m = {len(logits)}), got "
+                         f"labels of shape {tuple(labels.shape)}")
     losses = [F.cross_entropy(task_logits, labels[:, task]) for task, task_logits in enumerate(logits)]
     total = losses[0]
     for loss in losses[1:]:  # added in task order, as sum() would
@@ -68,14 +73,16 @@ def fgsm(
     """x_adv = clamp(x + eps * s * sign(grad_x sum_i loss_i(x)), 0, 1), with the model in eval mode.
 
     ``s`` is ``step_scale`` (broadcast against ``images``, e.g. :func:`pixel_step`'s per-channel
-    std for a budget in normalised units) or 1.  The model's mode is restored afterwards;
-    parameters receive no gradient.
+    std for a budget in normalised units) or 1.  The mode of the model and of each of its submodules
+    is restored afterwards (a BatchNorm kept in eval mode stays so); parameters receive no gradient.
     """
-    if eps < 0:
-        raise ValueError(f"FGSM eps must be >= 0, got {eps}")
+    # NaN passes "< 0" and would turn every image into NaN; Inf makes inf * 0 = NaN where the gradient is 0
+    if isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"FGSM eps must be >= 0 and finite, got {eps!r}")
     if eps == 0:
         return images.detach().clone()
-    was_training = model.training
+    # model.train(flag) sets every submodule to flag: remember each one's own mode to restore it exactly
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         attacked = images.detach().clone().requires_grad_(True)
@@ -87,4 +94,5 @@ def fgsm(
             step = step * step_scale.to(device=step.device, dtype=step.dtype)
         return torch.clamp(attacked.detach() + step, 0.0, 1.0)
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training

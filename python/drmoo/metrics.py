@@ -46,15 +46,25 @@ def _check_pair(labels: Tensor, other: Tensor, other_name: str) -> None:
         raise ValueError("binary metrics need labels in {0, 1}")
 
 
+def _check_predictions(predictions: Tensor) -> None:
+    # probabilities or margins passed as hard predictions would match no label and score 0 silently
+    if not bool(((predictions == 0) | (predictions == 1)).all()):
+        bad = float(predictions[(predictions != 0) & (predictions != 1)][0])
+        raise ValueError(f"predictions must be hard predictions in {{0, 1}}, got the value {bad:g} (pass scores to "
+                         "roc_auc, and threshold them for accuracy)")
+
+
 def accuracy(labels: Tensor, predictions: Tensor) -> float:
     """Fraction of correct predictions."""
     _check_pair(labels, predictions, "predictions")
+    _check_predictions(predictions)
     return float((labels == predictions).double().mean())
 
 
 def balanced_accuracy(labels: Tensor, predictions: Tensor) -> float:
     """Mean recall over the classes present in ``labels`` (one class present: its recall)."""
     _check_pair(labels, predictions, "predictions")
+    _check_predictions(predictions)
     recalls = [float((predictions[labels == c] == c).double().mean()) for c in (0, 1) if bool((labels == c).any())]
     return sum(recalls) / len(recalls)
 
@@ -101,7 +111,12 @@ def task_metrics(labels: Tensor, predictions: Tensor, scores: Tensor, names: lis
         raise ValueError(f"labels, predictions and scores must share one [N, m] shape, got "
                          f"{tuple(labels.shape)}, {tuple(predictions.shape)}, {tuple(scores.shape)}")
     m = labels.shape[1]
-    names = names or [f"task {i + 1}" for i in range(m)]
+    if m == 0:
+        raise ValueError(f"task_metrics needs at least one task column, got shape {tuple(labels.shape)}")
+    if names is None:
+        names = [f"task {i + 1}" for i in range(m)]
+    elif len(names) != m:  # zip would drop or misalign names, and auc_undefined_tasks name the wrong tasks
+        raise ValueError(f"names must name the {m} task columns, got {len(names)} name(s): {list(names)[:10]!r}")
     acc = [accuracy(labels[:, i], predictions[:, i]) for i in range(m)]
     bal = [balanced_accuracy(labels[:, i], predictions[:, i]) for i in range(m)]
     auc = [roc_auc(labels[:, i], scores[:, i]) for i in range(m)]

@@ -147,6 +147,8 @@ def read_partitions(path: Path) -> dict[str, int]:
             continue
         if len(fields) != 2 or fields[1] not in ("0", "1", "2"):
             raise _bad_line(path, number, f"expected 'filename split' with split 0, 1 or 2, got {line.strip()!r}")
+        if fields[0] in out:  # the last line would win silently: an image could move from train into test
+            raise _bad_line(path, number, f"{fields[0]} is listed a second time (first as split {out[fields[0]]})")
         out[fields[0]] = int(fields[1])
     return out
 
@@ -347,6 +349,10 @@ def load_celeba(
     """
     if input_size < 8:
         raise ValueError(f"input_size must be >= 8, got {input_size}")
+    for name, size in (("train_size", train_size), ("test_size", test_size)):
+        # a slice bound: -1 would drop the last image silently, True keep one, 0 blame the partition file
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"{name} must be None (the whole split) or an int >= 1, got {size!r}")
     root = find_celeba_root(data_root)
     files, labels = read_attributes(root / ATTR_FILE, tuple(attributes))
     rows = _split_rows(files, read_partitions(root / PARTITION_FILE), root / PARTITION_FILE)

@@ -13,6 +13,7 @@ import functools
 import gzip
 import hashlib
 import struct
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +64,7 @@ def _read_idx(path: Path, expected_dims: int) -> Tensor:
     try:
         with opener(path, "rb") as handle:
             data = handle.read()
-    except (OSError, EOFError) as error:
+    except (OSError, EOFError, zlib.error) as error:  # zlib.error: a damaged deflate stream inside the .gz
         raise ValueError(f"{path}: cannot be read ({error}); the file is corrupt or truncated") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
         raise ValueError(f"{path}: not an idx file of unsigned bytes (bad magic number)")

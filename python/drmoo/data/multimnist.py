@@ -107,8 +107,11 @@ class MultiMnistRecipe:
         if isinstance(self.digits, bool) or not isinstance(self.digits, int) or self.digits not in POSITIONS:
             counts = [str(digits) for digits in POSITIONS]
             raise ValueError(f"Multi-MNIST has {', '.join(counts[:-1])} or {counts[-1]} digits, got {self.digits!r}")
-        if self.input_size < 8:
-            raise ValueError(f"input_size must be >= 8, got {self.input_size}")
+        # an int, not a float or bool: 32.0 or a seed of 1.5 would otherwise fail inside torch mid-generation
+        if isinstance(self.input_size, bool) or not isinstance(self.input_size, int) or self.input_size < 8:
+            raise ValueError(f"input_size must be an int >= 8, got {self.input_size!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
         for name in ("train_size", "test_size"):
             size = getattr(self, name)
             if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
