@@ -3,7 +3,9 @@
 Each reproduction is the audit's: an FGSM budget of NaN, an attack that left a frozen BatchNorm training,
 label columns that do not match the tasks, task names that do not match the columns, probabilities passed
 as hard predictions, a float image size or seed in a Multi-MNIST recipe, a negative CelebA subset size,
-an image listed twice in CelebA's partition file, and a damaged gzip stream in an MNIST file.
+an image listed twice in CelebA's partition file, a damaged gzip stream in an MNIST file, an MNIST header
+announcing more than an idx file may hold, a CelebA header naming an attribute twice, a float CelebA image
+size, and digit classes outside 0..9.
 """
 
 from __future__ import annotations
@@ -159,3 +161,57 @@ def test_mnist_gzip_with_a_damaged_stream_names_the_file(tmp_path: Path) -> None
     (raw / "train-images-idx3-ubyte.gz").write_bytes(bytes(damaged))
     with pytest.raises(ValueError, match=r"train-images-idx3-ubyte.gz: cannot be read .*corrupt or truncated"):
         load_mnist(tmp_path)
+
+
+def write_mnist(raw: Path, train_count: int = 4) -> None:
+    raw.mkdir(parents=True, exist_ok=True)
+    for prefix, count in (("train", train_count), ("t10k", 2)):
+        for kind, shape in (("images-idx3", (count, 28, 28)), ("labels-idx1", (count,))):
+            header = bytes([0, 0, 8, len(shape)]) + struct.pack(">" + "I" * len(shape), *shape)
+            (raw / f"{prefix}-{kind}-ubyte.gz").write_bytes(gzip.compress(header + bytes(int(np.prod(shape)))))
+
+
+def test_mnist_idx_file_announcing_more_than_the_cap_is_refused_before_its_body_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # was: the whole decompressed stream was read into memory first (a small .gz can inflate to gigabytes)
+    from drmoo.data import mnist
+
+    write_mnist(tmp_path / "MNIST" / "raw", train_count=4)
+    monkeypatch.setattr(mnist, "MAX_IDX_BYTES", 3 * 28 * 28)
+    with pytest.raises(ValueError, match=r"train-images-idx3-ubyte.gz: its header announces 3,136 bytes of data "
+                                         r"\(shape \(4, 28, 28\)\), more than the 2,352"):
+        load_mnist(tmp_path)
+
+
+def test_celeba_header_naming_an_attribute_twice_is_refused(tmp_path: Path) -> None:
+    # was: the first of the two columns was used silently
+    root = small_celeba(tmp_path, [0, 2])
+    path = root / "list_attr_celeba.txt"
+    lines = path.read_text().splitlines()
+    names = lines[1].split()
+    names[names.index("Young")] = "Smiling"  # "Smiling" twice, still 40 columns
+    lines[1] = " ".join(names)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match="line 2: the attribute header names Smiling more than once"):
+        load_celeba(root, 8, attributes=("Smiling",))
+
+
+@pytest.mark.parametrize("size", [16.0, True])
+def test_celeba_refuses_an_input_size_that_is_not_an_int(tmp_path: Path, size: object) -> None:
+    # was: 16.0 loaded and named its cache file "16.0px"; True failed as "must be >= 8, got True"
+    root = small_celeba(tmp_path, [0, 2])
+    with pytest.raises(ValueError, match=f"input_size must be >= 8 and an int, got {size!r}"):
+        load_celeba(root, size)  # type: ignore[arg-type]
+
+
+def test_attribute_labels_refuse_digit_classes_outside_0_to_9() -> None:
+    # was: 12 and -1 were labelled by the predicates as if they were digits
+    from drmoo.data.attributes import attribute_labels
+
+    assert attribute_labels(torch.tensor([[3, 9]])).shape == (1, 8)
+    with pytest.raises(ValueError, match=r"digit classes must be in 0\.\.9, got 12"):
+        attribute_labels(torch.tensor([[3, 12]]))
+    with pytest.raises(ValueError, match="got -1"):
+        attribute_labels(torch.tensor([[-1, 2]]))
+    with pytest.raises(TypeError, match=r"digit classes must be integers, got torch\.float32"):
+        attribute_labels(torch.tensor([[3.0, 4.0]]))

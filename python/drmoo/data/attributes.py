@@ -75,6 +75,11 @@ def attribute_labels(digits: Tensor) -> Tensor:
     """int64 ``[N, 8]`` labels of the attributes, from the digit classes ``[N, 2]`` (a, b) of N composites."""
     if digits.dim() != 2 or digits.shape[1] != 2:
         raise ValueError(f"digit classes must be [N, 2] (top left, bottom right), got {tuple(digits.shape)}")
+    if digits.is_floating_point() or digits.is_complex() or digits.dtype == torch.bool:
+        raise TypeError(f"digit classes must be integers, got {digits.dtype}")
+    if digits.numel() and bool(((digits < 0) | (digits > 9)).any()):  # a predicate would label them anyway
+        bad = int(digits[(digits < 0) | (digits > 9)][0])
+        raise ValueError(f"digit classes must be in 0..9, got {bad}")
     a, b = digits[:, 0], digits[:, 1]
     return torch.stack([predicate(a, b) for predicate in _PREDICATES.values()], dim=1).long()
 

@@ -116,6 +116,9 @@ def read_attributes(path: Path, attributes: tuple[str, ...] = ATTRIBUTES) -> tup
     absent = [name for name in attributes if name not in names]
     if absent:
         raise _bad_line(path, 2, f"the attribute header lacks {', '.join(absent)}")
+    twice = [name for name in attributes if names.count(name) > 1]
+    if twice:  # which column holds the labels would be a guess: the first one was taken silently
+        raise _bad_line(path, 2, f"the attribute header names {', '.join(twice)} more than once")
     columns = [names.index(name) for name in attributes]
     files: list[str] = []
     rows: list[list[int]] = []
@@ -347,8 +350,9 @@ def load_celeba(
 
     ``attributes``: the tasks, one label column each (the paper's 8 by default; ``ALL_ATTRIBUTES`` for all 40).
     """
-    if input_size < 8:
-        raise ValueError(f"input_size must be >= 8, got {input_size}")
+    # an int: a float works but names the cache file "16.0px", and a bool would count as 0 or 1
+    if isinstance(input_size, bool) or not isinstance(input_size, int) or input_size < 8:
+        raise ValueError(f"input_size must be >= 8 and an int, got {input_size!r}")
     for name, size in (("train_size", train_size), ("test_size", test_size)):
         # a slice bound: -1 would drop the last image silently, True keep one, 0 blame the partition file
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):

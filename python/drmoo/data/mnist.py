@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
+import math
 import struct
 import zlib
 from collections.abc import Iterable
@@ -59,26 +60,36 @@ def _find_idx(root: Path, stem: str) -> Path:
     )
 
 
+# The most an idx file's header may announce: MNIST's largest file (the training images) holds 47 MB.  The
+# body is read only after the header is checked against it, so a small .gz that would inflate to gigabytes
+# (or a header announcing them) is refused before any of it is read.
+MAX_IDX_BYTES = 1 << 30
+
+
 def _read_idx(path: Path, expected_dims: int) -> Tensor:
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as handle:
-            data = handle.read()
+            magic = handle.read(4)
+            if len(magic) < 4 or magic[0] != 0 or magic[1] != 0 or magic[2] != 0x08:
+                raise ValueError(f"{path}: not an idx file of unsigned bytes (bad magic number)")
+            dims = magic[3]
+            if dims != expected_dims:
+                raise ValueError(f"{path}: has {dims} dimensions, expected {expected_dims}")
+            sizes = handle.read(4 * dims)
+            if len(sizes) < 4 * dims:
+                raise ValueError(f"{path}: truncated header")
+            shape = struct.unpack(">" + "I" * dims, sizes)
+            needed = math.prod(shape)
+            if needed > MAX_IDX_BYTES:
+                raise ValueError(f"{path}: its header announces {needed:,} bytes of data (shape {shape}), more "
+                                 f"than the {MAX_IDX_BYTES:,} an MNIST idx file may hold")
+            body = handle.read(needed)
     except (OSError, EOFError, zlib.error) as error:  # zlib.error: a damaged deflate stream inside the .gz
         raise ValueError(f"{path}: cannot be read ({error}); the file is corrupt or truncated") from None
-    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
-        raise ValueError(f"{path}: not an idx file of unsigned bytes (bad magic number)")
-    dims = data[3]
-    if dims != expected_dims:
-        raise ValueError(f"{path}: has {dims} dimensions, expected {expected_dims}")
-    header = 4 + 4 * dims
-    if len(data) < header:
-        raise ValueError(f"{path}: truncated header")
-    shape = struct.unpack(">" + "I" * dims, data[4:header])
-    needed = int(np.prod(shape))
-    if len(data) - header < needed:
-        raise ValueError(f"{path}: truncated: holds {len(data) - header} of the {needed} bytes its header announces")
-    array = np.frombuffer(data, dtype=np.uint8, count=needed, offset=header).reshape(shape)
+    if len(body) < needed:
+        raise ValueError(f"{path}: truncated: holds {len(body)} of the {needed} bytes its header announces")
+    array = np.frombuffer(body, dtype=np.uint8, count=needed).reshape(shape)
     return torch.from_numpy(array.copy())
 
 
