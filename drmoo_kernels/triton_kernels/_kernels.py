@@ -27,14 +27,6 @@ def loop_bound_probe_kernel(out_ptr, n):
 
 
 @triton.jit
-def _log1p_unit(x):
-    """log(1 + x) for x in [0, 1], accurate for tiny x (the rounding of 1 + x is divided back out)."""
-    y = 1.0 + x
-    denom = tl.where(y == 1.0, 1.0, y - 1.0)
-    return tl.where(y == 1.0, x, tl.log(y) * (x / denom))
-
-
-@triton.jit
 def _expm1(u):
     """e^u - 1 without cancellation near 0 (Kahan's trick below |u| = 0.5, plain difference above)."""
     e = tl.exp(u)
@@ -100,7 +92,7 @@ def _conj_and_grad(u, CODE: tl.constexpr, P0, P1, P2, P3):
         b = u + P1
         hi = tl.maximum(b, P0, propagate_nan=tl.PropagateNan.ALL)
         lo = tl.minimum(b, P0, propagate_nan=tl.PropagateNan.ALL)
-        conj = tl.where(near, small, (hi + _log1p_unit(tl.exp(lo - hi))) * P3)
+        conj = tl.where(near, small, (hi + _log1p(tl.exp(lo - hi))) * P3)
         grad = tl.sigmoid(u + P2) * P3
     else:
         base = tl.maximum(P0 * u + 1.0, 0.0, propagate_nan=tl.PropagateNan.ALL)

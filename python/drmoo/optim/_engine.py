@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ._guards import FiniteValues
 from ._hyperparameters import check_flag
-from ._loss_scale import LossScale
+from ._loss_scale import LossScale, is_unit
 
 
 class EarlierMicroBatches(Protocol):
@@ -135,8 +135,7 @@ def tests_trunk_gradients(host: EngineHost) -> bool:
     every other guard of the step -- losses, rows, dual quantities, w -- still runs), and always under loss
     scaling, where an overflow is the scaler's signal to skip the step and lower its scale: the balancer must
     skip it too."""
-    scale = host.loss_scale
     # getattr: an optimizer pickled before the setting existed has no attribute (the test was always on then);
     # check_flag: the attribute may be written after construction, and a string "false" would count as True.
     check = check_flag("check_trunk_gradients", getattr(host, "check_trunk_gradients", True))
-    return check or not (isinstance(scale, float) and scale == 1.0)
+    return check or not is_unit(host.loss_scale)
